@@ -1,0 +1,31 @@
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint bench docs-bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/phalanx demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/phalanx bench
+
+docs-bench: $(STAMP)
+	$(PY) benchmarks/write_benchmarks_md.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,74 @@
+"""The reference backend: member by member, on views of the stacked tensors."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from phalanx._stack import Stack
+
+
+def stack_outputs(outputs: list[Any], where: str) -> Any:
+    """Stacks N member outputs (tensors, tuples, dicts of tensors) along a new dim 0."""
+    flat0, spec0 = pytree.tree_flatten(outputs[0])
+    columns: list[list[Any]] = [[leaf] for leaf in flat0]
+    for i, out in enumerate(outputs[1:], start=1):
+        flat, spec = pytree.tree_flatten(out)
+        if spec != spec0:
+            raise RuntimeError(
+                f"{where}: member {i} returned an output of another structure than member 0 "
+                f"({spec} against {spec0}); members must return the same structure."
+            )
+        for col, leaf in zip(columns, flat):
+            col.append(leaf)
+    stacked = [
+        torch.stack(col) if isinstance(col[0], torch.Tensor) else _same_or_raise(col, where)
+        for col in columns
+    ]
+    return pytree.tree_unflatten(stacked, spec0)
+
+
+def _same_or_raise(values: list[Any], where: str) -> Any:
+    if any(v != values[0] for v in values[1:]):
+        raise RuntimeError(
+            f"{where}: the members returned different non-tensor values ({values[0]!r}, ...); "
+            f"only tensor outputs can be stacked."
+        )
+    return values[0]
+
+
+class LoopBackend:
+    """Runs ``functional_call`` once per member on views ``tensor[i]`` of the stacked tensors.
+
+    Gradients flow into the stacked parameters through the views; in-place buffer updates
+    (BatchNorm running statistics) land in the stacked buffers. This is the specification that
+    every other backend is tested against.
+    """
+
+    name = "loop"
+
+    def forward(
+        self,
+        stack: Stack,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        in_dims: tuple[int | None, ...],
+    ) -> Any:
+        params, buffers = stack._stacked_state()
+        # unbind gives all N views in one autograd node, so backward builds one stacked grad
+        # instead of N zero-padded ones.
+        param_views = {k: v.unbind(0) for k, v in params.items()}
+        outputs = []
+        for i in range(len(stack)):
+            state = {k: v[i] for k, v in param_views.items()}
+            state.update({k: v[i] for k, v in buffers.items()})
+            member_args = tuple(a[i] if d == 0 else a for a, d in zip(args, in_dims))
+            outputs.append(functional_call(stack.module, state, member_args, kwargs))
+        return stack_outputs(outputs, "Stack.forward()")
+
+
+BACKEND = LoopBackend()

@@ -1,0 +1,339 @@
+"""``Stack``: N members of one architecture held as one module with stacked tensors."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx._backends import BACKENDS, get_backend
+from phalanx._backends._vmap import is_vmap_limitation
+from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
+
+logger = logging.getLogger("phalanx")
+
+_CHOICES = ("auto", *BACKENDS)
+InDims = int | None | Sequence[int | None]
+
+
+def _swap_in(module: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
+    """Replaces ``module``'s parameters and buffers by name, keeping tied tensors tied."""
+    by_id: dict[int, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        by_id[id(p)] = nn.Parameter(params[name], requires_grad=p.requires_grad)
+    for name, b in module.named_buffers():
+        by_id[id(b)] = buffers[name]
+    for sub in module.modules():
+        for leaf, old in sub._parameters.items():
+            if old is not None:
+                sub._parameters[leaf] = by_id[id(old)]  # type: ignore[assignment]
+        for leaf, old_buffer in sub._buffers.items():
+            if old_buffer is not None:
+                sub._buffers[leaf] = by_id[id(old_buffer)]
+
+
+def _copy_modes(source: nn.Module, target: nn.Module) -> None:
+    for a, b in zip(source.modules(), target.modules()):
+        b.training = a.training
+
+
+class Stack(nn.Module):
+    """N members of one architecture, run as one computation.
+
+    The stack holds every member's parameters and buffers stacked along a new dim 0, the
+    member axis, in ``stack.module``: a copy of member 0 whose tensors have shape
+    ``(N, *shape)``. These stacked tensors are the one source of truth; backends read them and
+    switching backend never copies weights. ``stack.parameters()`` are leaf ``nn.Parameter``
+    objects, so any ``torch.optim`` optimizer trains all members at once.
+
+    Build one with :func:`phalanx.stack`.
+
+    Attributes:
+        module: member 0's architecture holding the stacked tensors. Do not call it directly:
+            its tensors carry the member axis.
+        num_members: N.
+    """
+
+    num_members: int
+    _template: nn.Module
+
+    def __init__(self, models: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto"):
+        super().__init__()
+        where = "phalanx.stack()"
+        members = as_module_list(models, where)
+        check_same_architecture(members, where)
+        if backend not in _CHOICES:
+            raise ValueError(
+                f"{where}: unknown backend {backend!r}; choose one of "
+                + ", ".join(repr(c) for c in _CHOICES)
+                + "."
+            )
+        self.num_members = len(members)
+        with torch.no_grad():
+            params = {
+                name: torch.stack([m.get_parameter(name).detach() for m in members])
+                for name, _ in members[0].named_parameters()
+            }
+            buffers = {
+                name: torch.stack([m.get_buffer(name) for m in members])
+                for name, _ in members[0].named_buffers()
+            }
+        # The template is member 0's structure on the meta device: unstack() fills copies of it.
+        template = copy.deepcopy(members[0]).to("meta")
+        object.__setattr__(self, "_template", template)
+        self.module = copy.deepcopy(template)
+        _swap_in(self.module, params, buffers)
+        _copy_modes(members[0], self.module)
+        self.training = self.module.training
+        self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
+        self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
+        self._requested = backend
+        self._resolved: str | None = None if backend == "auto" else backend
+
+    # ----------------------------------------------------------------------------------- state
+
+    def __len__(self) -> int:
+        return self.num_members
+
+    def _stacked_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The stacked parameters and buffers by name, each ``(N, *shape)``."""
+        params = {name: owner._parameters[leaf] for name, owner, leaf in self._param_slots}
+        buffers = {name: owner._buffers[leaf] for name, owner, leaf in self._buffer_slots}
+        return params, buffers  # type: ignore[return-value]
+
+    @property
+    def backend(self) -> str:
+        """The backend in use: "fused", "vmap" or "loop".
+
+        With ``backend="auto"`` this is the backend ``auto`` expects to use until the first
+        forward call settles it (an architecture that a backend turns out not to run falls
+        back, with a warning). Assign a name to switch; no weights are copied.
+        """
+        return self._resolved or "vmap"
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        if name not in _CHOICES:
+            raise ValueError(
+                f"Stack.backend: unknown backend {name!r}; choose one of "
+                + ", ".join(repr(c) for c in _CHOICES)
+                + "."
+            )
+        self._requested = name
+        self._resolved = None if name == "auto" else name
+
+    def extra_repr(self) -> str:
+        return f"num_members={self.num_members}, backend={self.backend!r}"
+
+    # --------------------------------------------------------------------------------- forward
+
+    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
+        """Runs every member on its input and stacks the outputs along dim 0.
+
+        Args:
+            *args: the member's positional inputs. A shared input ``(B, ...)`` is seen by every
+                member; a per-member input ``(N, B, ...)`` gives member i ``x[i]``.
+            in_dims: per positional input, ``None`` (shared) or ``0`` (per-member), as in
+                ``torch.func.vmap``; a single value applies to every input.
+            **kwargs: keyword inputs, shared by every member.
+
+        Returns:
+            The members' outputs stacked on a new dim 0: ``(N, B, ...)`` for a tensor output;
+            tuples and dicts of tensors keep their structure with stacked leaves.
+
+        Raises:
+            ValueError: a per-member input does not have N as its first dimension.
+
+        Example:
+            >>> stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)])
+            >>> stack(torch.randn(5, 4)).shape
+            torch.Size([3, 5, 2])
+        """
+        dims = self._normalize_in_dims(in_dims, args)
+        if self._resolved is None:
+            return self._forward_auto(args, kwargs, dims)
+        return get_backend(self._resolved).forward(self, args, kwargs, dims)
+
+    def _normalize_in_dims(self, in_dims: InDims, args: tuple[Any, ...]) -> tuple[int | None, ...]:
+        where = "Stack.forward()"
+        if in_dims is None or isinstance(in_dims, int):
+            dims: tuple[int | None, ...] = (in_dims,) * len(args)
+        else:
+            dims = tuple(in_dims)
+            if len(dims) != len(args):
+                raise ValueError(
+                    f"{where}: in_dims has {len(dims)} entries but {len(args)} positional inputs "
+                    f"were given; give one None (shared) or 0 (per-member) per input."
+                )
+        for k, (a, d) in enumerate(zip(args, dims)):
+            if d is None:
+                continue
+            if d != 0 or isinstance(d, bool):
+                raise ValueError(
+                    f"{where}: in_dims entries must be None (shared) or 0 (per-member); input {k} "
+                    f"has {d!r}. Move the member axis first with x.movedim({d}, 0)."
+                )
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(
+                    f"{where}: input {k} is marked per-member (in_dims=0) but is a "
+                    f"{type(a).__name__}, not a tensor; mark it None to share it."
+                )
+            if a.dim() == 0 or a.shape[0] != self.num_members:
+                n = self.num_members
+                raise ValueError(
+                    f"{where}: with in_dims=0 the input's first dimension must be the number of "
+                    f"members, {n}; got a tensor of shape {tuple(a.shape)}"
+                    + (f" (input {k})" if len(args) > 1 else "")
+                    + f". For one wide input sliced across members, use "
+                    f"phalanx.split(x, {n}, dim=1); for an input shared by all members, drop "
+                    f"in_dims."
+                )
+        return dims
+
+    def _forward_auto(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], dims: tuple[int | None, ...]
+    ) -> Any:
+        """First call under ``auto``: try the fast backends, fall back loudly, remember."""
+        candidates = ["vmap", "loop"]
+        for name, fallback in itertools.pairwise(candidates):
+            saved = self._save_side_effects()
+            try:
+                out = get_backend(name).forward(self, args, kwargs, dims)
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                if not is_vmap_limitation(e):
+                    raise
+                self._restore_side_effects(saved)
+                reason = str(e.__cause__ or e).strip().splitlines()[0]
+                warnings.warn(
+                    f"phalanx: backend {name!r} cannot run this architecture ({reason}); "
+                    f"falling back to the slower {fallback!r} backend. Pass "
+                    f"backend={fallback!r} to phalanx.stack() to silence this warning.",
+                    stacklevel=3,
+                )
+                continue
+            self._resolved = name
+            logger.info("phalanx: backend 'auto' picked %r", name)
+            return out
+        self._resolved = candidates[-1]
+        return get_backend(self._resolved).forward(self, args, kwargs, dims)
+
+    def _save_side_effects(self) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """Buffers and RNG states, so that a failed attempt leaves no trace."""
+        _, buffers = self._stacked_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        return [b.clone() for b in buffers.values()], torch.get_rng_state(), cuda
+
+    def _restore_side_effects(self, saved: tuple[list, torch.Tensor, list]) -> None:
+        values, cpu_rng, cuda_rng = saved
+        _, buffers = self._stacked_state()
+        with torch.no_grad():
+            for b, v in zip(buffers.values(), values):
+                b.copy_(v)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+    # ---------------------------------------------------------------------------------- export
+
+    def unstack(self) -> list[nn.Module]:
+        """Returns N ordinary modules holding the members' current weights and buffers.
+
+        The modules are independent copies (no memory is shared with the stack), on the
+        stack's device and dtype, in the stack's train/eval mode.
+
+        Example:
+            >>> models = stack.unstack()
+            >>> models[2](x)  # equals stack(x)[2]
+        """
+        return [self._member_module(i) for i in range(self.num_members)]
+
+    def _member_module(self, i: int) -> nn.Module:
+        params, buffers = self._stacked_state()
+        member = copy.deepcopy(self._template)
+        with torch.no_grad():
+            _swap_in(
+                member,
+                {k: v[i].detach().clone() for k, v in params.items()},
+                {k: v[i].clone() for k, v in buffers.items()},
+            )
+        _copy_modes(self.module, member)
+        return member
+
+    def copy_to(self, models: Sequence[nn.Module] | nn.ModuleList) -> None:
+        """Writes every member's current weights and buffers into existing modules, in place.
+
+        Args:
+            models: N modules of the members' architecture, e.g. the list the stack was built
+                from. Their devices may differ from the stack's; shapes and dtypes must match.
+
+        Raises:
+            ValueError: a different number of modules, or one whose architecture differs.
+        """
+        where = "Stack.copy_to()"
+        targets = as_module_list(models, where)
+        if len(targets) != self.num_members:
+            raise ValueError(
+                f"{where}: the stack has {self.num_members} members but {len(targets)} modules "
+                f"were given; pass exactly one module per member."
+            )
+        reference = self._member_module(0)
+        diffs = [
+            d
+            for i, m in enumerate(targets)
+            for d in architecture_differences(
+                reference, m, i, ref_name="the stack", check_device=False, check_mode=False
+            )
+        ]
+        if diffs:
+            raise ValueError(
+                f"{where}: the modules do not match the stack's architecture:\n  - "
+                + "\n  - ".join(diffs)
+            )
+        params, buffers = self._stacked_state()
+        with torch.no_grad():
+            for i, m in enumerate(targets):
+                for name, p in params.items():
+                    m.get_parameter(name).copy_(p[i])
+                for name, b in buffers.items():
+                    m.get_buffer(name).copy_(b[i])
+
+
+def _slot(module: nn.Module, name: str) -> tuple[str, nn.Module, str]:
+    owner_path, _, leaf = name.rpartition(".")
+    return name, module.get_submodule(owner_path), leaf
+
+
+def stack(models: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto") -> Stack:
+    """Stacks N modules of one architecture into one :class:`Stack`.
+
+    The members' parameters and buffers are copied into stacked tensors ``(N, *shape)``; the
+    original modules are left untouched (use :meth:`Stack.copy_to` to write results back).
+
+    Args:
+        models: N >= 1 modules (a list, tuple or ``nn.ModuleList``) with the same module types,
+            parameter and buffer names, shapes, dtypes, devices and train/eval mode.
+        backend: "auto" (the fastest backend that runs the architecture exactly, announced
+            when it has to fall back), "fused", "vmap" or "loop" (member by member: the
+            reference).
+
+    Returns:
+        The stack, an ``nn.Module``.
+
+    Raises:
+        TypeError: ``models`` is not a sequence of modules.
+        ValueError: no members, an unknown backend, or members that differ; every
+            difference is listed at once.
+
+    Example:
+        >>> models = [nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 2)) for _ in range(8)]
+        >>> stack = phalanx.stack(models)
+        >>> stack(torch.randn(32, 10)).shape
+        torch.Size([8, 32, 2])
+    """
+    return Stack(models, backend=backend)

@@ -1,0 +1,185 @@
+"""Shared test helpers: the architectures of the conformance table and the loop reference."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+# Honest per-dtype tolerances: batched kernels may sum in another order than the loop.
+TOLERANCES = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-12},
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+}
+# After many optimizer steps: Adam divides by sqrt(v), which magnifies last-bit differences of
+# small gradients, so fp32 trajectories drift by a few ulps per step. float64 stays tight.
+TRAJECTORY_TOLERANCES = {
+    torch.float64: {"rtol": 1e-9, "atol": 1e-11},
+    torch.float32: {"rtol": 1e-4, "atol": 2e-5},
+}
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    msg: str = "",
+    trajectory: bool = False,
+):
+    """assert_close over pytrees of tensors with the project's tolerances for ``dtype``."""
+    tol = (TRAJECTORY_TOLERANCES if trajectory else TOLERANCES)[dtype]
+    a_flat, a_spec = pytree.tree_flatten(actual)
+    e_flat, e_spec = pytree.tree_flatten(expected)
+    assert a_spec == e_spec, f"{msg}: structures differ: {a_spec} vs {e_spec}"
+    for a, e in zip(a_flat, e_flat):
+        torch.testing.assert_close(a, e, **tol, msg=lambda m: f"{msg}: {m}")
+
+
+# --------------------------------------------------------------------------------- architectures
+
+
+class ViewCatIndex(nn.Module):
+    """A member whose own forward reshapes, concatenates and indexes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 8)
+        self.head = nn.Linear(8 + 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        h = self.fc(x.view(b, -1))  # (B, 3, 4) -> (B, 12)
+        h = torch.cat([h, x[:, 0, :]], dim=-1)  # indexing along a feature dim
+        return self.head(torch.tanh(h))[..., :2] * 2
+
+
+class TwoInTupleOut(nn.Module):
+    """Two positional inputs, a tuple output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 4)
+        self.b = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.a(x) + self.b(z))
+        return h, h.sum(-1)
+
+
+class DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        h = self.fc(x) * scale
+        return {"mean": h, "logits": h.log_softmax(-1)}
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    make: Callable[[], nn.Module]
+    inputs: Callable[[int], tuple[torch.Tensor, ...]]  # shared inputs for batch size B
+    sliceable: bool = False  # one flat input: also testable as a sliced input
+
+
+def _q1() -> nn.Module:
+    return nn.Sequential(nn.Linear(20, 10), nn.Linear(10, 1))
+
+
+def _q2() -> nn.Module:
+    return nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 2))
+
+
+def _mlp_ln() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(7, 16), nn.LayerNorm(16), nn.GELU(), nn.Dropout(0.3), nn.Linear(16, 3)
+    )
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(
+            2, 4, 3, padding=1, bias=False
+        ),  # a bias before BN gets a zero gradient: Adam on rounding noise
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
+
+
+ARCHS = [
+    Arch("question1", _q1, lambda b: (torch.randn(b, 20),), sliceable=True),
+    Arch("question2", _q2, lambda b: (torch.randn(b, 10),), sliceable=True),
+    Arch("mlp_layernorm_gelu_dropout", _mlp_ln, lambda b: (torch.randn(b, 7),), sliceable=True),
+    Arch("cnn_batchnorm_pool", _cnn, lambda b: (torch.randn(b, 2, 8, 8),)),
+    Arch("view_cat_index", ViewCatIndex, lambda b: (torch.randn(b, 3, 4),)),
+    Arch(
+        "two_inputs_tuple_output", TwoInTupleOut, lambda b: (torch.randn(b, 5), torch.randn(b, 3))
+    ),
+    Arch("dict_output", DictOut, lambda b: (torch.randn(b, 6),)),
+]
+ARCH_IDS = [a.name for a in ARCHS]
+
+
+def make_members(arch: Arch, n: int, seed: int = 0, dtype=torch.float32) -> list[nn.Module]:
+    """N members with different weights; member i is initialised from seed + i."""
+    members = []
+    for i in range(n):
+        torch.manual_seed(seed + i)
+        m = arch.make().to(dtype)
+        # BatchNorm starts with identical statistics; make them differ so mixing would show.
+        for b in m.buffers():
+            if b.is_floating_point():
+                b.add_(torch.rand_like(b) * 0.1 * (i + 1))
+        members.append(m)
+    return members
+
+
+def member_loss(out: Any) -> torch.Tensor:
+    """A loss on one member's output that touches every output leaf."""
+    return sum((leaf.float() ** 2).mean() + leaf.float().mean() for leaf in pytree.tree_leaves(out))
+
+
+def stacked_loss(out: Any, n: int) -> torch.Tensor:
+    """The sum of the N members' losses: never mixes members."""
+    return sum(member_loss(pytree.tree_map(lambda t, i=i: t[i], out)) for i in range(n))
+
+
+def reference_outputs(members: list[nn.Module], args: tuple, in_dims: tuple, kwargs=None) -> Any:
+    """The loop of independent copies: the truth."""
+    kwargs = kwargs or {}
+    outs = []
+    for i, m in enumerate(members):
+        member_args = tuple(a[i] if d == 0 else a for a, d in zip(args, in_dims))
+        outs.append(m(*member_args, **kwargs))
+    return pytree.tree_map(lambda *leaves: torch.stack(leaves), *outs)
+
+
+def set_dropout_eval(module: nn.Module) -> None:
+    """Dropout masks are random per backend; conformance compares with dropout off."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+
+
+@pytest.fixture
+def seeded() -> None:
+    torch.manual_seed(1234)
+
+
+def clone_members(members: list[nn.Module]) -> list[nn.Module]:
+    return [copy.deepcopy(m) for m in members]
