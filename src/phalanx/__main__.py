@@ -1,0 +1,5 @@
+import sys
+
+from phalanx._cli import main
+
+sys.exit(main())

@@ -1,0 +1,31 @@
+"""The ``phalanx`` command: ``phalanx bench`` and ``phalanx demo``.
+
+Each subcommand lives in its own module with two functions, ``add_arguments(parser)`` and
+``run(args) -> int``, imported only when that subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_SUBCOMMANDS = {
+    "bench": ("phalanx._bench.cli", "time the benchmark workloads against the loop and torch.func"),
+    "demo": ("phalanx._demo", "train a population of networks on scikit-learn's digits"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in _SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    module = importlib.import_module(_SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
