@@ -17,11 +17,13 @@ _SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in _SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        subparser = sub.add_parser(name, help=help_text, description=help_text)
+        if argv and argv[0] == name:  # import only the subcommand that runs
+            importlib.import_module(module_name).add_arguments(subparser)
     args = parser.parse_args(argv)
     module = importlib.import_module(_SUBCOMMANDS[args.command][0])
     return int(module.run(args) or 0)
