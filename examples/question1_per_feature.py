@@ -24,7 +24,7 @@ print(f"output {tuple(y.shape)} from {N} networks on backend {stack.backend!r}; 
 # Training all 400 at once: one optimizer, the sum of per-member losses.
 target = torch.randn(B, N)
 opt = torch.optim.Adam(stack.parameters(), lr=1e-2)
-for step in range(100):
+for _step in range(100):
     out = stack(phalanx.split(x, N, dim=1), in_dims=0)  # (N, B, 1)
     losses = phalanx.member_losses(
         nn.functional.mse_loss, out, phalanx.split(target, N, dim=1), in_dims=(0, 0)

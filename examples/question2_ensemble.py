@@ -17,7 +17,7 @@ stack = phalanx.stack(models)
 opt = torch.optim.Adam(stack.parameters(), lr=1e-2)
 
 # A toy problem: the class is the sign of the first feature.
-for step in range(200):
+for _step in range(200):
     # (a) shared minibatch: x (32, 10) -> out (8, 32, 2)
     x = torch.randn(32, 10)
     y = (x[:, 0] > 0).long()
@@ -27,7 +27,7 @@ for step in range(200):
     opt.step()
 print("(a) shared minibatches, loss per member:", [round(v, 3) for v in losses.tolist()])
 
-for step in range(200):
+for _step in range(200):
     # (b) per-member minibatches: xs (8, 4, 10) -> out (8, 4, 2)
     xs = torch.randn(N, 4, 10)
     ys = (xs[..., 0] > 0).long()  # (8, 4)
