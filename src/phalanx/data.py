@@ -1,0 +1,254 @@
+"""Per-member minibatches: each member sees its own order, or its own bootstrap resample.
+
+Randomness is a counter-based hash of (seed, stream, epoch, global member index, sample
+index) computed with integer tensor ops, not a stateful generator. So
+
+- a member's order depends only on the seed and its global member index: N members split
+  over several processes (`first_member=`) see exactly what they would in one process;
+- the whole (N, n) epoch is drawn at once, with no Python loop over members or batches;
+- results are the same on every device and every run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+__all__ = ["MemberLoader"]
+
+_MASK32 = 0xFFFFFFFF
+_STREAM_ORDER = 0x5EED0001
+_STREAM_BOOTSTRAP = 0x5EED0002
+
+
+def _mul32(x: Any, c: int) -> Any:
+    """(x * c) mod 2**32 for an int or int64 tensor x in [0, 2**32); never overflows int64.
+
+    A tensor is updated in place.
+    """
+    hi, lo = c >> 16, c & 0xFFFF
+    if not isinstance(x, Tensor):
+        return (x * c) & _MASK32
+    carry = (x * hi).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return x.mul_(lo).add_(carry).bitwise_and_(_MASK32)
+
+
+def _mix32(x: Any) -> Any:
+    """The "lowbias32" hash (C. Wellons), a bijection of [0, 2**32); tensors in place."""
+    x ^= x >> 16
+    x = _mul32(x, 0x7FEB352D)
+    x ^= x >> 15
+    x = _mul32(x, 0x846CA68B)
+    x ^= x >> 16
+    return x
+
+
+def _hash_ints(*values: int) -> int:
+    """One 32-bit hash of several non-negative Python ints of any size."""
+    h = 0x9E3779B9
+    for v in values:
+        while True:
+            h = _mix32(h ^ _mix32(v & _MASK32))
+            v >>= 32
+            if not v:
+                break
+    return int(h)
+
+
+def _keys(seed: int, stream: int, epoch: int, members: Tensor, n: int) -> Tensor:
+    """(N, n) int64 pseudo-random keys in [0, 2**32), a function of the arguments only.
+
+    Row i is a bijection of the hashed sample indices keyed by member i, so a row never
+    holds two equal keys and its argsort is a permutation without ties.
+    """
+    member = _mix32(members ^ _hash_ints(seed, stream, epoch))[:, None]  # (N, 1)
+    index = _mix32(torch.arange(n, device=members.device))[None, :]  # (1, n)
+    return _mix32(member ^ index)
+
+
+class MemberLoader:
+    """Minibatches for N members from one data set, in a separate order for each member.
+
+    Each epoch, member i walks through the n samples in its own random order (`shuffle`),
+    or through its own bootstrap resample: n draws with replacement, made once and kept
+    for all epochs (a bootstrapped ensemble trains each member on one resample), walked in
+    a fresh order each epoch when `shuffle`. Batch j holds, for every member, the samples at
+    positions `j * batch_size ...` of that member's order, gathered with one index per
+    tensor: no Python loop over members.
+
+    Args:
+        *tensors: data tensors sharing their first dimension n, e.g. inputs (n, ...) and
+            targets (n, ...). They stay on their device; batches are gathered there.
+        num_members: N, the number of members this loader feeds.
+        batch_size: B, samples per member per batch.
+        shuffle: a fresh random order per member each epoch; False walks 0..n-1.
+        bootstrap: resample n samples with replacement per member (once, for all epochs).
+        drop_last: drop each epoch's last batch if it has fewer than B samples.
+        generator: draws the seed when `seed` is None (default: torch's global generator,
+            so `torch.manual_seed` makes the loader deterministic).
+        seed: the seed of all randomness; give the same seed on every process.
+        first_member: the global index of this loader's member 0. When members are split
+            over processes, give each process its first global member index; member i then
+            gets the data it would get in one process holding all members.
+
+    Yields:
+        Tuples with one (N, B, ...) tensor per input tensor (the last batch of an epoch may
+        be smaller unless `drop_last`).
+
+    Example:
+        >>> X, Y = torch.randn(100, 3), torch.randint(0, 2, (100,))
+        >>> loader = MemberLoader(X, Y, num_members=8, batch_size=32, seed=0)
+        >>> xb, yb = next(iter(loader))
+        >>> xb.shape, yb.shape, len(loader)
+        (torch.Size([8, 32, 3]), torch.Size([8, 32]), 4)
+    """
+
+    def __init__(
+        self,
+        *tensors: Tensor,
+        num_members: int,
+        batch_size: int,
+        shuffle: bool = True,
+        bootstrap: bool = False,
+        drop_last: bool = False,
+        generator: torch.Generator | None = None,
+        seed: int | None = None,
+        first_member: int = 0,
+    ) -> None:
+        fn = "phalanx.data.MemberLoader()"
+        if not tensors:
+            raise ValueError(f"{fn}: pass at least one data tensor, e.g. MemberLoader(X, Y, ...).")
+        n = tensors[0].shape[0] if tensors[0].dim() else 0
+        for k, t in enumerate(tensors):
+            if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != n:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{fn}: tensor {k} has shape {got}; every tensor must have the same "
+                    f"first dimension (samples) as tensor 0, {n}."
+                )
+        for name, value in (("num_members", num_members), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{fn}: {name} must be a positive int; got {value!r}.")
+        if n == 0:
+            raise ValueError(f"{fn}: the data tensors hold no samples.")
+        if drop_last and batch_size > n:
+            raise ValueError(
+                f"{fn}: drop_last=True with batch_size={batch_size} larger than the {n} "
+                "samples gives no batches; lower batch_size or pass drop_last=False."
+            )
+        self.tensors = tensors
+        self.num_members = num_members
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.bootstrap = bootstrap
+        self.drop_last = drop_last
+        self.first_member = first_member
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), generator=generator))
+        self.seed = int(seed)
+        self.epoch = 0
+        self.batch = 0  # batches of the current epoch already yielded
+        self.num_samples = n
+        device = tensors[0].device
+        self._members = torch.arange(first_member, first_member + num_members, device=device)
+        self._resample = None
+        if bootstrap:
+            keys = _keys(self.seed, _STREAM_BOOTSTRAP, 0, self._members, n)
+            self._resample = keys % n  # (N, n) samples drawn with replacement
+
+    @classmethod
+    def from_dataset(
+        cls, dataset: Dataset[Any], *, num_members: int, batch_size: int, **kwargs: Any
+    ) -> MemberLoader:
+        """A loader over a whole `torch.utils.data.Dataset`, read once into tensors.
+
+        Every item is read and collated with `default_collate`, so items may be tensors,
+        numbers, NumPy arrays, or tuples of them. Use it for data sets that fit in memory.
+
+        Args:
+            dataset: a map-style data set with `__len__`.
+            num_members, batch_size, **kwargs: as for `MemberLoader`.
+
+        Raises:
+            TypeError: the items collate to something other than a tensor or a tuple of them.
+        """
+        if isinstance(dataset, TensorDataset):
+            tensors = tuple(dataset.tensors)
+        else:
+            collated = default_collate([dataset[i] for i in range(len(dataset))])  # type: ignore[arg-type]
+            tensors = (collated,) if isinstance(collated, Tensor) else tuple(collated)
+            if isinstance(collated, dict) or not all(isinstance(t, Tensor) for t in tensors):
+                raise TypeError(
+                    "phalanx.data.MemberLoader.from_dataset(): items must be tensors, numbers "
+                    f"or tuples of them; they collate to {type(collated).__name__}. Convert "
+                    "the data set to tensors and call MemberLoader(*tensors, ...)."
+                )
+        return cls(*tensors, num_members=num_members, batch_size=batch_size, **kwargs)
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def order(self, epoch: int) -> Tensor:
+        """(N, n) int64: the sample index each member sees at each position of `epoch`."""
+        n = self.num_samples
+        if self.shuffle:
+            keys = _keys(self.seed, _STREAM_ORDER, epoch, self._members, n)
+            positions = torch.argsort(keys, dim=1)
+        else:
+            positions = torch.arange(n, device=self._members.device).expand(self.num_members, n)
+        if self._resample is None:
+            return positions
+        return torch.gather(self._resample, 1, positions)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
+        """Yields the rest of the current epoch, then moves to the next one."""
+        if self.batch >= len(self):
+            self.epoch, self.batch = self.epoch + 1, 0
+        order = self.order(self.epoch)
+        while self.batch < len(self):
+            start = self.batch * self.batch_size
+            index = order[:, start : start + self.batch_size]  # (N, B)
+            self.batch += 1
+            yield tuple(t[index.to(t.device)] for t in self.tensors)
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The position in the data: seed, epoch and batches already yielded this epoch."""
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "num_members": self.num_members,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "first_member": self.first_member,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resumes at the position saved by `state_dict`: the next batch is the one due then.
+
+        Raises:
+            ValueError: the saved loader had another number of members, samples, batch size
+                or first member.
+        """
+        for key in ("num_members", "num_samples", "batch_size", "first_member"):
+            if key in state_dict and int(state_dict[key]) != getattr(self, key):
+                raise ValueError(
+                    f"phalanx.data.MemberLoader.load_state_dict(): {key} is "
+                    f"{getattr(self, key)} in this loader but {state_dict[key]} in the saved "
+                    "state; build the loader as it was built when saved."
+                )
+        self.seed = int(state_dict["seed"])
+        self.epoch = int(state_dict["epoch"])
+        self.batch = int(state_dict["batch"])
+        if self.bootstrap:
+            keys = _keys(self.seed, _STREAM_BOOTSTRAP, 0, self._members, self.num_samples)
+            self._resample = keys % self.num_samples

@@ -1,0 +1,12 @@
+"""Optimizers that treat the N members of a stack as N independent experiments.
+
+Every hyperparameter is a number or an (N,) tensor, steps take a per-member `mask`, and
+`skip_nonfinite=True` isolates members whose loss or gradients are not finite.
+"""
+
+from ._adam import Adam, AdamW
+from ._base import MemberOptimizer, NonFiniteWarning
+from ._schedule import MemberLambdaLR
+from ._sgd import SGD
+
+__all__ = ["SGD", "Adam", "AdamW", "MemberLambdaLR", "MemberOptimizer", "NonFiniteWarning"]

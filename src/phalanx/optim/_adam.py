@@ -1,0 +1,192 @@
+"""Adam and AdamW with per-member hyperparameters and per-member step counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import MemberOptimizer, axpy, math_dtype, views
+from ._sgd import signed
+
+__all__ = ["Adam", "AdamW"]
+
+
+class Adam(MemberOptimizer):
+    """Adam over stacked parameters, with every hyperparameter and the step count per member.
+
+    Member i follows exactly the trajectory of `torch.optim.Adam` run on member i alone with
+    member i's hyperparameters. Each hyperparameter is a number shared by all members or a
+    tensor of shape (N,), one value per member. The step count is (N,): a member masked out
+    of a step keeps its count, so its bias correction stays its own.
+
+    Args:
+        params: stacked parameters, each of shape (N, *shape), or param group dicts.
+        lr: learning rate, a number or (N,). See `MemberOptimizer` for how schedulers see it.
+        betas: (beta1, beta2), each a number or (N,).
+        eps: term added to the denominator, a number or (N,).
+        weight_decay: L2 penalty added to the gradient (Adam) or decoupled decay (AdamW), a
+            number or (N,).
+        amsgrad: use the AMSGrad variant (one bool for all members).
+        maximize: maximize the objective, a bool or (N,) bool tensor.
+        skip_nonfinite: skip members whose loss or gradients are not finite in a step, and
+            warn which (see `MemberOptimizer`).
+        freeze_after: with `skip_nonfinite`, freeze a member after this many skipped steps.
+        warn_skipped: warn (one host sync per step) when members are skipped.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members
+        >>> opt = Adam([w], lr=torch.tensor([0.1, 0.01, 0.001]))
+        >>> w.grad = torch.ones(3, 2)
+        >>> opt.step()
+        >>> w[:, 0]
+        tensor([-0.1000, -0.0100, -0.0010], grad_fn=<SelectBackward0>)
+    """
+
+    _HYPER = (
+        ("betas", "unit"),
+        ("eps", "nonneg"),
+        ("weight_decay", "nonneg"),
+        ("amsgrad", "bool"),
+        ("maximize", "bool"),
+    )
+    _NAME = "phalanx.optim.Adam"
+    _DECOUPLED = False
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float | Tensor = 1e-8,
+        weight_decay: float | Tensor = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool | Tensor = False,
+        skip_nonfinite: bool = False,
+        freeze_after: int | None = None,
+        warn_skipped: bool = True,
+    ) -> None:
+        if isinstance(amsgrad, Tensor):
+            raise ValueError(
+                f"{self._NAME}(): amsgrad must be one bool for all members; got a tensor."
+            )
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+        }
+        super().__init__(
+            params,
+            defaults,
+            skip_nonfinite=skip_nonfinite,
+            freeze_after=freeze_after,
+            warn_skipped=warn_skipped,
+        )
+
+    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        state["step"] = torch.zeros(self.num_members, dtype=math_dtype(p.device), device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        # The same operations, in the same order and precision, as torch.optim's
+        # single-tensor Adam, with (N, 1, ...) tensors where it has Python floats.
+        device = params[0].device
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        torch._foreach_add_(steps, 1)
+        grads = signed(grads, self._values(group["maximize"], device))
+        lr = self._lr(group, device)
+        beta1, beta2 = (self._values(b, device) for b in group["betas"])
+        weight_decay = self._values(group["weight_decay"], device)
+
+        if isinstance(weight_decay, Tensor) or weight_decay != 0:
+            if self._DECOUPLED:
+                torch._foreach_mul_(params, views(1 - lr * weight_decay, params))
+            else:
+                grads = axpy(grads, params, views(weight_decay, params))
+
+        torch._foreach_lerp_(exp_avgs, grads, views(1 - beta1, grads))
+        torch._foreach_mul_(exp_avg_sqs, views(beta2, grads))
+        if isinstance(beta2, Tensor):
+            # addcmul's value must be a number: fold (1 - beta2) into the first factor, which
+            # rounds the same as torch's value * grad * grad.
+            scaled = torch._foreach_mul(grads, views(1 - beta2, grads))
+            torch._foreach_addcmul_(exp_avg_sqs, scaled, grads)
+        else:
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+        if group["amsgrad"]:
+            max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states]
+            torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+            denoms = torch._foreach_sqrt(max_exp_avg_sqs)
+        else:
+            denoms = torch._foreach_sqrt(exp_avg_sqs)
+
+        # Per-member bias corrections: (N,) in float64, as torch computes them in Python.
+        neg_step_sizes, bias_correction2_sqrts = [], []
+        for step, p in zip(steps, params, strict=True):
+            shape = (-1, *([1] * (p.dim() - 1)))
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            neg_step_sizes.append((-(lr / bias_correction1)).to(p.dtype).view(shape))
+            bias_correction2_sqrts.append(bias_correction2.sqrt().to(p.dtype).view(shape))
+        torch._foreach_div_(denoms, bias_correction2_sqrts)
+        torch._foreach_add_(denoms, views(self._values(group["eps"], device), denoms))
+        torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, neg_step_sizes), denoms)
+
+
+class AdamW(Adam):
+    """AdamW (decoupled weight decay) over stacked parameters, every hyperparameter per member.
+
+    Member i follows exactly the trajectory of `torch.optim.AdamW` run on member i alone with
+    member i's hyperparameters. Arguments as `Adam`; `weight_decay` defaults to 1e-2 and
+    multiplies the weights by `1 - lr * weight_decay` before the Adam update.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2, 2))
+        >>> opt = AdamW([w], lr=0.1, weight_decay=torch.tensor([0.0, 1.0]))
+        >>> w.grad = torch.zeros(2, 2)
+        >>> opt.step()
+        >>> w[:, 0]
+        tensor([1.0000, 0.9000], grad_fn=<SelectBackward0>)
+    """
+
+    _NAME = "phalanx.optim.AdamW"
+    _DECOUPLED = True
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float | Tensor = 1e-8,
+        weight_decay: float | Tensor = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool | Tensor = False,
+        skip_nonfinite: bool = False,
+        freeze_after: int | None = None,
+        warn_skipped: bool = True,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            skip_nonfinite=skip_nonfinite,
+            freeze_after=freeze_after,
+            warn_skipped=warn_skipped,
+        )

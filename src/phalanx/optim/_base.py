@@ -1,0 +1,369 @@
+"""The base class of phalanx optimizers: per-member hyperparameters, masks and isolation.
+
+Every parameter is a stacked tensor of shape (N, *shape) whose dim 0 is the member axis.
+A hyperparameter is a Python number shared by all members or a tensor of shape (N,), one
+value per member, broadcast as (N, 1, ...) over each stacked tensor. Updates touch whole
+stacked tensors with `torch._foreach_*` ops: the Python loops here run over parameters,
+never over members.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import torch
+from torch import Tensor
+
+__all__ = ["MemberOptimizer", "NonFiniteWarning"]
+
+# A hyperparameter as the update rules see it: a Python number shared by all members, or
+# one tensor per stacked tensor, shaped (N, 1, ..., 1) in that tensor's dtype.
+Hyper: TypeAlias = float | list[Tensor]
+
+_EXPECTED = {"nonneg": ">= 0", "unit": "in [0, 1)", "bool": "a bool"}
+
+
+class NonFiniteWarning(UserWarning):
+    """Members were skipped (or frozen) because their loss or gradients were not finite."""
+
+
+def math_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of per-member hyperparameter arithmetic (bias corrections, step sizes).
+
+    float64, as torch.optim computes these in Python floats, so that each member matches
+    torch.optim to the last bit; float32 where the device has no float64.
+    """
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def views(h: float | Tensor, like: Sequence[Tensor]) -> Hyper:
+    """`h` as the update rules want it: a number, or (N,) -> per-tensor (N, 1, ..., 1) views.
+
+    The (N,) tensor is cast to each tensor's dtype once, exactly as torch casts a Python
+    number when it meets a tensor, so `x.mul_(views(h)[i])` rounds like `x.mul_(float(h))`.
+    """
+    if not isinstance(h, Tensor):
+        return h
+    cache: dict[tuple[torch.device, torch.dtype, int], Tensor] = {}
+    out = []
+    for t in like:
+        key = (t.device, t.dtype, t.dim())
+        if key not in cache:
+            cache[key] = h.to(device=t.device, dtype=t.dtype).view(-1, *([1] * (t.dim() - 1)))
+        out.append(cache[key])
+    return out
+
+
+def axpy(ys: list[Tensor], xs: list[Tensor], a: Hyper) -> list[Tensor]:
+    """`ys + a * xs`, rounded as torch's `y.add(x, alpha=a)` (one fused multiply-add)."""
+    if isinstance(a, list):
+        return list(torch._foreach_addcmul(ys, xs, a))
+    return list(torch._foreach_add(ys, xs, alpha=a))
+
+
+def finite_members(tensors: Sequence[Tensor], n: int, device: torch.device) -> Tensor:
+    """(N,) bool: True for members all of whose elements in the (N, ...) tensors are finite."""
+    finite = torch.ones(n, dtype=torch.bool, device=device)
+    for t in tensors:
+        finite &= torch.isfinite(t).reshape(n, -1).all(dim=1).to(device)
+    return finite
+
+
+class MemberOptimizer(torch.optim.Optimizer):
+    """A torch optimizer over stacked parameters whose members are independent experiments.
+
+    Subclasses list their hyperparameters in `_HYPER` and implement `_init_state` and
+    `_update`; this class validates hyperparameters, keeps per-member learning rates, applies
+    step masks and skips members whose loss or gradients are not finite.
+
+    Learning rates: `group["lr"]` is always a number, so that torch LR schedulers, which
+    multiply it or `fill_` it, work unchanged. A per-member learning rate passed as an (N,)
+    tensor is kept in `group["member_lr"]` and `group["lr"]` starts at 1.0: member i's rate is
+    `group["lr"] * group["member_lr"][i]`. A torch scheduler therefore scales every member's
+    rate by one factor; `phalanx.optim.MemberLambdaLR`, or a write to `group["member_lr"]`,
+    schedules members separately.
+
+    Attributes:
+        num_members: N, the size of dim 0 of every parameter.
+        last_skipped: (N,) bool, members the last `step` skipped because their loss or
+            gradients were not finite (all False unless `skip_nonfinite=True`).
+        bad_steps: (N,) int64, how many steps of each member were skipped as non-finite.
+        frozen: (N,) bool, members frozen after `freeze_after` non-finite steps; they are not
+            updated again until you clear their flag (`opt.frozen[i] = False`).
+    """
+
+    # (name, kind) of each hyperparameter besides lr; kind is a key of _EXPECTED.
+    _HYPER: tuple[tuple[str, str], ...] = ()
+    _NAME = "phalanx.optim.MemberOptimizer"
+
+    def __init__(
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        *,
+        skip_nonfinite: bool = False,
+        freeze_after: int | None = None,
+        warn_skipped: bool = True,
+    ) -> None:
+        if freeze_after is not None and not skip_nonfinite:
+            raise ValueError(
+                f"{self._NAME}(): freeze_after={freeze_after} needs skip_nonfinite=True; "
+                "pass skip_nonfinite=True to skip and count non-finite steps."
+            )
+        if freeze_after is not None and (isinstance(freeze_after, bool) or freeze_after < 1):
+            raise ValueError(
+                f"{self._NAME}(): freeze_after must be a positive int, the number of "
+                f"non-finite steps after which a member is frozen; got {freeze_after!r}."
+            )
+        self.num_members = -1
+        self.skip_nonfinite = skip_nonfinite
+        self.freeze_after = freeze_after
+        self.warn_skipped = warn_skipped
+        super().__init__(params, defaults)
+        device = self.param_groups[0]["params"][0].device
+        n = self.num_members
+        self.last_skipped = torch.zeros(n, dtype=torch.bool, device=device)
+        self.bad_steps = torch.zeros(n, dtype=torch.int64, device=device)
+        self.frozen = torch.zeros(n, dtype=torch.bool, device=device)
+
+    # ----------------------------------------------------------------------------------------
+    # Parameter groups and hyperparameters
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a parameter group after checking its member axis and hyperparameters."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for j, p in enumerate(params):
+            if not isinstance(p, Tensor):
+                continue  # torch's own check gives the message
+            if p.dim() == 0 or (self.num_members >= 0 and p.shape[0] != self.num_members):
+                raise ValueError(
+                    f"{self._NAME}(): parameter {j} of group {len(self.param_groups)} has shape "
+                    f"{tuple(p.shape)}, expected (N, *shape) with N = "
+                    f"{self.num_members if self.num_members >= 0 else 'the number of members'}"
+                    ". Every parameter must be stacked with the member axis first, as "
+                    "phalanx.stack(models).parameters() are."
+                )
+            self.num_members = p.shape[0]
+        param_group["params"] = params
+        lr = param_group.get("lr", self.defaults.get("lr"))
+        if isinstance(lr, Tensor) and lr.dim() > 0:
+            param_group["member_lr"] = lr
+            param_group["lr"] = 1.0
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("member_lr", None)
+        if group["member_lr"] is not None:
+            group["member_lr"] = self._check_hyper(group["member_lr"], "lr", "nonneg")
+        group["lr"] = self._check_hyper(group["lr"], "lr", "nonneg")
+        for name, kind in self._HYPER:
+            value = group[name]
+            if isinstance(value, tuple | list):  # betas
+                group[name] = tuple(
+                    self._check_hyper(v, f"{name}[{k}]", kind) for k, v in enumerate(value)
+                )
+            else:
+                group[name] = self._check_hyper(value, name, kind)
+
+    def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
+        """Checks one hyperparameter: a number (or bool), or a tensor of shape (N,)."""
+        n = self.num_members
+        if isinstance(value, Tensor):
+            value = value.detach()
+            if value.shape not in {(), (n,)}:
+                raise ValueError(
+                    f"{self._NAME}(): {name} has shape {tuple(value.shape)}; expected a number "
+                    f"or a tensor of shape ({n},), one value per member."
+                )
+            values = value.reshape(-1)
+            if kind == "bool":
+                if value.dtype != torch.bool:
+                    raise ValueError(
+                        f"{self._NAME}(): {name} has dtype {value.dtype}; expected a bool or "
+                        f"a bool tensor of shape ({n},)."
+                    )
+                return value
+            if not value.is_floating_point():
+                value = values = value.double()
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"{self._NAME}(): {name} must be a bool; got {value!r}.")
+            return value
+        else:
+            values = torch.tensor([float(value)], dtype=torch.float64)
+        bad = ~((values >= 0) & ((values < 1) if kind == "unit" else values.isfinite()))
+        if bool(bad.any()):
+            k = int(bad.nonzero()[0, 0])
+            who = f"member {k}" if values.numel() > 1 else "every member"
+            raise ValueError(
+                f"{self._NAME}(): {name} is {values[k].item()} for {who}; expected "
+                f"{_EXPECTED[kind]}."
+            )
+        return value
+
+    def _values(self, value: Any, device: torch.device) -> float | Tensor:
+        """A group's hyperparameter as a number or an (N,) tensor in the math dtype."""
+        if not isinstance(value, Tensor):
+            return float(value)
+        if value.shape not in {(), (self.num_members,)}:
+            raise ValueError(
+                f"{self._NAME}.step(): a param group holds a hyperparameter of shape "
+                f"{tuple(value.shape)}; expected a number or shape ({self.num_members},)."
+            )
+        dtype = torch.bool if value.dtype == torch.bool else math_dtype(device)
+        return value.to(device=device, dtype=dtype).expand(self.num_members)
+
+    def _lr(self, group: dict[str, Any], device: torch.device) -> float | Tensor:
+        """The learning rate of a group: one number, or (N,) in the math dtype."""
+        lr = self._values(group["lr"], device)
+        if group["member_lr"] is None:
+            return lr
+        return self._values(group["member_lr"], device) * lr
+
+    # ----------------------------------------------------------------------------------------
+    # Stepping
+
+    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        """Updates `params` and their state in place, every member as if it were alone."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        mask: Tensor | Sequence[bool] | None = None,
+        loss: Tensor | None = None,
+    ) -> Any:
+        """Takes one optimization step for the members selected by `mask`.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as in torch.optim. If it
+                returns an (N,) tensor of per-member losses, `skip_nonfinite` checks them.
+            mask: (N,) bool. Members whose flag is False keep their weights and optimizer
+                state (step count, moments) bit for bit. None updates every member.
+            loss: (N,) per-member losses of this step, checked for non-finite values when
+                `skip_nonfinite` is on; gradients are always checked then.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            ValueError: `mask` or `loss` is not of shape (N,), or `mask` is not bool.
+        """
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        if loss is None and isinstance(result, Tensor) and result.shape == (self.num_members,):
+            loss = result
+        device = self.frozen.device
+        active = None
+        if mask is not None:
+            active = torch.as_tensor(mask, device=device)
+            if active.dtype != torch.bool or active.shape != (self.num_members,):
+                raise ValueError(
+                    f"{self._NAME}.step(): mask must be a bool tensor of shape "
+                    f"({self.num_members},), one flag per member (True: update it); got "
+                    f"dtype {active.dtype} and shape {tuple(active.shape)}."
+                )
+        if self.skip_nonfinite:
+            active = self._isolate(active, loss, device)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{self._NAME}.step(): sparse gradients are not supported.")
+                if not self.state[p]:
+                    self._init_state(group, p, self.state[p])
+            grads = [p.grad for p in params]
+            if active is None:
+                self._update(group, params, grads)
+                continue
+            # Update every member with the same kernels as an unmasked step, so active members
+            # match it bit for bit, then put back the masked members' weights and state.
+            # Updates are elementwise, so a masked member's NaNs never reach the others.
+            guarded = params + [
+                t for p in params for t in self.state[p].values() if isinstance(t, Tensor)
+            ]
+            saved = [t.clone() for t in guarded]
+            self._update(group, params, grads)
+            for t, s in zip(guarded, saved, strict=True):
+                keep = active.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+                torch.where(keep, t, s, out=t)
+        return result
+
+    def _isolate(
+        self, mask: Tensor | None, loss: Tensor | None, device: torch.device
+    ) -> Tensor | None:
+        """Counts non-finite members and warns; returns the members to update (None: all)."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        finite = finite_members(grads, self.num_members, device)
+        if loss is not None:
+            if loss.shape != (self.num_members,):
+                raise ValueError(
+                    f"{self._NAME}.step(): loss must hold one value per member, shape "
+                    f"({self.num_members},); got shape {tuple(loss.shape)}. Pass the "
+                    "per-member losses, before summing them."
+                )
+            finite &= torch.isfinite(loss.detach()).to(device)
+        considered = ~self.frozen if mask is None else mask & ~self.frozen
+        skipped = considered & ~finite
+        self.last_skipped = skipped
+        self.bad_steps += skipped
+        newly_frozen = torch.zeros_like(skipped)
+        if self.freeze_after is not None:
+            newly_frozen = ~self.frozen & (self.bad_steps >= self.freeze_after)
+            self.frozen |= newly_frozen
+        active = considered & finite
+        if not self.warn_skipped:
+            return active  # no host sync: always the masked path
+        if bool(active.all()):
+            return None  # the one host sync of a clean step; take the unmasked path
+        if bool(skipped.any()):
+            message = (
+                f"{self._NAME}.step(): skipped members {skipped.nonzero().flatten().tolist()}: "
+                "their loss or gradients are not finite, so their weights and optimizer state "
+                "are unchanged this step (see opt.last_skipped and opt.bad_steps)."
+            )
+            if bool(newly_frozen.any()):
+                message += (
+                    f" Members {newly_frozen.nonzero().flatten().tolist()} are now frozen "
+                    f"after {self.freeze_after} non-finite steps (see opt.frozen)."
+                )
+            warnings.warn(message, NonFiniteWarning, stacklevel=4)
+        return active
+
+    # ----------------------------------------------------------------------------------------
+    # State
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict plus the isolation counters under "members"."""
+        out = super().state_dict()
+        out["members"] = {
+            "last_skipped": self.last_skipped.clone(),
+            "bad_steps": self.bad_steps.clone(),
+            "frozen": self.frozen.clone(),
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a `state_dict`; step counts and counters move to the parameters' device."""
+        state_dict = dict(state_dict)
+        members = state_dict.pop("members", None)
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            if isinstance(state.get("step"), Tensor):
+                state["step"] = state["step"].to(p.device, math_dtype(p.device))
+        if members is not None:
+            device = self.frozen.device
+            self.last_skipped = members["last_skipped"].to(device, torch.bool)
+            self.bad_steps = members["bad_steps"].to(device, torch.int64)
+            self.frozen = members["frozen"].to(device, torch.bool)
