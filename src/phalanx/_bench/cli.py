@@ -1,0 +1,178 @@
+"""``phalanx bench``: the benchmark table, against the loop, torch.func and the machine."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from phalanx._bench.contenders import default_contenders, phalanx_adam
+from phalanx._bench.machine import measure
+from phalanx._bench.report import format_text, plot, problems, write_json
+from phalanx._bench.suite import FULL, PHASES, QUICK, run_suite
+from phalanx._bench.workloads import WORKLOADS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``phalanx bench``'s options to ``parser``."""
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="comma-separated workload ids, e.g. W1,W4 (default: all of "
+        + ", ".join(f"{w.id} {w.what}" for w in WORKLOADS.values())
+        + ")",
+    )
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help="comma-separated phases: forward (no grad) and/or train (forward, per-member "
+        "loss, backward, Adam step); default: both",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where to run (default: cuda when available, else cpu)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="few rounds and short samples: minutes become seconds"
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="also draw the speed-ups over the loop to FILE.png"
+    )
+    parser.add_argument(
+        "--procs",
+        type=int,
+        metavar="K",
+        help="shard the members over K processes (needs phalanx.distributed.bench_sharded)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+
+
+def _parse_list(text: str, allowed: Sequence[str], option: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in items if s not in allowed]
+    if unknown or not items:
+        raise ValueError(
+            f"{option} {text!r}: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+            f"choose from {', '.join(allowed)}, comma-separated."
+        )
+    return list(dict.fromkeys(items))
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device cuda, but no CUDA GPU is usable here: torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'}). Run "
+            f"on a machine with a GPU and a CUDA build of torch, or use --device cpu."
+        )
+    return torch.device(name)
+
+
+@contextlib.contextmanager
+def _exact_fp32() -> Iterator[None]:
+    """TF32 off: the checks compare float32 results and the peak is the fp32 GEMM's."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _command(args: argparse.Namespace, workloads: list[str], phases: list[str]) -> str:
+    parts = ["phalanx bench"]
+    if workloads != list(WORKLOADS):
+        parts.append(f"--workloads {','.join(workloads)}")
+    if phases != list(PHASES):
+        parts.append(f"--phases {','.join(phases)}")
+    parts += [f"--device {args.device}"] if args.device else []
+    parts += ["--quick"] if args.quick else []
+    parts += [f"--seed {args.seed}"] if args.seed else []
+    parts += [f"--json {args.json}"] if args.json else []
+    parts += [f"--plot {args.plot}"] if args.plot else []
+    return " ".join(parts)
+
+
+def _sharded(args: argparse.Namespace, workloads: list[str], device: torch.device) -> int:
+    try:
+        from phalanx.distributed import bench_sharded
+    except ImportError as e:
+        print(
+            f"phalanx bench: --procs needs phalanx.distributed.bench_sharded, which this "
+            f"installation does not provide ({e}). Run without --procs.",
+            file=sys.stderr,
+        )
+        return 2
+    rows = bench_sharded(
+        workloads=workloads, procs=args.procs, quick=args.quick, device=device.type
+    )
+    for row in rows:
+        print(" ".join(f"{k}={v}" for k, v in row.items()) if isinstance(row, dict) else row)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark with parsed options.
+
+    Returns:
+        0 on success, 1 when a contender gave a wrong answer, 2 on a usage error (an unknown
+        workload or phase, ``--device cuda`` without a GPU, ``--procs`` unavailable).
+    """
+    try:
+        workloads = _parse_list(args.workloads, list(WORKLOADS), "--workloads")
+        phases = _parse_list(args.phases, PHASES, "--phases")
+        device = _device(args.device)
+        if args.procs is not None and args.procs < 1:
+            raise ValueError(f"--procs {args.procs}: give a number of processes >= 1.")
+    except ValueError as e:
+        print(f"phalanx bench: {e}", file=sys.stderr)
+        return 2
+    if args.procs is not None:
+        return _sharded(args, workloads, device)
+
+    from tqdm import tqdm
+
+    settings = QUICK if args.quick else FULL
+    command = _command(args, workloads, phases)
+    with _exact_fp32():
+        machine = measure(device, quick=args.quick)
+        optimizer, optimizer_line = phalanx_adam()
+        header = f"{machine.describe()}\noptimizer  phalanx contenders: {optimizer_line}"
+        print(f"$ {command}\n{header}\n", flush=True)
+        total = len(workloads) * len(phases) * settings.rounds
+        with tqdm(total=total, file=sys.stderr, unit="round", dynamic_ncols=True) as bar:
+            results = run_suite(
+                workloads,
+                phases,
+                device=device,
+                settings=settings,
+                machine=machine,
+                contenders=default_contenders(optimizer),
+                progress=bar,
+                seed=args.seed,
+            )
+    print(format_text(results), flush=True)
+    if args.json:
+        write_json(
+            args.json,
+            results,
+            command=command,
+            machine=machine.to_dict(),
+            machine_text=header,
+            optimizer=optimizer_line,
+            settings=vars(settings),
+        )
+    if args.plot:
+        plot(args.plot, results, title=f"phalanx bench on {machine.device_name} ({device.type})")
+    wrong = problems(results)
+    for line in wrong:
+        print(f"phalanx bench: {line}", file=sys.stderr)
+    return 1 if wrong else 0
