@@ -43,15 +43,17 @@ def views(h: float | Tensor, like: Sequence[Tensor]) -> Hyper:
 
     The (N,) tensor is cast to each tensor's dtype once, exactly as torch casts a Python
     number when it meets a tensor, so `x.mul_(views(h)[i])` rounds like `x.mul_(float(h))`.
+    A bool `h` stays bool, for `torch.where`.
     """
     if not isinstance(h, Tensor):
         return h
     cache: dict[tuple[torch.device, torch.dtype, int], Tensor] = {}
     out = []
     for t in like:
-        key = (t.device, t.dtype, t.dim())
+        dtype = torch.bool if h.dtype == torch.bool else t.dtype
+        key = (t.device, dtype, t.dim())
         if key not in cache:
-            cache[key] = h.to(device=t.device, dtype=t.dtype).view(-1, *([1] * (t.dim() - 1)))
+            cache[key] = h.to(device=t.device, dtype=dtype).view(-1, *([1] * (t.dim() - 1)))
         out.append(cache[key])
     return out
 

@@ -1,0 +1,460 @@
+"""phalanx.optim against torch.optim: member i of a stacked run equals torch.optim on member i.
+
+Every case runs N members with per-member hyperparameters for 20 steps and compares each
+member with torch.optim's single-tensor optimizer run on that member alone, with that member's
+hyperparameters as Python numbers. The gradient is `0.5 * weight + noise`, computed
+elementwise, so it depends on the trajectory and is bit-identical in both runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from conftest import assert_close, make_members
+
+N = 4
+STEPS = 20
+# On this code path each member is in fact bit-identical to torch.optim (the same kernels,
+# with (N, 1, ...) tensors where torch has Python floats); the tolerances leave room for
+# CPUs whose kernels fuse multiply-adds differently.
+TIGHT = {
+    torch.float32: {"rtol": 1e-6, "atol": 1e-7},
+    torch.float64: {"rtol": 1e-13, "atol": 1e-15},
+}
+SHAPES = [(5, 3), (5,), ()]  # a matrix, a vector and a scalar per member
+
+
+def per_member(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@dataclass
+class Case:
+    name: str
+    ours: type
+    theirs: type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+CASES = [
+    Case("sgd_plain", phalanx.optim.SGD, torch.optim.SGD, {"lr": 0.1}),
+    Case(
+        "sgd_member_lr_momentum_dampening_decay",
+        phalanx.optim.SGD,
+        torch.optim.SGD,
+        {
+            "lr": per_member([0.1, 0.05, 0.2, 0.01]),
+            "momentum": per_member([0.0, 0.9, 0.5, 0.99]),
+            "dampening": per_member([0.0, 0.1, 0.5, 0.0]),
+            "weight_decay": per_member([0.0, 1e-2, 0.1, 1e-4]),
+        },
+    ),
+    Case(
+        "sgd_member_nesterov_maximize",
+        phalanx.optim.SGD,
+        torch.optim.SGD,
+        {
+            "lr": 0.05,
+            "momentum": per_member([0.9, 0.5, 0.8, 0.7]),
+            "nesterov": torch.tensor([True, False, True, False]),
+            "maximize": torch.tensor([False, False, True, True]),
+            "weight_decay": 1e-3,
+        },
+    ),
+    Case(
+        "sgd_nesterov_float",
+        phalanx.optim.SGD,
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2},
+    ),
+    Case("adam_defaults", phalanx.optim.Adam, torch.optim.Adam, {"lr": 1e-2}),
+    Case(
+        "adam_member_everything",
+        phalanx.optim.Adam,
+        torch.optim.Adam,
+        {
+            "lr": per_member([1e-1, 1e-2, 1e-3, 3e-2]),
+            "betas": (per_member([0.9, 0.8, 0.0, 0.95]), per_member([0.999, 0.9, 0.99, 0.5])),
+            "eps": per_member([1e-8, 1e-3, 1e-6, 1.0]),
+            "weight_decay": per_member([0.0, 1e-2, 0.1, 1e-4]),
+            "maximize": torch.tensor([False, True, False, True]),
+        },
+    ),
+    Case(
+        "adam_amsgrad_float32_lr",
+        phalanx.optim.Adam,
+        torch.optim.Adam,
+        # a float32 tensor: member i's lr is the float32 value, as float(lr[i]) gives torch
+        {"lr": torch.logspace(-3, -1, N), "amsgrad": True, "weight_decay": 1e-2},
+    ),
+    Case(
+        "adamw_member_lr_decay",
+        phalanx.optim.AdamW,
+        torch.optim.AdamW,
+        {"lr": per_member([1e-1, 1e-2, 1e-3, 3e-2]), "weight_decay": per_member([0, 1, 0.1, 1e-2])},
+    ),
+    Case(
+        "adamw_amsgrad_member_betas",
+        phalanx.optim.AdamW,
+        torch.optim.AdamW,
+        {"lr": 1e-2, "betas": (0.9, per_member([0.999, 0.9, 0.99, 0.5])), "amsgrad": True},
+    ),
+]
+
+
+def member_kwargs(kwargs: dict[str, Any], i: int) -> dict[str, Any]:
+    """Member i's hyperparameters as Python numbers, for torch.optim."""
+
+    def pick(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return tuple(pick(x) for x in v)
+        if isinstance(v, torch.Tensor):
+            return bool(v[i]) if v.dtype == torch.bool else float(v[i])
+        return v
+
+    return {k: pick(v) for k, v in kwargs.items()}
+
+
+def make_params(dtype: torch.dtype, seed: int = 0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(N, *s, generator=g, dtype=dtype)) for s in SHAPES]
+
+
+def grads_from(params: list[torch.Tensor], noise: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [0.5 * p.detach() + z for p, z in zip(params, noise, strict=True)]
+
+
+class Reference:
+    """torch.optim on each member alone."""
+
+    def __init__(self, case: Case, params: list[nn.Parameter], **extra: Any) -> None:
+        self.members = [[nn.Parameter(p[i].detach().clone()) for p in params] for i in range(N)]
+        self.opts = [
+            case.theirs(self.members[i], **member_kwargs(case.kwargs, i), **extra) for i in range(N)
+        ]
+
+    def step(self, noise: list[torch.Tensor], mask: torch.Tensor | None = None) -> None:
+        for i, (member, opt) in enumerate(zip(self.members, self.opts, strict=True)):
+            if mask is not None and not mask[i]:
+                continue
+            for r, g in zip(member, grads_from(member, [z[i] for z in noise]), strict=True):
+                r.grad = g
+            opt.step()
+
+    def assert_matches(self, params: list[torch.Tensor], dtype: torch.dtype) -> None:
+        for i, member in enumerate(self.members):
+            for j, (p, r) in enumerate(zip(params, member, strict=True)):
+                torch.testing.assert_close(
+                    p[i].detach(), r.detach(), **TIGHT[dtype], msg=f"member {i} param {j}"
+                )
+
+
+def noise_stream(params: list[torch.Tensor], seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+
+
+# ---------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_each_member_matches_torch_optim_alone(case: Case, dtype: torch.dtype) -> None:
+    params = make_params(dtype)
+    opt = case.ours(params, **case.kwargs)
+    ref = Reference(case, params)
+    noise = noise_stream(params)
+    for _ in range(STEPS):
+        z = next(noise)
+        for p, g in zip(params, grads_from(params, z), strict=True):
+            p.grad = g
+        opt.step()
+        ref.step(z)
+    ref.assert_matches(params, dtype)
+    # the optimizer state too: per-member step counts and moments
+    for p, j in zip(params, range(len(params)), strict=True):
+        for i in range(N):
+            theirs = ref.opts[i].state[ref.members[i][j]]
+            for key, value in opt.state[p].items():
+                expected = theirs.get(key)
+                if key == "step":
+                    assert float(value[i]) == STEPS  # torch's SGD keeps no count
+                    assert expected is None or float(expected) == STEPS
+                elif expected is not None:
+                    torch.testing.assert_close(value[i], expected, **TIGHT[dtype])
+
+
+def test_trains_a_stack_like_torch_optim_trains_each_model() -> None:
+    """Through phalanx.stack: Adam with a per-member lr on real gradients of an MLP."""
+    from conftest import ARCHS, member_loss
+
+    arch = ARCHS[1]  # Linear(10, 20) -> ReLU -> Linear(20, 2)
+    members = make_members(arch, N)
+    stack = phalanx.stack([m for m in members])
+    lrs = torch.logspace(-3, -1, N)
+    opt = phalanx.optim.Adam(stack.parameters(), lr=lrs)
+    refs = [torch.optim.Adam(m.parameters(), lr=float(lrs[i])) for i, m in enumerate(members)]
+    torch.manual_seed(0)
+    for _ in range(10):
+        x = torch.randn(16, 10)
+        out = stack(x)
+        opt.zero_grad()
+        sum(member_loss(out[i]) for i in range(N)).backward()
+        opt.step()
+        for m, r in zip(members, refs, strict=True):
+            r.zero_grad()
+            member_loss(m(x)).backward()
+            r.step()
+    for i, m in enumerate(stack.unstack()):
+        assert_close(
+            dict(m.named_parameters()),
+            dict(members[i].named_parameters()),
+            trajectory=True,
+            msg=f"member {i}",
+        )
+
+
+# ---------------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5], CASES[8]], ids=lambda c: c.name)
+def test_masked_members_keep_weights_and_state(case: Case, dtype: torch.dtype) -> None:
+    params = make_params(dtype)
+    opt = case.ours(params, **case.kwargs)
+    ref = Reference(case, params)
+    noise = noise_stream(params)
+    g = torch.Generator().manual_seed(7)
+    taken = torch.zeros(N, dtype=torch.long)
+    for t in range(STEPS):
+        mask = torch.rand(N, generator=g) < 0.6
+        if t == 0:
+            mask[0] = False  # member 0 starts late: its first step (buffer init) comes later
+        taken += mask
+        z = next(noise)
+        for p, grad in zip(params, grads_from(params, z), strict=True):
+            p.grad = grad
+            p.grad[~mask] = float("nan")  # a masked member's NaNs must not leak anywhere
+        before = [p.detach().clone() for p in params]
+        state_before = {
+            (j, k): v.clone() for j, p in enumerate(params) for k, v in opt.state[p].items()
+        }
+        opt.step(mask=mask)
+        ref.step(z, mask)
+        for j, p in enumerate(params):
+            assert torch.equal(p[~mask], before[j][~mask]), f"step {t}: masked weights moved"
+            for k, v in opt.state[p].items():
+                if (j, k) in state_before:
+                    old = state_before[(j, k)]
+                    assert torch.equal(v[~mask], old[~mask]), f"step {t}: masked {k} moved"
+    ref.assert_matches(params, dtype)
+    for p in params:
+        assert torch.equal(opt.state[p]["step"].long(), taken)
+
+
+def test_mask_must_be_bool_of_shape_n() -> None:
+    params = make_params(torch.float32)
+    opt = phalanx.optim.SGD(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(
+        ValueError,
+        match=r"SGD.step\(\): mask must be a bool tensor of shape \(4,\).*got dtype torch.bool and shape \(3,\)",
+    ):
+        opt.step(mask=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"got dtype torch.int64"):
+        opt.step(mask=torch.ones(4, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- schedulers
+
+
+SCHEDULERS = {
+    "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8),
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1 / (1 + e)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_torch_schedulers_scale_every_member_rate(name: str) -> None:
+    dtype = torch.float64
+    case = Case(
+        "adam", phalanx.optim.Adam, torch.optim.Adam, {"lr": per_member([1e-1, 1e-2, 1e-3, 3e-2])}
+    )
+    params = make_params(dtype)
+    opt = case.ours(params, **case.kwargs)
+    sched = SCHEDULERS[name](opt)
+    ref = Reference(case, params)
+    ref_scheds = [SCHEDULERS[name](o) for o in ref.opts]
+    noise = noise_stream(params)
+    for _ in range(12):
+        z = next(noise)
+        for p, g in zip(params, grads_from(params, z), strict=True):
+            p.grad = g
+        opt.step()
+        ref.step(z)
+        sched.step()
+        for s in ref_scheds:
+            s.step()
+    # lr * factor vs factor * lr rounds differently in the last bit: close, not identical
+    for i, member in enumerate(ref.members):
+        for p, r in zip(params, member, strict=True):
+            torch.testing.assert_close(p[i].detach(), r.detach(), rtol=1e-12, atol=1e-14)
+    assert opt.param_groups[0]["lr"] == pytest.approx(ref_scheds[0].get_last_lr()[0] / 1e-1)
+
+
+def test_float_lr_with_scheduler_is_exact() -> None:
+    case = Case("sgd", phalanx.optim.SGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    params = make_params(torch.float64)
+    opt = case.ours(params, **case.kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+    ref = Reference(case, params)
+    ref_scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.3) for o in ref.opts]
+    noise = noise_stream(params)
+    for _ in range(8):
+        z = next(noise)
+        for p, g in zip(params, grads_from(params, z), strict=True):
+            p.grad = g
+        opt.step()
+        ref.step(z)
+        for s in [sched, *ref_scheds]:
+            s.step()
+    for i, member in enumerate(ref.members):
+        for p, r in zip(params, member, strict=True):
+            assert torch.equal(p[i].detach(), r.detach())
+
+
+def test_member_lambda_lr_gives_each_member_its_own_schedule() -> None:
+    """Per-member warm-up lengths, composed with a torch StepLR on the shared factor."""
+    dtype = torch.float64
+    warmup = torch.tensor([1.0, 2.0, 4.0, 8.0])
+    base = per_member([1e-1, 1e-2, 1e-3, 3e-2])
+    case = Case("sgd", phalanx.optim.SGD, torch.optim.SGD, {"lr": base, "momentum": 0.9})
+    params = make_params(dtype)
+    opt = case.ours(params, **case.kwargs)
+    member_sched = phalanx.optim.MemberLambdaLR(opt, lambda e: torch.clamp((e + 1) / warmup, max=1))
+    shared_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    ref = Reference(case, params)
+    ref_scheds = [
+        torch.optim.lr_scheduler.LambdaLR(
+            o, lambda e, w=float(warmup[i]): min((e + 1) / w, 1.0) * 0.5 ** (e // 5)
+        )
+        for i, o in enumerate(ref.opts)
+    ]
+    noise = noise_stream(params)
+    for _ in range(12):
+        z = next(noise)
+        for p, g in zip(params, grads_from(params, z), strict=True):
+            p.grad = g
+        opt.step()
+        ref.step(z)
+        member_sched.step()
+        shared_sched.step()
+        for s in ref_scheds:
+            s.step()
+    for i, member in enumerate(ref.members):
+        for p, r in zip(params, member, strict=True):
+            torch.testing.assert_close(p[i].detach(), r.detach(), rtol=1e-12, atol=1e-14)
+    lr_now = opt.param_groups[0]["lr"] * opt.param_groups[0]["member_lr"]
+    expected = torch.tensor([s.get_last_lr()[0] for s in ref_scheds], dtype=torch.float64)
+    torch.testing.assert_close(lr_now, expected)
+    assert member_sched.state_dict()["last_epoch"] == 12
+
+
+def test_member_lambda_lr_needs_a_phalanx_optimizer() -> None:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(TypeError, match=r"MemberLambdaLR\(\): expected a phalanx optimizer"):
+        phalanx.optim.MemberLambdaLR(opt, lambda e: 1.0)  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------- closure, state, errors
+
+
+def test_step_with_closure_returns_its_loss() -> None:
+    w = nn.Parameter(torch.ones(3, 2))
+    opt = phalanx.optim.SGD([w], lr=per_member([0.1, 0.2, 0.3]))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (w**2).sum()
+        loss.backward()
+        return loss.detach()
+
+    loss = opt.step(closure)
+    assert loss.item() == 6.0
+    torch.testing.assert_close(w[:, 0].detach(), torch.tensor([0.8, 0.6, 0.4]))
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    case = CASES[5]
+    params = make_params(torch.float32)
+    opt = case.ours(params, **case.kwargs)
+    noise = noise_stream(params)
+    for _ in range(3):
+        for p, g in zip(params, grads_from(params, next(noise)), strict=True):
+            p.grad = g
+        opt.step(mask=torch.tensor([True, False, True, True]))
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = case.ours(copies, **case.kwargs)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # state_dict() aliases live state
+    for _ in range(3):
+        z = next(noise)
+        for ps, o in ((params, opt), (copies, opt2)):
+            for p, g in zip(ps, grads_from(ps, z), strict=True):
+                p.grad = g
+            o.step()
+    for a, b in zip(params, copies, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda ps: phalanx.optim.Adam(ps, lr=torch.ones(3)),
+            r"Adam\(\): lr has shape \(3,\); expected a number or a tensor of shape \(4,\)",
+        ),
+        (
+            lambda ps: phalanx.optim.SGD(ps, lr=per_member([0.1, 0.1, -1.0, 0.1])),
+            r"SGD\(\): lr is -1.0 for member 2; expected >= 0",
+        ),
+        (
+            lambda ps: phalanx.optim.Adam(ps, betas=(0.9, per_member([0.9, 1.0, 0.9, 0.9]))),
+            r"Adam\(\): betas\[1\] is 1.0 for member 1; expected in \[0, 1\)",
+        ),
+        (
+            lambda ps: phalanx.optim.SGD(
+                ps, lr=0.1, momentum=per_member([0.9, 0, 0.9, 0.9]), nesterov=True
+            ),
+            r"SGD\(\): member 1 uses Nesterov momentum with momentum=0.0 and dampening=0.0",
+        ),
+        (
+            lambda ps: phalanx.optim.SGD(ps, lr=0.1, nesterov=torch.ones(4)),
+            r"SGD\(\): nesterov has dtype torch.float32; expected a bool",
+        ),
+        (
+            lambda ps: phalanx.optim.SGD([*ps, nn.Parameter(torch.zeros(5, 2))], lr=0.1),
+            r"SGD\(\): parameter 3 of group 0 has shape \(5, 2\), expected \(N, \*shape\) with N = 4",
+        ),
+        (
+            lambda ps: phalanx.optim.Adam(ps, freeze_after=3),
+            r"Adam\(\): freeze_after=3 needs skip_nonfinite=True",
+        ),
+        (
+            lambda ps: phalanx.optim.Adam(ps, amsgrad=torch.ones(4, dtype=torch.bool)),
+            r"Adam\(\): amsgrad must be one bool for all members",
+        ),
+    ],
+)
+def test_bad_arguments_are_named(make: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(make_params(torch.float32))
