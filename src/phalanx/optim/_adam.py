@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, axpy, math_dtype, views
+from ._base import MemberOptimizer, axpy, math_dtype, rows, views
 from ._sgd import signed
 
 __all__ = ["Adam", "AdamW"]
@@ -132,16 +132,15 @@ class Adam(MemberOptimizer):
         else:
             denoms = torch._foreach_sqrt(exp_avg_sqs)
 
-        # Per-member bias corrections: (N,) in float64, as torch computes them in Python.
-        neg_step_sizes, bias_correction2_sqrts = [], []
-        for step, p in zip(steps, params, strict=True):
-            shape = (-1, *([1] * (p.dim() - 1)))
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            neg_step_sizes.append((-(lr / bias_correction1)).to(p.dtype).view(shape))
-            bias_correction2_sqrts.append(bias_correction2.sqrt().to(p.dtype).view(shape))
-        torch._foreach_div_(denoms, bias_correction2_sqrts)
+        # Bias corrections per parameter and member, (P, N) in float64 as torch's Python
+        # floats: a member's count is its own, and a parameter without a gradient in some
+        # steps has its own count, as in torch.
+        step = torch.stack(steps)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        torch._foreach_div_(denoms, rows(bias_correction2.sqrt(), params))
         torch._foreach_add_(denoms, views(self._values(group["eps"], device), denoms))
+        neg_step_sizes = rows(-(lr / bias_correction1), params)
         torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, neg_step_sizes), denoms)
 
 

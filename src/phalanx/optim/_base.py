@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, overload
 
 import torch
 from torch import Tensor
@@ -38,6 +38,12 @@ def math_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+@overload
+def views(h: Tensor, like: Sequence[Tensor]) -> list[Tensor]: ...
+@overload
+def views(h: float, like: Sequence[Tensor]) -> float: ...
+@overload
+def views(h: float | Tensor, like: Sequence[Tensor]) -> Hyper: ...
 def views(h: float | Tensor, like: Sequence[Tensor]) -> Hyper:
     """`h` as the update rules want it: a number, or (N,) -> per-tensor (N, 1, ..., 1) views.
 
@@ -58,11 +64,34 @@ def views(h: float | Tensor, like: Sequence[Tensor]) -> Hyper:
     return out
 
 
+def rows(values: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    """Row j of the (P, N) tensor `values` as (N, 1, ..., 1) in the dtype of `like[j]`.
+
+    One cast per dtype for all P rows: a step costs a few launches, not a few per parameter.
+    """
+    cast: dict[torch.dtype, Tensor] = {}
+    out = []
+    for j, t in enumerate(like):
+        if t.dtype not in cast:
+            cast[t.dtype] = values.to(t.dtype)
+        out.append(cast[t.dtype][j].view(-1, *([1] * (t.dim() - 1))))
+    return out
+
+
 def axpy(ys: list[Tensor], xs: list[Tensor], a: Hyper) -> list[Tensor]:
     """`ys + a * xs`, rounded as torch's `y.add(x, alpha=a)` (one fused multiply-add)."""
     if isinstance(a, list):
         return list(torch._foreach_addcmul(ys, xs, a))
     return list(torch._foreach_add(ys, xs, alpha=a))
+
+
+def _hypers_to(group: dict[str, Any], device: torch.device) -> None:
+    """Moves a group's hyperparameter tensors to its parameters' device, once."""
+    for key, value in group.items():
+        if isinstance(value, Tensor):
+            group[key] = value.to(device)
+        elif isinstance(value, tuple) and any(isinstance(v, Tensor) for v in value):
+            group[key] = tuple(v.to(device) if isinstance(v, Tensor) else v for v in value)
 
 
 def finite_members(tensors: Sequence[Tensor], n: int, device: torch.device) -> Tensor:
@@ -168,6 +197,8 @@ class MemberOptimizer(torch.optim.Optimizer):
                 )
             else:
                 group[name] = self._check_hyper(value, name, kind)
+        if params:
+            _hypers_to(group, params[0].device)
 
     def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
         """Checks one hyperparameter: a number (or bool), or a tensor of shape (N,)."""
@@ -361,6 +392,8 @@ class MemberOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         members = state_dict.pop("members", None)
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            _hypers_to(group, group["params"][0].device)
         for p, state in self.state.items():
             if isinstance(state.get("step"), Tensor):
                 state["step"] = state["step"].to(p.device, math_dtype(p.device))

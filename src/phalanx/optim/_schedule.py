@@ -50,10 +50,11 @@ class MemberLambdaLR:
         self.lr_lambda = lr_lambda
         self.last_epoch = last_epoch
         n = optimizer.num_members
+        device = optimizer.frozen.device
         self.base_member_lrs = [
-            torch.ones(n, dtype=torch.float64)
+            torch.ones(n, dtype=torch.float64, device=device)
             if group["member_lr"] is None
-            else group["member_lr"].detach().clone().expand(n).double()
+            else group["member_lr"].detach().to(device, torch.float64).expand(n).clone()
             for group in optimizer.param_groups
         ]
         self.step()
@@ -78,4 +79,5 @@ class MemberLambdaLR:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the epoch and initial rates saved by `state_dict`."""
         self.last_epoch = int(state_dict["last_epoch"])
-        self.base_member_lrs = [t.clone().double() for t in state_dict["base_member_lrs"]]
+        device = self.optimizer.frozen.device
+        self.base_member_lrs = [t.to(device, torch.float64) for t in state_dict["base_member_lrs"]]

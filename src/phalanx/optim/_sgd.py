@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, axpy, math_dtype, views
+from ._base import MemberOptimizer, axpy, math_dtype, rows, views
 
 __all__ = ["SGD"]
 
@@ -18,11 +18,6 @@ def signed(grads: list[Tensor], maximize: float | Tensor) -> list[Tensor]:
         sign = torch.where(maximize, -1.0, 1.0)  # g * -1 is exactly -g
         return list(torch._foreach_mul(grads, views(sign, grads)))
     return list(torch._foreach_neg(grads)) if maximize else grads
-
-
-def _view(h: Tensor, like: Tensor) -> Tensor:
-    """The (N,) tensor `h` as (N, 1, ..., 1) in `like`'s dtype."""
-    return h.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
 class SGD(MemberOptimizer):
@@ -130,30 +125,23 @@ class SGD(MemberOptimizer):
             momentum = torch.as_tensor(momentum, dtype=dtype, device=device)
             dampening = self._values(group["dampening"], device)
             keep = 1 - torch.as_tensor(dampening, dtype=dtype, device=device)
-            bufs, decays, weights = [], [], []
-            for p, step in zip(params, steps, strict=True):
-                state = self.state[p]
-                # torch starts a buffer as a copy of the gradient (and uses the bare gradient
-                # when momentum is 0): a zero buffer, decay 0 and gradient weight 1 give the
-                # same bits. A buffer made now (momentum was 0 so far) starts for everyone.
-                fresh = (step == 1) | (momentum == 0)
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    fresh = torch.ones_like(fresh)
-                bufs.append(state["momentum_buffer"])
-                decays.append(torch.where(fresh, 0.0, momentum))
-                weights.append(torch.where(fresh, 1.0, keep))
-            torch._foreach_mul_(bufs, [_view(d, b) for d, b in zip(decays, bufs, strict=True)])
-            torch._foreach_addcmul_(
-                bufs,
-                grads,
-                [_view(w, b) for w, b in zip(weights, bufs, strict=True)],
-            )
+            # torch starts a buffer as a copy of the gradient (and uses the bare gradient
+            # when momentum is 0): a zero buffer, decay 0 and gradient weight 1 give the same
+            # bits. fresh: (P, N), per parameter and member.
+            fresh = (torch.stack(steps) == 1) | (momentum == 0)
+            for j, p in enumerate(params):
+                if "momentum_buffer" not in self.state[p]:
+                    # momentum was 0 until now (a scheduler): the buffer starts for everyone
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                    fresh[j] = True
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            torch._foreach_mul_(bufs, rows(torch.where(fresh, 0.0, momentum), bufs))
+            torch._foreach_addcmul_(bufs, grads, rows(torch.where(fresh, 1.0, keep), bufs))
             nesterov = self._values(group["nesterov"], device)
             if isinstance(nesterov, Tensor):
                 ahead = axpy(grads, bufs, views(momentum, bufs))
                 flags = views(nesterov, bufs)
-                grads = [torch.where(f, a, b) for f, a, b in zip(flags, ahead, bufs, strict=True)]  # type: ignore[arg-type]
+                grads = [torch.where(f, a, b) for f, a, b in zip(flags, ahead, bufs, strict=True)]
             elif nesterov:
                 grads = axpy(grads, bufs, views(momentum, bufs))
             else:
@@ -161,6 +149,6 @@ class SGD(MemberOptimizer):
 
         lr = self._lr(group, device)
         if isinstance(lr, Tensor):
-            torch._foreach_addcmul_(params, grads, views(-lr, params))  # type: ignore[arg-type]
+            torch._foreach_addcmul_(params, grads, views(-lr, params))
         else:
             torch._foreach_add_(params, grads, alpha=-lr)
