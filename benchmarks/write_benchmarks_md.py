@@ -70,6 +70,14 @@ def render(doc: dict, *, printed: str, plot_name: str | None, revision: str, dat
         "```",
         "",
     ]
+    load = doc["machine"].get("load_average")
+    if load is not None and load >= 1.0:
+        lines += [
+            f"**The machine was busy during this run (1-minute load average {load:.2f} at the",
+            "start): other processes competed for the cores, so the figures are noisy. Rerun",
+            "`make docs-bench` when the machine is quiet.**",
+            "",
+        ]
     if plot_name:
         lines += [f"![Speed-ups over the Python loop]({plot_name})", ""]
     lines += [format_markdown(read_results(doc)), "", "### Conventions", "", CONVENTIONS, ""]

@@ -10,8 +10,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from phalanx._bench.contenders import default_contenders, phalanx_adam
-from phalanx._bench.machine import measure
-from phalanx._bench.report import format_text, plot, problems, write_json
+from phalanx._bench.machine import BUSY, measure
+from phalanx._bench.report import format_text, plot, problems, text_table, write_json
 from phalanx._bench.suite import FULL, PHASES, QUICK, run_suite
 from phalanx._bench.workloads import WORKLOADS
 
@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="shard the members over K processes (needs phalanx.distributed.bench_sharded)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="T",
+        help="torch intra-op threads (default: torch's choice). On a machine that other "
+        "processes share, --threads 1 avoids threads waiting for each other's cores",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
 
 
@@ -87,6 +94,18 @@ def _exact_fp32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the run (unchanged for None), then restored."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _command(args: argparse.Namespace, workloads: list[str], phases: list[str]) -> str:
     parts = ["phalanx bench"]
     if workloads != list(WORKLOADS):
@@ -95,6 +114,7 @@ def _command(args: argparse.Namespace, workloads: list[str], phases: list[str]) 
         parts.append(f"--phases {','.join(phases)}")
     parts += [f"--device {args.device}"] if args.device else []
     parts += ["--quick"] if args.quick else []
+    parts += [f"--threads {args.threads}"] if args.threads else []
     parts += [f"--seed {args.seed}"] if args.seed else []
     parts += [f"--json {args.json}"] if args.json else []
     parts += [f"--plot {args.plot}"] if args.plot else []
@@ -111,11 +131,16 @@ def _sharded(args: argparse.Namespace, workloads: list[str], device: torch.devic
             file=sys.stderr,
         )
         return 2
-    rows = bench_sharded(
-        workloads=workloads, procs=args.procs, quick=args.quick, device=device.type
-    )
-    for row in rows:
-        print(" ".join(f"{k}={v}" for k, v in row.items()) if isinstance(row, dict) else row)
+    try:
+        rows = bench_sharded(
+            workloads=workloads, procs=args.procs, quick=args.quick, device=device.type
+        )
+    except ValueError as e:  # e.g. a workload without a sharded definition
+        print(f"phalanx bench --procs: {e}", file=sys.stderr)
+        return 2
+    if rows:
+        cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
+        print(text_table(list(rows[0]), cells))
     return 0
 
 
@@ -132,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         device = _device(args.device)
         if args.procs is not None and args.procs < 1:
             raise ValueError(f"--procs {args.procs}: give a number of processes >= 1.")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads {args.threads}: give a number of threads >= 1.")
     except ValueError as e:
         print(f"phalanx bench: {e}", file=sys.stderr)
         return 2
@@ -142,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = QUICK if args.quick else FULL
     command = _command(args, workloads, phases)
-    with _exact_fp32():
+    with _exact_fp32(), _threads(args.threads):
         machine = measure(device, quick=args.quick)
         optimizer, optimizer_line = phalanx_adam()
         header = f"{machine.describe()}\noptimizer  phalanx contenders: {optimizer_line}"
@@ -172,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.plot:
         plot(args.plot, results, title=f"phalanx bench on {machine.device_name} ({device.type})")
+    if machine.busy():
+        print(f"phalanx bench: {BUSY} (load average {machine.load_average:.2f}).", file=sys.stderr)
     wrong = problems(results)
     for line in wrong:
         print(f"phalanx bench: {line}", file=sys.stderr)

@@ -13,6 +13,8 @@ import torch
 
 from phalanx._bench.timing import synchronizer
 
+BUSY = "the machine is busy, figures are noisy; rerun when it is quiet"
+
 
 @dataclass
 class Machine:
@@ -31,6 +33,8 @@ class Machine:
         gemm_gflops: the best GFLOP/s of that matmul: the "peak" of the %-of-peak column.
         copy_mib: the size of the tensor copied.
         bandwidth_gbs: the best copy bandwidth, GB/s, counting read and write.
+        load_average: the 1-minute load average when the run started (None where the OS
+            does not say): above about 1, other processes competed for the cores.
     """
 
     device: str
@@ -45,6 +49,7 @@ class Machine:
     gemm_gflops: float
     copy_mib: int
     bandwidth_gbs: float
+    load_average: float | None = None
 
     def describe(self) -> str:
         """The machine description printed at the top of the benchmark."""
@@ -57,7 +62,16 @@ class Machine:
             f"copy of {self.copy_mib} MiB: {self.bandwidth_gbs:.1f} GB/s (read + write); "
             f"best of the repeats",
         ]
+        if self.load_average is not None:
+            lines.append(
+                f"load       1-minute load average {self.load_average:.2f} at the start"
+                + (f": {BUSY}" if self.busy() else "")
+            )
         return "\n".join(lines)
+
+    def busy(self) -> bool:
+        """Whether other processes were competing for the cores when the run started."""
+        return self.load_average is not None and self.load_average >= 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,6 +133,10 @@ def measure(device: torch.device, *, quick: bool) -> Machine:
     Returns:
         The description with the measured limits.
     """
+    try:
+        load: float | None = os.getloadavg()[0]  # before our own work raises it
+    except (AttributeError, OSError):
+        load = None
     cuda = device.type == "cuda"
     sync = synchronizer(device)
     n = (4096 if quick else 8192) if cuda else (1024 if quick else 2048)
@@ -140,4 +158,5 @@ def measure(device: torch.device, *, quick: bool) -> Machine:
         gemm_gflops=2 * n**3 / gemm_s / 1e9,
         copy_mib=mib,
         bandwidth_gbs=2 * mib * 2**20 / copy_s / 1e9,
+        load_average=load,
     )

@@ -52,7 +52,11 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if x is None else f"{x:{spec}}{suffix}"
+    if x is None:
+        return "-"
+    if abs(x) >= 1000:  # 41,100x reads better than 4.11e+04x
+        return f"{x:,.0f}{suffix}"
+    return f"{x:{spec}}{suffix}"
 
 
 def _detail(r: Result, row: Row, *, width: int | None) -> list[str]:
@@ -108,7 +112,7 @@ def _summary(r: Result) -> list[str]:
     ]
 
 
-def _text_table(headers: list[str], rows: list[list[str]]) -> str:
+def text_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
@@ -145,8 +149,8 @@ def format_text(results: list[Result]) -> str:
     for group in _by_workload(results).values():
         rows = [_detail(r, row, width=60) for r in group for row in r.rows]
         title = f"{group[0].description}\n{_cost_line(group)}"
-        blocks.append(f"{title}\n{_text_table(DETAIL_HEADERS, rows)}")
-    summary = _text_table(SUMMARY_HEADERS, [_summary(r) for r in results])
+        blocks.append(f"{title}\n{text_table(DETAIL_HEADERS, rows)}")
+    summary = text_table(SUMMARY_HEADERS, [_summary(r) for r in results])
     return "\n\n".join([*blocks, f"Summary (time per call, speed-ups)\n{summary}"])
 
 
@@ -238,7 +242,11 @@ def plot(path: str | Path, results: list[Result], *, title: str) -> None:
         ax.set_ylim(low / 2, high * 3)
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_ylabel("speed-up over the loop")
-        ax.set_title(f"{phase}: {'forward, no grad' if phase == 'forward' else 'training step'}")
+        ax.set_title(
+            "forward, no grad"
+            if phase == "forward"
+            else "training step: forward, loss, backward, Adam step"
+        )
         ax.grid(axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", ncol=2)
     fig.suptitle(f"{title}\n(higher is better; black line = the Python loop)", fontsize=10)

@@ -1,0 +1,233 @@
+"""`phalanx bench`: the command runs with its options and its correctness checks bite.
+
+Nothing here asserts a speed: the machine is shared and the figures are noise at --quick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx._backends import BACKENDS
+from phalanx._bench import report
+from phalanx._bench.contenders import Contender, LoopRunner, TorchFuncRunner
+from phalanx._bench.machine import Machine
+from phalanx._bench.suite import Settings, run_phase
+from phalanx._bench.timing import interleaved
+from phalanx._bench.workloads import WORKLOADS, build, cost
+from phalanx._cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTENDERS = ["loop", "torch.func", *(f"phalanx:{b}" for b in BACKENDS), "phalanx:auto"]
+# The contenders that run W2 and W3 today; "fused" is checked too, but may still be n/a.
+WORKING = ["loop", "torch.func", "phalanx:vmap", "phalanx:loop", "phalanx:auto"]
+FAKE_MACHINE = Machine("cpu", "cpu", "cpu", 1, "", "", "", 1, 1, 10.0, 1, 10.0)
+ONE_ROUND = Settings(rounds=2, min_rounds=2, warmup=0, target_s=0.0, budget_s=0.0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads mostly wait for each other."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path, str]:
+    """One `phalanx bench --quick` on W2 and W3 through the real entry point."""
+    out = tmp_path_factory.mktemp("bench")
+    json_path, plot_path = out / "bench.json", out / "bench.png"
+    argv = ["bench", "--quick", "--workloads", "W2,W3", "--device", "cpu", "--threads", "1"]
+    with contextlib.redirect_stdout(io.StringIO()) as stdout:
+        rc = main([*argv, "--json", str(json_path), "--plot", str(plot_path)])
+    return rc, json.loads(json_path.read_text()), plot_path, stdout.getvalue()
+
+
+def test_quick_run_checks_and_times_every_contender(quick_run):
+    rc, doc, plot_path, printed = quick_run
+    wrong = [
+        (r["workload"], r["phase"], row["name"])
+        for r in doc["results"]
+        for row in r["rows"]
+        if row["status"] == "WRONG"
+    ]
+    assert rc == (1 if wrong else 0)
+    assert [(r["workload"], r["phase"]) for r in doc["results"]] == [
+        ("W2", "forward"),
+        ("W2", "train"),
+        ("W3", "forward"),
+        ("W3", "train"),
+    ]
+    for result in doc["results"]:
+        assert result["flops"] > 0 and result["floor_s"] > 0
+        rows = {row["name"]: row for row in result["rows"]}
+        assert list(rows) == CONTENDERS
+        for name, row in rows.items():
+            assert row["status"] in ("ok", "WRONG", "n/a"), name
+            if name in WORKING:
+                assert row["status"] == "ok", (name, row["reason"])
+            if row["status"] == "ok":
+                assert row["median_s"] > 0 and row["min_s"] > 0 and row["rounds"] >= 3
+                assert row["q1_s"] <= row["median_s"] <= row["q3_s"]
+                assert row["gflops"] > 0 and row["vs_loop"] > 0 and row["vs_torch_func"] > 0
+            else:
+                assert row["median_s"] is None and row["rounds"] == 0 and row["reason"]
+        assert rows["loop"]["vs_loop"] == 1.0
+        assert rows["phalanx:auto"]["note"].startswith("picked ")
+    assert doc["machine"]["gemm_gflops"] > 0 and doc["machine"]["bandwidth_gbs"] > 0
+    assert plot_path.stat().st_size > 10_000
+    assert printed.startswith("$ phalanx bench --workloads W2,W3 --device cpu --quick --threads 1")
+    assert "1 threads" in printed
+    assert "GFLOP/s" in printed and "Summary" in printed
+
+
+def test_benchmarks_page_renders_from_a_run(quick_run):
+    spec = importlib.util.spec_from_file_location(
+        "write_benchmarks_md", ROOT / "benchmarks" / "write_benchmarks_md.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _, doc, _, printed = quick_run
+    page = module.render(doc, printed=printed, plot_name="b.png", revision="abc", date="today")
+    assert "$ phalanx bench --workloads W2,W3" in page and "measured   fp32 GEMM" in page
+    assert "| W3 | train |" in page and "![Speed-ups over the Python loop](b.png)" in page
+
+
+class _ScaledOutput(LoopRunner):
+    """Off by 1% in the forward pass."""
+
+    def forward(self) -> torch.Tensor:
+        return super().forward() * 1.01
+
+
+class _MeanOverMembers(TorchFuncRunner):
+    """The classic bug: mean over members, so every gradient is N times too small."""
+
+    def backward(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = torch.func.vmap(self._member_loss, in_dims=(0, 0, self.x_dim, self.t_dim))(
+            self.params, self.buffers, self.x, self.t
+        )
+        losses.mean().backward()
+        return losses.detach()
+
+
+class _Raises(LoopRunner):
+    def forward(self) -> torch.Tensor:
+        raise NotImplementedError("this architecture is not supported")
+
+    def backward(self) -> torch.Tensor:
+        raise NotImplementedError("this architecture is not supported")
+
+
+@pytest.mark.parametrize(
+    ("phase", "wrong", "reason"),
+    [
+        ("forward", _ScaledOutput, "forward output"),
+        ("train", _MeanOverMembers, "gradient of '0.weight'"),
+    ],
+)
+def test_wrong_contender_is_flagged_and_not_timed(phase, wrong, reason):
+    workload = WORKLOADS["W2"]
+    members, data = build(workload, device="cpu")
+    contenders = [
+        Contender("loop", "baseline", LoopRunner),
+        Contender("wrong", "phalanx", wrong),
+        Contender("raises", "phalanx", _Raises),
+        Contender("torch.func", "baseline", TorchFuncRunner),
+    ]
+    result = run_phase(
+        workload,
+        phase,
+        members,
+        data,
+        contenders,
+        device=torch.device("cpu"),
+        settings=ONE_ROUND,
+        machine=FAKE_MACHINE,
+    )
+    rows = {row.name: row for row in result.rows}
+    assert rows["wrong"].status == "WRONG"
+    assert rows["wrong"].reason.startswith(reason)
+    assert rows["raises"].status == "n/a"
+    assert rows["raises"].reason == "NotImplementedError: this architecture is not supported"
+    for name in ("wrong", "raises"):
+        assert rows[name].median_s is None and rows[name].rounds == 0
+    assert rows["torch.func"].status == "ok" and rows["torch.func"].rounds == 2
+    assert report.problems([result]) == [f"W2 {phase}: wrong is WRONG: {rows['wrong'].reason}"]
+    assert "WRONG" in report.format_text([result])
+
+
+def test_rounds_interleave_every_contender():
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    timings = interleaved(
+        fns,
+        device=torch.device("cpu"),
+        rounds=4,
+        min_rounds=4,
+        warmup=1,
+        target_s=0.0,
+        budget_s=0.0,
+    )
+    timed = calls[6:]  # after one warm-up and one calibration call each
+    rounds = [timed[i : i + 3] for i in range(0, 12, 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert [r[0] for r in rounds] == ["a", "b", "c", "a"]  # the order rotates
+    assert all(len(t.samples) == 4 and t.median > 0 for t in timings.values())
+
+
+def test_flops_are_counted_from_the_layers():
+    assert cost(WORKLOADS["W1"]).flops == 2 * (20 * 10 + 10 * 1) * 32 * 400
+    conv = 2 * 1 * 9 * 16 * 26 * 26 + 2 * 16 * 9 * 32 * 11 * 11
+    assert cost(WORKLOADS["W7"]).flops == (conv + 2 * 800 * 10) * 64 * 16
+    w4 = cost(WORKLOADS["W4"])
+    assert w4.params == 32 * (784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10)
+    assert w4.for_phase("train")[0] == 3 * w4.flops
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+def test_cuda_without_gpu_fails_clearly(capsys):
+    assert main(["bench", "--device", "cuda", "--quick", "--workloads", "W2"]) == 2
+    assert "--device cuda, but no CUDA GPU is usable here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workloads", "W2,W9"], "--workloads 'W2,W9': unknown 'W9'; choose from W1, W2"),
+        (["--phases", "backward"], "--phases 'backward': unknown 'backward'; choose from forward"),
+        (["--procs", "0"], "--procs 0: give a number of processes >= 1"),
+    ],
+)
+def test_bad_options_fail_clearly(capsys, argv, message):
+    assert main(["bench", "--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_procs_hands_over_to_the_sharded_bench(capsys, monkeypatch):
+    import phalanx.distributed as distributed
+
+    seen = {}
+
+    def fake(**kwargs):
+        seen.update(kwargs)
+        return [{"workload": "W1", "phase": "forward", "procs": 2, "ratio": 1.5}]
+
+    monkeypatch.setattr(distributed, "bench_sharded", fake, raising=False)
+    assert main(["bench", "--procs", "2", "--device", "cpu", "--workloads", "W1", "--quick"]) == 0
+    assert seen == {"workloads": ["W1"], "procs": 2, "quick": True, "device": "cpu"}
+    assert "W1        forward  2      1.5" in capsys.readouterr().out
+
+    monkeypatch.delattr(distributed, "bench_sharded")
+    assert main(["bench", "--procs", "2", "--device", "cpu", "--workloads", "W1"]) == 2
+    assert "--procs needs phalanx.distributed.bench_sharded" in capsys.readouterr().err
