@@ -1,7 +1,7 @@
 """phalanx: N PyTorch models of one architecture run as one computation."""
 
 from phalanx import _backends as _backends
-from phalanx import data, metrics, optim
+from phalanx import data, distributed, metrics, optim
 from phalanx._checkpoint import export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
@@ -15,6 +15,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "data",
+    "distributed",
     "export_members",
     "load",
     "member_losses",

@@ -1,0 +1,305 @@
+"""Sharded checkpoints: one safetensors file per rank plus a JSON index of member ranges.
+
+A checkpoint is a directory::
+
+    index.json                      N, the files and the global members each holds, the
+                                    optimizer state's structure and its non-tensor values
+    members-000000-000004.safetensors   global members 0..3: stack and optimizer tensors
+    members-000004-000007.safetensors   global members 4..6
+
+Every per-member tensor is stored under its name with its block of rows, so a loader on any
+number of ranks reads, for each of its members, the rows it needs (safetensors reads slices
+without loading whole files). torch.distributed.checkpoint is not used: it takes plain
+per-rank tensors saved under one name for replicas and keeps one rank's block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils import _pytree as pytree
+
+from phalanx._stack import Stack
+from phalanx.distributed._mesh import Shard, layout
+from phalanx.distributed._shard import shard_of
+
+__all__ = ["load", "save"]
+
+FORMAT = "phalanx.distributed.checkpoint"
+VERSION = 1
+INDEX = "index.json"
+_SHARD_FILE = re.compile(r"members-\d{6,}-\d{6,}\.safetensors")
+_STACK, _MEMBER, _REPLICA = "stack/", "optim/", "optim-replicated/"
+
+
+def _file_name(block: range) -> str:
+    return f"members-{block.start:06d}-{block.stop:06d}.safetensors"
+
+
+def _flatten_optimizer(
+    state: dict[str, Any], n_local: int, where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[Any], str]:
+    """Splits an optimizer state dict into member tensors, replicated tensors and the rest.
+
+    A tensor with dim 0 of size n_local carries the member axis; a 0-d tensor is the same for
+    every member. Anything else cannot be resharded, so it is refused.
+    """
+    members: dict[str, torch.Tensor] = {}
+    replicas: dict[str, torch.Tensor] = {}
+    plain: list[Any] = []
+    leaves, spec = pytree.tree_flatten_with_path(state)
+    for path, leaf in leaves:
+        key = pytree.keystr(path)
+        if not isinstance(leaf, torch.Tensor):
+            if not (leaf is None or isinstance(leaf, bool | int | float | str)):
+                raise TypeError(
+                    f"{where}: optimizer state entry {key} is a {type(leaf).__name__}; only "
+                    f"tensors, numbers, strings, bools and None can be saved."
+                )
+            plain.append(leaf)
+            continue
+        plain.append({"tensor": key})
+        if leaf.dim() == 0:
+            replicas[key] = leaf
+        elif leaf.shape[0] == n_local:
+            members[key] = leaf
+        else:
+            raise ValueError(
+                f"{where}: optimizer state entry {key} has shape {tuple(leaf.shape)}; expected "
+                f"this rank's {n_local} members along dim 0, or a 0-d tensor. Only optimizers "
+                f"over this rank's stack.parameters() can be saved per shard."
+            )
+    return members, replicas, plain, pytree.treespec_dumps(spec)
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Own copies on the CPU: safetensors refuses tensors that share memory (tied weights)."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+
+
+def save(
+    path: str | os.PathLike[str],
+    stack: Stack,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    shard: Shard | None = None,
+) -> None:
+    """Saves this rank's members (and optimizer state) into a sharded checkpoint directory.
+
+    Call it on every rank at the same point. Each rank writes one safetensors file of its
+    members; rank 0 writes ``index.json`` last, once every file is complete. The directory
+    must be on a file system every rank sees. The checkpoint loads with
+    :func:`phalanx.distributed.load` on any number of ranks, a plain process included.
+
+    Args:
+        path: the checkpoint directory; created if missing. Shard files of an earlier save
+            that the new index does not list are removed.
+        stack: this rank's stack.
+        optimizer: an optimizer over ``stack.parameters()`` whose state tensors are
+            per-member ``(n_local, ...)`` or 0-d, as phalanx.optim's and torch.optim's are.
+        shard: this rank's :class:`Shard`; None for a stack built by
+            :func:`phalanx.distributed.shard` or in a plain process.
+
+    Raises:
+        ValueError: the stack does not hold the shard's members, or optimizer state that is
+            neither per-member nor 0-d.
+        DistributedError: another rank failed, or the timeout passed.
+
+    Example:
+        >>> phalanx.distributed.save("ckpt", stack, optimizer=opt)
+    """
+    where = "phalanx.distributed.save()"
+    mine = shard if shard is not None else shard_of(stack, where)
+    _check_stack(stack, mine, where)
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {_STACK + k: v for k, v in stack.state_dict().items()}
+    optim_entry = None
+    if optimizer is not None:
+        members, replicas, plain, spec = _flatten_optimizer(
+            optimizer.state_dict(), mine.num_local, where
+        )
+        tensors.update({_MEMBER + k: v for k, v in members.items()})
+        tensors.update({_REPLICA + k: v for k, v in replicas.items()})
+        optim_entry = {
+            "type": type(optimizer).__qualname__,
+            "treespec": spec,
+            "leaves": plain,
+            "member_keys": sorted(members),
+        }
+    name = _file_name(mine.global_indices)
+    partial = directory / f".{name}.rank{mine.rank}.tmp"
+    save_file(_contiguous(tensors), str(partial), metadata={"format": FORMAT})
+    os.replace(partial, directory / name)
+    mine.barrier()  # every shard file is complete before the index names it
+    if mine.rank == 0:
+        shards = [{"file": _file_name(r), "start": r.start, "stop": r.stop} for r in mine.ranges]
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "num_members": mine.num_members,
+            "saved_by_ranks": mine.world_size,
+            "shards": shards,
+            "stack_keys": sorted(stack.state_dict()),
+            "optimizer": optim_entry,
+        }
+        partial_index = directory / f".{INDEX}.tmp"
+        partial_index.write_text(json.dumps(index, indent=1))
+        os.replace(partial_index, directory / INDEX)
+        listed = {s["file"] for s in shards}
+        for stale in directory.iterdir():
+            if _SHARD_FILE.fullmatch(stale.name) and stale.name not in listed:
+                stale.unlink()
+    mine.barrier()  # no rank returns (and perhaps loads) before the index exists
+
+
+def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
+    if len(stack) != shard.num_local:
+        raise ValueError(
+            f"{where}: the stack holds {len(stack)} members but rank {shard.rank} of "
+            f"{shard.world_size} holds {shard.num_local} of {shard.num_members} (global "
+            f"{shard.start}..{shard.stop - 1}); build the stack with "
+            f"phalanx.distributed.shard(..., num_members={shard.num_members})."
+        )
+
+
+def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The index of the sharded checkpoint in directory ``path``."""
+    where = "phalanx.distributed.load()"
+    file = Path(path) / INDEX
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{where}: {file} does not exist; pass the directory that "
+            f"phalanx.distributed.save() wrote (a save that was interrupted has no index)."
+        )
+    index = json.loads(file.read_text())
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise ValueError(
+            f"{where}: {file} is not a phalanx.distributed checkpoint index (format "
+            f"{index.get('format')!r}, version {index.get('version')!r}); expected {FORMAT!r} "
+            f"version {VERSION}."
+        )
+    return index
+
+
+class _Rows:
+    """Reads a block of global member rows of one tensor name across the shard files."""
+
+    def __init__(self, directory: Path, index: dict[str, Any], block: range) -> None:
+        self._files: list[tuple[range, Any]] = []
+        for entry in index["shards"]:
+            stored = range(entry["start"], entry["stop"])
+            if max(stored.start, block.start) < min(stored.stop, block.stop):
+                handle = safe_open(str(directory / entry["file"]), framework="pt", device="cpu")
+                self._files.append((stored, handle))
+        first = index["shards"][0]["file"]
+        self._first = safe_open(str(directory / first), framework="pt", device="cpu")
+        self._block = block
+
+    def rows(self, key: str) -> torch.Tensor:
+        pieces = []
+        for stored, handle in self._files:
+            lo = max(stored.start, self._block.start) - stored.start
+            hi = min(stored.stop, self._block.stop) - stored.start
+            pieces.append(handle.get_slice(key)[lo:hi])
+        return torch.cat(pieces)
+
+    def replica(self, key: str) -> torch.Tensor:
+        return self._first.get_tensor(key)
+
+
+def load(
+    path: str | os.PathLike[str],
+    stack: Stack,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    shard: Shard | None = None,
+) -> None:
+    """Loads this rank's members (and optimizer state) from a sharded checkpoint.
+
+    The checkpoint may have been written by any number of ranks: each rank reads the rows of
+    its own global members. In a plain process, a stack of all N members loads everything.
+
+    Args:
+        path: the directory :func:`phalanx.distributed.save` wrote.
+        stack: this rank's stack, built with the checkpoint's N (e.g. by
+            ``phalanx.distributed.shard(factory, num_members=N)``); its tensors are
+            overwritten in place.
+        optimizer: an optimizer over ``stack.parameters()`` to restore; the checkpoint must
+            hold optimizer state then.
+        shard: this rank's :class:`Shard`; None for a stack built by
+            :func:`phalanx.distributed.shard` or in a plain process.
+
+    Raises:
+        FileNotFoundError: no index in ``path``.
+        ValueError: the checkpoint has another N, other parameter names or shapes, or no
+            optimizer state when one is asked for.
+
+    Example:
+        >>> stack, shard = phalanx.distributed.shard(make_member, num_members=8)
+        >>> phalanx.distributed.load("ckpt", stack, optimizer=opt)
+    """
+    where = "phalanx.distributed.load()"
+    directory = Path(path)
+    index = read_index(directory)
+    n = int(index["num_members"])
+    if shard is None:
+        from phalanx.distributed._shard import _shards
+
+        shard = _shards.get(stack) or layout(n)
+    if shard.num_members != n:
+        raise ValueError(
+            f"{where}: the checkpoint in {directory} holds {n} members but this run has "
+            f"{shard.num_members}; build the stack with num_members={n}."
+        )
+    _check_stack(stack, shard, where)
+    reader = _Rows(directory, index, shard.global_indices)
+    own = stack.state_dict()
+    stored = set(index["stack_keys"])
+    missing, unexpected = sorted(set(own) - stored), sorted(stored - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"{where}: the checkpoint's members have other parameters and buffers than the "
+            f"stack's: missing from the checkpoint {missing}, not in the stack {unexpected}. "
+            f"Build the members with the architecture that was saved."
+        )
+    state = {}
+    wrong = []
+    for key, value in own.items():
+        state[key] = reader.rows(_STACK + key)
+        if state[key].shape != value.shape:
+            wrong.append(
+                f"{key!r}: checkpoint {tuple(state[key].shape)}, stack {tuple(value.shape)}"
+            )
+    if wrong:
+        raise ValueError(
+            f"{where}: shapes differ between the checkpoint and the stack (this rank's "
+            f"{shard.num_local} members):\n  - " + "\n  - ".join(wrong)
+        )
+    if optimizer is not None:
+        entry = index["optimizer"]
+        if entry is None:
+            raise ValueError(
+                f"{where}: the checkpoint in {directory} holds no optimizer state; load "
+                f"without optimizer=, or save with phalanx.distributed.save(..., optimizer=opt)."
+            )
+        members = set(entry["member_keys"])
+        leaves = []
+        for leaf in entry["leaves"]:
+            if isinstance(leaf, dict):
+                key = leaf["tensor"]
+                leaf = (
+                    reader.rows(_MEMBER + key) if key in members else reader.replica(_REPLICA + key)
+                )
+            leaves.append(leaf)
+        optimizer.load_state_dict(
+            pytree.tree_unflatten(leaves, pytree.treespec_loads(entry["treespec"]))
+        )
+    stack.load_state_dict(state)

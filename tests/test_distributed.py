@@ -1,0 +1,323 @@
+"""phalanx.distributed: 2 gloo ranks on loopback against one process, member by member.
+
+The reference is the same code in this (plain) process, holding every member. Ranks are
+spawned with a file store (no port to pick or clash on) and a collective timeout, and each
+launch has a deadline, so a broken test fails instead of hanging. Functions that ranks run
+live at module level: spawned ranks import them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+import phalanx.distributed as pdist
+from conftest import assert_close
+from phalanx.distributed import DistributedError, Shard
+
+ROOT = Path(__file__).resolve().parents[1]
+F64 = torch.float64
+TIMEOUT = 20.0  # seconds a collective waits in these tests
+
+
+def _member() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(F64)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(48, 6, generator=g, dtype=F64), torch.randint(0, 3, (48,), generator=g)
+
+
+def _step(stack, opt, xb, yb, in_dims) -> torch.Tensor:
+    out = stack(xb, in_dims=in_dims)
+    losses = phalanx.member_losses(F.cross_entropy, out, yb, in_dims=(0, in_dims))
+    opt.zero_grad()
+    losses.sum().backward()
+    opt.step()
+    return losses.detach()
+
+
+def _train(n: int, save_dir: str | None) -> dict:
+    """Adam steps on shared then per-member data; all N members' results, gathered."""
+    stack, shard = pdist.shard(_member, num_members=n, seed=0, backend="vmap")
+    lrs = torch.linspace(1e-3, 3e-2, n, dtype=F64)  # per-member hyperparameters, global
+    opt = phalanx.optim.Adam(stack.parameters(), lr=shard.local(lrs))
+    x, y = _data()
+    for k in range(3):  # shared minibatches, read by rank 0 and broadcast
+        xb, yb = shard.broadcast((x[16 * k : 16 * k + 16], y[16 * k : 16 * k + 16]))
+        _step(stack, opt, xb, yb, None)
+    for xb, yb in shard.loader(x, y, batch_size=12, seed=5, bootstrap=True):  # per-member
+        losses = _step(stack, opt, xb, yb, 0)
+    if save_dir is not None:
+        pdist.save(save_dir, stack, optimizer=opt)
+    with torch.no_grad():
+        out = stack(x[:5])  # (n_local, 5, 3)
+    first = stack.parameters().__next__()
+    return {
+        "indices": list(shard.global_indices),
+        "weights": shard.gather(dict(stack.state_dict())),  # a pytree of (N, ...) tensors
+        "outputs": shard.gather(out),
+        "losses": shard.gather(losses),
+        "exp_avg": shard.gather(opt.state[first]["exp_avg"]),
+        "is_uneven": shard.gather(torch.full((shard.num_local,), shard.num_local)),
+    }
+
+
+def _resume(n: int, load_dir: str) -> dict:
+    """Loads a checkpoint into freshly (differently) initialised members and trains on."""
+    stack, shard = pdist.shard(_member, num_members=n, seed=1000, backend="vmap")
+    opt = phalanx.optim.Adam(stack.parameters(), lr=shard.local(torch.ones(n, dtype=F64)))
+    pdist.load(load_dir, stack, optimizer=opt)
+    loaded = shard.gather(dict(stack.state_dict()))
+    x, y = _data()
+    for _ in range(2):
+        _step(stack, opt, x[:16], y[:16], None)
+    return {"loaded": loaded, "resumed": shard.gather(dict(stack.state_dict()))}
+
+
+def _ranks_main(tmp: str) -> dict:
+    out: dict = {n: (_train(n, f"{tmp}/k2-n{n}"), _resume(n, f"{tmp}/k1-n{n}")) for n in (8, 7)}
+    _, shard = pdist.shard(_member, num_members=4)
+    try:  # rank 1 passes another trailing shape: every rank must raise, none may hang
+        shard.gather(torch.zeros(2, 3 + shard.rank))
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    out["after"] = shard.gather(torch.full((2,), shard.rank))  # the group still works
+    return out
+
+
+def test_two_ranks_train_save_and_load_like_one_process(tmp_path):
+    reference = {n: _train(n, f"{tmp_path}/k1-n{n}") for n in (8, 7)}
+    resumed = {n: _resume(n, f"{tmp_path}/k1-n{n}") for n in (8, 7)}
+
+    per_rank = pdist.launch(_ranks_main, 2, str(tmp_path), timeout=TIMEOUT)
+
+    for n in (8, 7):
+        ref = reference[n]
+        members_0, members_1 = (per_rank[r][n][0]["indices"] for r in (0, 1))
+        assert (members_0, members_1) == ((list(range(4)), list(range(4, n))))
+        for rank in (0, 1):
+            trained, from_one = per_rank[rank][n]
+            for key in ("weights", "outputs", "losses", "exp_avg"):
+                assert_close(trained[key], ref[key], dtype=F64, trajectory=True, msg=f"{key} N={n}")
+            # Saved by one process, loaded and trained on by two ranks.
+            assert_close(from_one["resumed"], resumed[n]["resumed"], dtype=F64, trajectory=True)
+        assert per_rank[0][n][0]["is_uneven"].tolist() == [4] * 4 + [n - 4] * (n - 4)
+        # Members differ, so a lost or duplicated shard would show.
+        assert not torch.allclose(
+            ref["weights"]["module.0.weight"][0], ref["weights"]["module.0.weight"][-1]
+        )
+
+        # Saved by two ranks, loaded by this plain process: every member, and the optimizer.
+        index = json.loads((tmp_path / f"k2-n{n}" / "index.json").read_text())
+        assert [(s["start"], s["stop"]) for s in index["shards"]] == [(0, 4), (4, n)]
+        from_two = _resume(n, f"{tmp_path}/k2-n{n}")
+        assert_close(from_two["loaded"], ref["weights"], dtype=F64, trajectory=True)
+        assert_close(from_two["resumed"], resumed[n]["resumed"], dtype=F64, trajectory=True)
+
+    for rank in (0, 1):
+        assert "different dtypes or shapes" in per_rank[rank]["mismatch"]
+        assert "rank 1: [('torch.float32', (2, 4))]" in per_rank[rank]["mismatch"]
+        assert per_rank[rank]["after"].tolist() == [0, 0, 1, 1]
+
+
+def _raises_on_rank_1() -> None:
+    stack, shard = pdist.shard(_member, num_members=4)
+    if shard.rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    shard.gather(stack(torch.randn(2, 6, dtype=F64)))  # rank 0 waits here for rank 1
+
+
+def test_a_rank_that_raises_fails_the_run_quickly():
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank \d failed(.|\n)*fails on purpose"):
+        pdist.launch(_raises_on_rank_1, 2, timeout=60.0)
+    assert time.monotonic() - start < 30  # well before the 60 s collective timeout
+
+
+def _hangs_on_rank_1() -> None:
+    stack, shard = pdist.shard(_member, num_members=4)
+    if shard.rank == 1:
+        time.sleep(60)  # alive but not calling the collective
+    shard.gather(stack(torch.randn(2, 6, dtype=F64)))
+
+
+def test_a_rank_that_hangs_fails_the_others_after_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(
+        DistributedError,
+        match=r"gather\(\): rank 0 of 2: the all_gather[a-z ]* did not complete(.|\n)*now 3 s",
+    ):
+        pdist.launch(_hangs_on_rank_1, 2, timeout=3.0)
+    assert time.monotonic() - start < 40
+
+
+def test_example_under_torchrun_matches_a_plain_process(tmp_path, monkeypatch, capsys):
+    script = str(ROOT / "examples" / "distributed_train.py")
+    args = ["--members", "5", "--epochs", "1"]
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    runpy.run_path(script, run_name="__main__")  # this plain process: all 5 members
+    plain = capsys.readouterr().out
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    ranks = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
+            *(script, *args, "--checkpoint", str(tmp_path / "ckpt")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
+    assert ranks.returncode == 0, ranks.stderr
+    assert "members per rank: [3, 2]" in ranks.stdout
+    losses = [line for line in plain.splitlines() if line.startswith("validation")]
+    assert losses and losses[0] in ranks.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "index.json",
+        "members-000000-000003.safetensors",
+        "members-000003-000005.safetensors",
+    ]
+
+
+# ------------------------------------------------------------------ one process, no launch
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 13])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_member_range_is_contiguous_balanced_and_covers_every_member(n, k):
+    if k > n:
+        with pytest.raises(ValueError, match=f"{n} members cannot be shared by {k} ranks"):
+            Shard(n, 0, k)
+        return
+    blocks = [Shard(n, r, k).global_indices for r in range(k)]
+    assert [i for b in blocks for i in b] == list(range(n))
+    sizes = [len(b) for b in blocks]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_shard_in_a_plain_process_holds_every_member_seeded_by_global_index():
+    stack, shard = pdist.shard(lambda i: nn.Linear(3, 2 + 0 * i), num_members=4, seed=7)
+    assert (shard.rank, shard.world_size, shard.global_indices) == (0, 1, range(4))
+    for i, member in enumerate(stack.unstack()):
+        torch.manual_seed(7 + i)
+        expected = nn.Linear(3, 2)
+        assert torch.equal(member.weight, expected.weight)
+    x = torch.randn(4, 5, requires_grad=True)
+    gathered = shard.gather(x)
+    assert torch.equal(gathered, x) and not gathered.requires_grad
+    assert gathered.data_ptr() != x.data_ptr()  # a copy, as with several ranks
+    assert shard.broadcast(x) is x
+    assert torch.equal(Shard(7, 1, 2).local(torch.arange(7)), torch.arange(4, 7))
+
+
+def test_shard_leaves_the_callers_random_state_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    pdist.shard(lambda: nn.Linear(2, 2), num_members=3)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_shard_of_modules_keeps_this_ranks_block():
+    members = [nn.Linear(2, 2) for _ in range(3)]
+    stack, _ = pdist.shard(members)
+    assert torch.equal(stack.module.weight[2], members[2].weight)
+
+
+def test_errors_name_what_is_wrong_and_the_fix():
+    with pytest.raises(ValueError, match=r"with a factory, pass num_members=N"):
+        pdist.shard(lambda: nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"got one Linear; pass a factory"):
+        pdist.shard(nn.Linear(2, 2), num_members=2)
+    with pytest.raises(ValueError, match=r"num_members=3 but 2 modules were given"):
+        pdist.shard([nn.Linear(2, 2), nn.Linear(2, 2)], num_members=3)
+    with pytest.raises(ValueError, match=r"global number of members, 7, along dim 0; got \(6,\)"):
+        Shard(7, 1, 2).local(torch.zeros(6))
+    with pytest.raises(ValueError, match=r"rank 1 holds 3 members .* got \(4, 2\) at"):
+        pdist.gather({"a": torch.zeros(4, 2)}, Shard(7, 1, 2))
+    with pytest.raises(ValueError, match=r"nprocs must be a positive int; got 0"):
+        pdist.launch(print, 0)
+    with pytest.raises(ValueError, match=r"unknown workloads \[.W9.\]; choose from"):
+        pdist.bench_sharded(["W9"], 2, True, "cpu")
+    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds"):
+        pdist.init(timeout=-1)
+
+
+def _trained_stack(n: int, seed: int = 0):
+    stack, _ = pdist.shard(_member, num_members=n, seed=seed, backend="vmap")
+    opt = phalanx.optim.Adam(stack.parameters(), lr=torch.linspace(1e-3, 1e-2, n, dtype=F64))
+    x, y = _data()
+    _step(stack, opt, x, y, None)
+    return stack, opt
+
+
+def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch):
+    """Resharding, with the ranks played in turn by this process (barriers are no-ops)."""
+    monkeypatch.setattr(Shard, "barrier", lambda self: None)
+    full, full_opt = _trained_stack(8)
+    weights = dict(full.state_dict())
+    moments = full_opt.state[full.module[0].weight]["exp_avg"]
+    for rank in (2, 1, 0):  # rank 0 last: it writes the index once every file exists
+        shard = Shard(8, rank, 3)
+        part = phalanx.stack(full.unstack()[shard.start : shard.stop], backend="vmap")
+        opt = phalanx.optim.Adam(part.parameters(), lr=shard.local(torch.ones(8, dtype=F64)))
+        opt.load_state_dict(_sliced_state(full_opt.state_dict(), shard))
+        pdist.save(tmp_path, part, optimizer=opt, shard=shard)
+    assert len(list(tmp_path.glob("members-*.safetensors"))) == 3
+    for k in (1, 2, 4):
+        for rank in range(k):
+            shard = Shard(8, rank, k)
+            part, opt = _trained_stack(shard.num_local, seed=99)
+            pdist.load(tmp_path, part, optimizer=opt, shard=shard)
+            for name, value in part.state_dict().items():
+                assert torch.equal(value, shard.local(weights[name])), (k, rank, name)
+            got = opt.state[part.module[0].weight]["exp_avg"]
+            assert torch.equal(got, shard.local(moments)), (k, rank)
+            assert torch.equal(
+                opt.param_groups[0]["member_lr"], shard.local(full_opt.param_groups[0]["member_lr"])
+            )
+
+
+def _sliced_state(state: dict, shard: Shard) -> dict:
+    from torch.utils import _pytree as pytree
+
+    def cut(t):
+        return shard.local(t) if isinstance(t, torch.Tensor) and t.dim() else t
+
+    return pytree.tree_map(cut, state)
+
+
+def test_load_errors_name_what_is_wrong_and_the_fix(tmp_path):
+    stack, opt = _trained_stack(4)
+    with pytest.raises(FileNotFoundError, match=r"index.json does not exist"):
+        pdist.load(tmp_path / "nothing", stack)
+    pdist.save(tmp_path, stack)
+    with pytest.raises(ValueError, match=r"holds 4 members but this run has 5"):
+        pdist.load(tmp_path, stack, shard=Shard(5))
+    with pytest.raises(ValueError, match=r"holds no optimizer state"):
+        pdist.load(tmp_path, stack, optimizer=opt)
+    wider = phalanx.stack([nn.Linear(6, 9).to(F64) for _ in range(4)])
+    with pytest.raises(ValueError, match=r"missing from the checkpoint \['module.bias'"):
+        pdist.load(tmp_path, wider)
+    other = phalanx.stack(
+        [nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3)) for _ in range(4)]
+    )
+    with pytest.raises(
+        ValueError, match=r"'module.0.weight': checkpoint \(4, 8, 6\), stack \(4, 9, 6\)"
+    ):
+        pdist.load(tmp_path, other)
+    with pytest.raises(ValueError, match=r"the stack holds 4 members but rank 0 of 1 holds 5"):
+        pdist.save(tmp_path, stack, shard=Shard(5))
