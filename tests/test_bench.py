@@ -85,7 +85,7 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
     assert doc["machine"]["gemm_gflops"] > 0 and doc["machine"]["bandwidth_gbs"] > 0
     assert plot_path.stat().st_size > 10_000
     assert printed.startswith("$ phalanx bench --workloads W2,W3 --device cpu --quick --threads 1")
-    assert "1 threads" in printed
+    assert "torch 2" in printed and "1 intra-op thread\n" in printed
     assert "GFLOP/s" in printed and "Summary" in printed
 
 

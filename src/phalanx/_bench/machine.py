@@ -55,7 +55,8 @@ class Machine:
         """The machine description printed at the top of the benchmark."""
         lines = [
             f"machine    {self.cpu}, {self.cores} cores, {self.platform}",
-            f"software   Python {self.python}, torch {self.torch}, {self.threads} threads",
+            f"software   Python {self.python}, torch {self.torch}, "
+            f"{self.threads} intra-op thread{'s' * (self.threads != 1)}",
             f"device     {self.device}"
             + (f" ({self.device_name})" if self.device != "cpu" else ""),
             f"measured   fp32 GEMM {self.gemm_n}x{self.gemm_n}: {self.gemm_gflops:.1f} GFLOP/s; "

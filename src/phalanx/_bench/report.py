@@ -201,6 +201,7 @@ def plot(path: str | Path, results: list[Result], *, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     phases = list(dict.fromkeys(r.phase for r in results))
     names = [n for n in dict.fromkeys(row.name for r in results for row in r.rows) if n != "loop"]
@@ -215,7 +216,6 @@ def plot(path: str | Path, results: list[Result], *, title: str) -> None:
     low, high = min([*values, 1.0]), max([*values, 1.0])
     for ax, phase in zip(axes[:, 0], phases):
         by_workload = {r.workload: r for r in results if r.phase == phase}
-        labelled: set[str] = set()
         for k, name in enumerate(names):
             for i, wid in enumerate(workloads):
                 result = by_workload.get(wid)
@@ -230,9 +230,7 @@ def plot(path: str | Path, results: list[Result], *, title: str) -> None:
                 ax.bar(
                     x, v - 1, width, bottom=1, color=colors(k), edgecolor="white",
                     hatch="//" if name == "phalanx:auto" else None,
-                    label=None if name in labelled else name,
                 )  # fmt: skip
-                labelled.add(name)
                 ax.text(
                     x, v * (1.05 if v >= 1 else 0.95), f"{v:.2g}x", ha="center",
                     va="bottom" if v >= 1 else "top", fontsize=7, rotation=90,
@@ -248,8 +246,12 @@ def plot(path: str | Path, results: list[Result], *, title: str) -> None:
             else "training step: forward, loss, backward, Adam step"
         )
         ax.grid(axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", ncol=2)
+    patches = [
+        Patch(facecolor=colors(k), hatch="//" if name == "phalanx:auto" else None, label=name)
+        for k, name in enumerate(names)
+    ]
+    axes[0, 0].legend(handles=patches, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"{title}\n(higher is better; black line = the Python loop)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
