@@ -231,3 +231,23 @@ def test_procs_hands_over_to_the_sharded_bench(capsys, monkeypatch):
     monkeypatch.delattr(distributed, "bench_sharded")
     assert main(["bench", "--procs", "2", "--device", "cpu", "--workloads", "W1"]) == 2
     assert "--procs needs phalanx.distributed.bench_sharded" in capsys.readouterr().err
+
+
+def test_a_failing_reference_stops_the_bench():
+    workload = WORKLOADS["W2"]
+    members, data = build(workload, device="cpu")
+    contenders = [
+        Contender("loop", "baseline", _Raises),
+        Contender("torch.func", "baseline", TorchFuncRunner),
+    ]
+    with pytest.raises(RuntimeError, match="the reference 'loop' failed: NotImplementedError"):
+        run_phase(
+            workload,
+            "forward",
+            members,
+            data,
+            contenders,
+            device=torch.device("cpu"),
+            settings=ONE_ROUND,
+            machine=FAKE_MACHINE,
+        )
