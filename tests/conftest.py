@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+import phalanx
+
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
@@ -183,3 +185,85 @@ def seeded() -> None:
 
 def clone_members(members: list[nn.Module]) -> list[nn.Module]:
     return [copy.deepcopy(m) for m in members]
+
+
+B = 5
+
+
+def _float_requires_grad(t: torch.Tensor) -> torch.Tensor:
+    return t.requires_grad_() if t.is_floating_point() else t
+
+
+def _grad_leaves(args: tuple) -> tuple:
+    return tuple(a for a in args if a.requires_grad)
+
+
+def inputs_for(arch: Arch, mode: str, n: int):
+    """(stack_args, in_dims, reference_args, leaves_with_grad) for one input mode."""
+    if mode == "shared":
+        args = tuple(_float_requires_grad(a) for a in arch.inputs(B))
+        return args, (None,) * len(args), args, _grad_leaves(args)
+    if mode == "per_member":
+        per = [arch.inputs(B) for _ in range(n)]
+        args = tuple(_float_requires_grad(torch.stack(col)) for col in zip(*per))
+        return args, (0,) * len(args), args, _grad_leaves(args)
+    (x,) = arch.inputs(B)
+    wide = torch.randn(B, n * x.shape[1], requires_grad=True)
+    xs = phalanx.split(wide, n, dim=1)
+    return (xs,), (0,), (xs,), (wide,)
+
+
+def kwargs_for(arch: Arch) -> dict:
+    return {"scale": 0.5} if arch.name == "dict_output" else {}
+
+
+def prepare(arch: Arch, n: int, train: bool, backend: str):
+    members = make_members(arch, n)
+    for m in members:
+        m.train(train)
+        set_dropout_eval(m)
+    reference = clone_members(members)
+    stack = phalanx.stack(members, backend=backend)
+    return members, reference, stack
+
+
+def check_forward_and_gradients(backend, arch, mode, n, train):
+    """Outputs, input and parameter gradients and buffers against independent copies."""
+    torch.manual_seed(0)
+    members, reference, stack = prepare(arch, n, train, backend)
+    args, in_dims, ref_args, grad_leaves = inputs_for(arch, mode, n)
+    kwargs = kwargs_for(arch)
+
+    out = stack(*args, in_dims=in_dims, **kwargs)
+    expected = reference_outputs(reference, ref_args, in_dims, kwargs)
+    assert_close(out, expected, msg="outputs")
+
+    ref_loss = sum(
+        member_loss(
+            {k: v[i] for k, v in expected.items()}
+            if isinstance(expected, dict)
+            else tuple(t[i] for t in expected)
+            if isinstance(expected, tuple)
+            else expected[i]
+        )
+        for i in range(n)
+    )
+    if grad_leaves:  # integer inputs (embedding indices) take no gradient
+        grads = torch.autograd.grad(stacked_loss(out, n), grad_leaves, retain_graph=True)
+        ref_grads = torch.autograd.grad(ref_loss, grad_leaves, retain_graph=True)
+        assert_close(grads, ref_grads, msg="input gradients")
+
+    stacked_loss(out, n).backward()
+    ref_loss.backward()
+    params, buffers = stack._stacked_state()
+    for name, p in params.items():
+        for i, m in enumerate(reference):
+            assert_close(p.grad[i], m.get_parameter(name).grad, msg=f"member {i} grad {name}")
+    for name, b in buffers.items():
+        for i, m in enumerate(reference):
+            assert_close(b[i], m.get_buffer(name), msg=f"member {i} buffer {name}")
+    # The originals are untouched: the stack copied their tensors.
+    for m, r in zip(members, reference):
+        for (name, p), (_, q) in zip(m.named_parameters(), r.named_parameters()):
+            assert p.grad is None, f"original parameter {name} got a gradient"
+            torch.testing.assert_close(p, q, rtol=0, atol=0)

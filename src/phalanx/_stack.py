@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from phalanx._backends import BACKENDS, get_backend
+from phalanx._backends._fused import copy_modes, fused_tree
+from phalanx._backends._fused_layers import FusedUnsupported
 from phalanx._backends._vmap import is_vmap_limitation
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
 
@@ -95,6 +97,24 @@ class Stack(nn.Module):
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
         self._requested = backend
         self._resolved: str | None = None if backend == "auto" else backend
+        self._vmap_ran = False
+        if backend == "fused":
+            self._require_fused(where)
+
+    def _require_fused(self, where: str) -> None:
+        reason = self._fused_unsupported()
+        if reason is not None:
+            raise ValueError(
+                f"{where}: backend 'fused' cannot run this architecture: {reason}. Use "
+                f"backend='vmap' for any architecture torch.func can batch, or backend='auto'."
+            )
+
+    def train(self, mode: bool = True) -> Stack:
+        super().train(mode)
+        tree = self.__dict__.get("_fused_tree")
+        if tree is not None:
+            copy_modes(self.module, tree)
+        return self
 
     # ----------------------------------------------------------------------------------- state
 
@@ -111,11 +131,13 @@ class Stack(nn.Module):
     def backend(self) -> str:
         """The backend in use: "fused", "vmap" or "loop".
 
-        With ``backend="auto"`` this is the backend ``auto`` expects to use until the first
-        forward call settles it (an architecture that a backend turns out not to run falls
-        back, with a warning). Assign a name to switch; no weights are copied.
+        With ``backend="auto"`` this is the backend ``auto`` expects to use until a forward
+        call shows otherwise (an architecture that a backend turns out not to run exactly
+        falls back, with a warning). Assign a name to switch; no weights are copied.
         """
-        return self._resolved or "vmap"
+        if self._resolved is None:
+            self._resolved = "vmap" if self._fused_unsupported() else "fused"
+        return self._resolved
 
     @backend.setter
     def backend(self, name: str) -> None:
@@ -127,6 +149,16 @@ class Stack(nn.Module):
             )
         self._requested = name
         self._resolved = None if name == "auto" else name
+        if name == "fused":
+            self._require_fused("Stack.backend")
+
+    def _fused_unsupported(self) -> str | None:
+        """Why the fused backend cannot be built for this architecture, or None."""
+        try:
+            fused_tree(self)
+        except FusedUnsupported as e:
+            return str(e)
+        return None
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, backend={self.backend!r}"
@@ -156,9 +188,16 @@ class Stack(nn.Module):
             torch.Size([3, 5, 2])
         """
         dims = self._normalize_in_dims(in_dims, args)
-        if self._resolved is None:
+        if self._requested == "auto":
             return self._forward_auto(args, kwargs, dims)
-        return get_backend(self._resolved).forward(self, args, kwargs, dims)
+        try:
+            return get_backend(self._requested).forward(self, args, kwargs, dims)
+        except FusedUnsupported as e:
+            raise RuntimeError(
+                f"Stack.forward(): backend 'fused' cannot run this architecture exactly: {e}. "
+                f"Use phalanx.stack(models, backend='vmap'), or backend='auto', which falls back "
+                f"by itself."
+            ) from e
 
     def _normalize_in_dims(self, in_dims: InDims, args: tuple[Any, ...]) -> tuple[int | None, ...]:
         where = "Stack.forward()"
@@ -199,27 +238,37 @@ class Stack(nn.Module):
     def _forward_auto(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], dims: tuple[int | None, ...]
     ) -> Any:
-        """First call under ``auto``: try the fast backends, fall back loudly, remember."""
-        candidates = ["vmap", "loop"]
+        """``auto``: the fastest backend that runs this input exactly; a fallback is loud.
+
+        The choice is remembered. The fused backend checks each new input signature against
+        vmap before it is trusted (see ``_fused.py``), so ``auto`` can still leave it later.
+        """
+        candidates = [b for b in BACKENDS if BACKENDS.index(b) >= BACKENDS.index(self.backend)]
         for name, fallback in itertools.pairwise(candidates):
-            saved = self._save_side_effects()
+            # Until vmap has run once, keep what a refused attempt might have changed.
+            saved = self._save_side_effects() if name == "vmap" and not self._vmap_ran else None
             try:
                 out = get_backend(name).forward(self, args, kwargs, dims)
+            except FusedUnsupported as e:
+                reason = str(e)
             except (RuntimeError, ValueError, NotImplementedError) as e:
-                if not is_vmap_limitation(e):
+                if name != "vmap" or not is_vmap_limitation(e) or saved is None:
                     raise
                 self._restore_side_effects(saved)
                 reason = str(e.__cause__ or e).strip().splitlines()[0]
-                warnings.warn(
-                    f"phalanx: backend {name!r} cannot run this architecture ({reason}); "
-                    f"falling back to the slower {fallback!r} backend. Pass "
-                    f"backend={fallback!r} to phalanx.stack() to silence this warning.",
-                    stacklevel=3,
-                )
-                continue
-            self._resolved = name
-            logger.info("phalanx: backend 'auto' picked %r", name)
-            return out
+            else:
+                self._vmap_ran = self._vmap_ran or name == "vmap"
+                if self._resolved != name:
+                    logger.info("phalanx: backend 'auto' runs %r", name)
+                self._resolved = name
+                return out
+            warnings.warn(
+                f"phalanx: backend {name!r} cannot run this architecture exactly ({reason}); "
+                f"falling back to the slower {fallback!r} backend. Pass backend={fallback!r} "
+                f"to phalanx.stack() to silence this warning.",
+                stacklevel=3,
+            )
+            self._resolved = fallback
         self._resolved = candidates[-1]
         return get_backend(self._resolved).forward(self, args, kwargs, dims)
 

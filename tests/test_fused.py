@@ -1,0 +1,234 @@
+"""The fused backend: every batched layer against the loop of independent copies, and the
+probe that keeps a member's forward the fused layers cannot honour from giving a wrong answer."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from conftest import Arch, assert_close, check_forward_and_gradients, reference_outputs
+from phalanx._backends import _fused_layers
+
+
+class Wrap(nn.Module):
+    """A custom module whose forward only composes known layers and elementwise ops."""
+
+    def __init__(self, layers: nn.ModuleDict) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x * 0.5 + torch.sigmoid(x)
+
+
+class BilinearNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bilinear = nn.Bilinear(4, 3, 5)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.bilinear(x, z)
+
+
+class EmbeddingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4, padding_idx=0)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(idx).mean(-2))
+
+
+def _seq(*layers: nn.Module) -> nn.Module:
+    return nn.Sequential(*layers)
+
+
+LAYERS = [
+    Arch("linear_no_bias", lambda: _seq(nn.Linear(6, 5, bias=False), nn.Tanh()),
+         lambda b: (torch.randn(b, 6),)),
+    Arch("linear_3d_input", lambda: _seq(nn.Linear(6, 5), nn.SiLU(), nn.Linear(5, 2)),
+         lambda b: (torch.randn(b, 3, 6),)),
+    Arch("bilinear", BilinearNet, lambda b: (torch.randn(b, 4), torch.randn(b, 3))),
+    Arch("conv1d_bn1d_pool", lambda: _seq(
+        nn.Conv1d(3, 4, 3, padding=1, bias=False), nn.BatchNorm1d(4), nn.LeakyReLU(0.1),
+        nn.AvgPool1d(2), nn.Flatten(), nn.Linear(12, 2)), lambda b: (torch.randn(b, 3, 6),)),
+    Arch("conv2d_groups_reflect_stride", lambda: _seq(
+        nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, padding_mode="reflect"),
+        nn.ELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(1)), lambda b: (torch.randn(b, 4, 7, 7),)),
+    Arch("conv2d_dilation_maxpool", lambda: _seq(
+        nn.Conv2d(2, 3, 3, dilation=2), nn.GroupNorm(3, 3), nn.ReLU6(), nn.MaxPool2d(2)),
+        lambda b: (torch.randn(b, 2, 9, 9),)),
+    Arch("conv_transpose", lambda: _seq(
+        nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1, output_padding=1), nn.Hardswish(),
+        nn.Conv2d(2, 2, 1), nn.Flatten(), nn.Unflatten(1, (2, 8, 8))),
+        lambda b: (torch.randn(b, 3, 4, 4),)),
+    Arch("conv_transpose1d", lambda: _seq(nn.ConvTranspose1d(2, 3, 4, stride=2), nn.Mish()),
+         lambda b: (torch.randn(b, 2, 5),)),
+    Arch("batchnorm1d_on_features", lambda: _seq(
+        nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Softplus(), nn.Linear(6, 3), nn.LogSoftmax(dim=1)),
+        lambda b: (torch.randn(b, 5),)),
+    Arch("layernorm_groupnorm", lambda: _seq(
+        nn.Linear(5, 8), nn.LayerNorm(8), nn.GELU(), nn.Unflatten(1, (4, 2)), nn.GroupNorm(2, 4),
+        nn.Flatten(), nn.Softmax(dim=-1)), lambda b: (torch.randn(b, 5),)),
+    Arch("embedding_padding_idx", EmbeddingNet,
+         lambda b: (torch.randint(0, 11, (b, 6)),)),
+    Arch("custom_container", lambda: Wrap(nn.ModuleDict(
+        {"a": nn.Linear(4, 6), "b": nn.Identity(), "c": nn.Hardtanh(), "d": nn.Linear(6, 2)})),
+        lambda b: (torch.randn(b, 4),)),
+    Arch("conv3d", lambda: _seq(nn.Conv3d(1, 2, 2), nn.BatchNorm3d(2), nn.Sigmoid()),
+         lambda b: (torch.randn(b, 1, 3, 3, 3),)),
+]  # fmt: skip
+
+CASES = [
+    pytest.param(backend, arch, mode, n, id=f"{backend}-{arch.name}-{mode}-N{n}")
+    for backend, arch, mode, n in itertools.product(
+        ["fused", "auto"], LAYERS, ["shared", "per_member"], [1, 3]
+    )
+]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(("backend", "arch", "mode", "n"), CASES)
+def test_every_batched_layer_matches_loop(backend, arch, mode, n, train):
+    check_forward_and_gradients(backend, arch, mode, n, train)
+
+
+def test_auto_picks_fused_for_known_layers():
+    stack = phalanx.stack([LAYERS[3].make() for _ in range(3)])
+    assert stack.backend == "fused"
+    stack(*LAYERS[3].inputs(4))
+    assert stack.backend == "fused"
+
+
+@pytest.mark.parametrize("strategy", ["grouped", "per_member"])
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_both_convolution_strategies_are_exact(monkeypatch, strategy, mode):
+    monkeypatch.setattr(_fused_layers, "_autotune", lambda key, strategies: strategies[strategy]())
+    arch = Arch("conv", lambda: _seq(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                                     nn.Conv2d(4, 3, 3, groups=1)), lambda b: (torch.randn(b, 2, 8, 8),))  # fmt: skip
+    check_forward_and_gradients("fused", arch, mode, 3, True)
+
+
+# ---------------------------------------------------------------------------- the probe
+
+
+class MixesBatch(nn.Module):
+    """Subtracts the batch mean: over dim 0, which under fused is the member axis.
+
+    No error is raised, the shapes agree; only the values are wrong. The probe must see it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h - h.mean(0)
+
+
+class ReshapesBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("cls", [MixesBatch, ReshapesBatch])
+def test_auto_falls_back_to_vmap_with_a_warning_and_the_right_answer(cls):
+    torch.manual_seed(0)
+    members = [cls() for _ in range(3)]
+    x = torch.randn(5, 4)
+    expected = reference_outputs(members, (x,), (None,))
+    stack = phalanx.stack(copy.deepcopy(members))
+    assert stack.backend == "fused"  # nothing in the tree is unknown...
+    with pytest.warns(UserWarning, match=r"backend 'fused' cannot run this architecture exactly"):
+        out = stack(x)  # ...but the probe sees the member's forward is not fusable
+    assert stack.backend == "vmap"
+    assert_close(out, expected)
+
+
+def test_explicit_fused_refuses_what_it_cannot_honour():
+    stack = phalanx.stack([MixesBatch() for _ in range(3)], backend="fused")
+    with pytest.raises(
+        RuntimeError,
+        match=r"backend 'fused' cannot run this architecture "
+        r"exactly: output 0 differs from the reference",
+    ):
+        stack(torch.randn(5, 4))
+
+
+class OwnParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+def test_a_module_with_unknown_parameters_is_not_fused():
+    with pytest.raises(
+        ValueError,
+        match=r"backend 'fused' cannot run this architecture: no "
+        r"batched layer for the submodule\(s\) holding tensors: "
+        r"'<root>' \(OwnParameter\)",
+    ):
+        phalanx.stack([OwnParameter() for _ in range(2)], backend="fused")
+    stack = phalanx.stack([OwnParameter() for _ in range(2)])
+    assert stack.backend == "vmap"
+
+
+def test_probe_leaves_no_trace_in_buffers_or_rng():
+    torch.manual_seed(0)
+    arch = LAYERS[3]  # Conv1d + BatchNorm1d
+    members = [arch.make() for _ in range(3)]
+    reference = copy.deepcopy(members)
+    x = arch.inputs(4)[0]
+    stack = phalanx.stack(members, backend="fused")
+    torch.manual_seed(5)
+    stack(x)
+    after_stack = torch.rand(1)
+    torch.manual_seed(5)
+    for m in reference:
+        m(x)
+    after_loop = torch.rand(1)
+    assert torch.equal(after_stack, after_loop), "the probe consumed random numbers"
+    for i, m in enumerate(reference):
+        assert_close(stack.module[1].running_mean[i], m[1].running_mean)
+        assert int(stack.module[1].num_batches_tracked[i]) == 1
+
+
+def test_fused_dropout_masks_differ_per_member():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 64), nn.Dropout(0.5))
+    stack = phalanx.stack([copy.deepcopy(base) for _ in range(4)], backend="fused")
+    x = torch.randn(16, 6)
+    out = stack(x)
+    h = base[0](x)
+    kept = out != 0
+    assert not torch.equal(kept[0], kept[1])
+    torch.testing.assert_close(out[kept], (h * 2).expand(4, -1, -1)[kept])
+
+
+def test_torch_compile_gives_the_same_results():
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 2)) for _ in range(4)]
+    stack = phalanx.stack(members, backend="fused")
+    x = torch.randn(8, 10)
+    eager = stack(x)
+    compiled = torch.compile(stack, backend="eager")  # the inductor needs a C++ toolchain
+    torch.testing.assert_close(compiled(x), eager)
+    xs = torch.randn(4, 8, 10)
+    torch.testing.assert_close(compiled(xs, in_dims=0), stack(xs, in_dims=0))
