@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -264,12 +265,23 @@ def _trained_stack(n: int, seed: int = 0):
     return stack, opt
 
 
+def _assert_holds(part, opt, shard: Shard, full, full_opt) -> None:
+    """``part`` and ``opt`` hold exactly ``shard``'s rows of the full stack and optimizer."""
+    weights = full.state_dict()
+    for name, value in part.state_dict().items():
+        assert torch.equal(value, shard.local(weights[name])), (shard, name)
+    got = opt.state[part.module[0].weight]
+    want = full_opt.state[full.module[0].weight]
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(got[key], shard.local(want[key])), (shard, key)
+    member_lr = full_opt.param_groups[0]["member_lr"]
+    assert torch.equal(opt.param_groups[0]["member_lr"], shard.local(member_lr))
+
+
 def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch):
     """Resharding, with the ranks played in turn by this process (barriers are no-ops)."""
     monkeypatch.setattr(Shard, "barrier", lambda self: None)
     full, full_opt = _trained_stack(8)
-    weights = dict(full.state_dict())
-    moments = full_opt.state[full.module[0].weight]["exp_avg"]
     for rank in (2, 1, 0):  # rank 0 last: it writes the index once every file exists
         shard = Shard(8, rank, 3)
         part = phalanx.stack(full.unstack()[shard.start : shard.stop], backend="vmap")
@@ -282,13 +294,39 @@ def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch)
             shard = Shard(8, rank, k)
             part, opt = _trained_stack(shard.num_local, seed=99)
             pdist.load(tmp_path, part, optimizer=opt, shard=shard)
-            for name, value in part.state_dict().items():
-                assert torch.equal(value, shard.local(weights[name])), (k, rank, name)
-            got = opt.state[part.module[0].weight]["exp_avg"]
-            assert torch.equal(got, shard.local(moments)), (k, rank)
-            assert torch.equal(
-                opt.param_groups[0]["member_lr"], shard.local(full_opt.param_groups[0]["member_lr"])
-            )
+            _assert_holds(part, opt, shard, full, full_opt)
+
+
+def test_a_file_from_phalanx_save_loads_on_any_number_of_ranks(tmp_path):
+    full, full_opt = _trained_stack(7)
+    phalanx.save(tmp_path / "run.safetensors", full, optimizer=full_opt)
+    for k in (1, 2, 3):
+        for rank in range(k):
+            shard = Shard(7, rank, k)
+            part, opt = _trained_stack(shard.num_local, seed=99)
+            pdist.load(tmp_path / "run.safetensors", part, optimizer=opt, shard=shard)
+            _assert_holds(part, opt, shard, full, full_opt)
+
+
+def test_torch_optim_state_with_a_0d_step_reshards(tmp_path, monkeypatch):
+    monkeypatch.setattr(Shard, "barrier", lambda self: None)
+    full = phalanx.stack([_member() for _ in range(5)], backend="vmap")
+    full_opt = torch.optim.Adam(full.parameters(), lr=0.1, foreach=True)
+    full(_data()[0]).sum().backward()
+    full_opt.step()
+    for rank in (1, 0):
+        shard = Shard(5, rank, 2)
+        part = phalanx.stack(full.unstack()[shard.start : shard.stop], backend="vmap")
+        opt = torch.optim.Adam(part.parameters(), lr=0.1, foreach=True)
+        opt.load_state_dict(_sliced_state(full_opt.state_dict(), shard))
+        pdist.save(tmp_path, part, optimizer=opt, shard=shard)
+    stack = phalanx.stack([_member() for _ in range(5)], backend="vmap")
+    opt = torch.optim.Adam(stack.parameters(), lr=0.1, foreach=True)
+    pdist.load(tmp_path, stack, optimizer=opt)
+    got, want = opt.state_dict()["state"], full_opt.state_dict()["state"]
+    assert torch.equal(got[0]["step"], want[0]["step"]) and got[0]["step"].dim() == 0
+    assert torch.equal(got[0]["exp_avg"], want[0]["exp_avg"])
+    assert torch.equal(stack.module[0].weight, full.module[0].weight)
 
 
 def _sliced_state(state: dict, shard: Shard) -> dict:
@@ -304,6 +342,9 @@ def test_load_errors_name_what_is_wrong_and_the_fix(tmp_path):
     stack, opt = _trained_stack(4)
     with pytest.raises(FileNotFoundError, match=r"index.json does not exist"):
         pdist.load(tmp_path / "nothing", stack)
+    safetensors.torch.save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match=r"other.safetensors is not a phalanx checkpoint"):
+        pdist.load(tmp_path / "other.safetensors", stack)
     pdist.save(tmp_path, stack)
     with pytest.raises(ValueError, match=r"holds 4 members but this run has 5"):
         pdist.load(tmp_path, stack, shard=Shard(5))
@@ -321,3 +362,15 @@ def test_load_errors_name_what_is_wrong_and_the_fix(tmp_path):
         pdist.load(tmp_path, other)
     with pytest.raises(ValueError, match=r"the stack holds 4 members but rank 0 of 1 holds 5"):
         pdist.save(tmp_path, stack, shard=Shard(5))
+
+
+def test_bench_sharded_times_a_workload_on_2_ranks_against_one_process():
+    rows = pdist.bench_sharded(["W2"], procs=2, quick=True, device="cpu")
+    assert [(r["workload"], r["phase"], r["procs"]) for r in rows] == [
+        ("W2", "forward", 2),
+        ("W2", "train", 2),
+    ]
+    for r in rows:
+        assert r["time_1proc_ms"] > 0 and r["time_kprocs_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["time_1proc_ms"] / r["time_kprocs_ms"])
+        assert r["same_outputs"] is True

@@ -50,11 +50,16 @@ def _block(workload: Any, block: range, device: torch.device) -> Any:
     )
 
 
-def _time_phases(
-    workload: Any, block: range, device: torch.device, quick: bool
-) -> dict[str, list[float]]:
-    """Seconds per call of each phase, one figure per timed round of calls."""
+def _time_phases(workload: Any, block: range, device: torch.device, quick: bool) -> dict[str, Any]:
+    """Seconds per call of each phase, one figure per timed round of calls.
+
+    Also returns, under "output", the block's forward output before any training step, so
+    that the caller can check the ranks computed what one process computes.
+    """
     runner = _block(workload, block, device)
+    runner.stack.eval()
+    with torch.no_grad():
+        output = runner.forward().cpu()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def forward() -> None:
@@ -66,7 +71,7 @@ def _time_phases(
         runner.step()
 
     rounds, calls = (5, 5) if quick else (15, 20)
-    times: dict[str, list[float]] = {}
+    times: dict[str, Any] = {"output": output}
     for phase, fn in (("forward", forward), ("train", train)):
         runner.stack.train(phase == "train")
         for _ in range(3 if quick else 10):  # warm-up
@@ -82,7 +87,7 @@ def _time_phases(
     return times
 
 
-def _rank_main(name: str, quick: bool, device: str) -> dict[str, list[float]]:
+def _rank_main(name: str, quick: bool, device: str) -> dict[str, Any]:
     """One rank: time its block; every rank returns its figures."""
     import torch.distributed as dist
 
@@ -117,8 +122,9 @@ def bench_sharded(
 
     Returns:
         One row per workload and phase ("forward", "train"): ``workload``, ``phase``,
-        ``procs``, ``time_1proc_ms``, ``time_kprocs_ms`` and ``ratio`` =
-        ``time_1proc_ms / time_kprocs_ms``, above 1 when sharding pays.
+        ``procs``, ``time_1proc_ms``, ``time_kprocs_ms``, ``ratio`` =
+        ``time_1proc_ms / time_kprocs_ms`` (above 1 when sharding pays), and
+        ``same_outputs``: whether the ranks' forward outputs, joined, match one process's.
 
     Raises:
         ValueError: an unknown workload or fewer than 1 process.
@@ -140,6 +146,10 @@ def bench_sharded(
         w = WORKLOADS[name]
         one = _time_phases(w, range(w.num_members), torch.device(device), quick)
         per_rank = launch(_rank_main, procs, name, quick, device, timeout=120.0)
+        joined = torch.cat(
+            [r["output"] for r in per_rank], dim=1 if w.input_mode == "sliced" else 0
+        )
+        exact = torch.allclose(joined, one["output"], rtol=1e-4, atol=1e-5)
         for phase in PHASES:
             slowest = [max(block) for block in zip(*(r[phase] for r in per_rank))]
             t1 = statistics.median(one[phase]) * 1e3
@@ -152,6 +162,7 @@ def bench_sharded(
                     "time_1proc_ms": t1,
                     "time_kprocs_ms": tk,
                     "ratio": t1 / tk,
+                    "same_outputs": exact,
                 }
             )
     return rows

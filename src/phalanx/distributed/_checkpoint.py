@@ -177,7 +177,8 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(
             f"{where}: {file} does not exist; pass the directory that "
-            f"phalanx.distributed.save() wrote (a save that was interrupted has no index)."
+            f"phalanx.distributed.save() wrote (a save that was interrupted has no index), or "
+            f"a file that phalanx.save() wrote."
         )
     index = json.loads(file.read_text())
     if index.get("format") != FORMAT or index.get("version") != VERSION:
@@ -189,18 +190,23 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     return index
 
 
-class _Rows:
-    """Reads a block of global member rows of one tensor name across the shard files."""
+class _Sharded:
+    """A directory written by :func:`save`: rows of a block read across the shard files."""
 
-    def __init__(self, directory: Path, index: dict[str, Any], block: range) -> None:
+    def __init__(self, directory: Path) -> None:
+        self.index = read_index(directory)
+        self.directory = directory
+        self.num_members = int(self.index["num_members"])
+        self.stack_keys = set(self.index["stack_keys"])
         self._files: list[tuple[range, Any]] = []
-        for entry in index["shards"]:
+        self._block = range(0)
+
+    def select(self, block: range) -> None:
+        for entry in self.index["shards"]:
             stored = range(entry["start"], entry["stop"])
             if max(stored.start, block.start) < min(stored.stop, block.stop):
-                handle = safe_open(str(directory / entry["file"]), framework="pt", device="cpu")
+                handle = safe_open(str(self.directory / entry["file"]), framework="pt")
                 self._files.append((stored, handle))
-        first = index["shards"][0]["file"]
-        self._first = safe_open(str(directory / first), framework="pt", device="cpu")
         self._block = block
 
     def rows(self, key: str) -> torch.Tensor:
@@ -211,8 +217,66 @@ class _Rows:
             pieces.append(handle.get_slice(key)[lo:hi])
         return torch.cat(pieces)
 
-    def replica(self, key: str) -> torch.Tensor:
-        return self._first.get_tensor(key)
+    def stack_rows(self, key: str) -> torch.Tensor:
+        return self.rows(_STACK + key)
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        entry = self.index["optimizer"]
+        if entry is None:
+            return None
+        members = set(entry["member_keys"])
+        leaves = []
+        for leaf in entry["leaves"]:
+            if isinstance(leaf, dict):
+                key = leaf["tensor"]
+                # Replicated tensors are the same in every file: read the first one's.
+                leaf = self.rows(_MEMBER + key) if key in members else self._replica(key)
+            leaves.append(leaf)
+        return pytree.tree_unflatten(leaves, pytree.treespec_loads(entry["treespec"]))
+
+    def _replica(self, key: str) -> torch.Tensor:
+        return self._files[0][1].get_tensor(_REPLICA + key)
+
+
+class _SingleFile:
+    """A file written by :func:`phalanx.save` in one process: every member's rows in one file."""
+
+    def __init__(self, file: Path, where: str) -> None:
+        self.file = safe_open(str(file), framework="pt")
+        raw = (self.file.metadata() or {}).get("phalanx")
+        if raw is None:
+            raise ValueError(
+                f"{where}: {file} is not a phalanx checkpoint (no 'phalanx' metadata); pass a "
+                f"directory written by phalanx.distributed.save() or a file by phalanx.save()."
+            )
+        self.meta = json.loads(raw)
+        keys = self.file.keys()  # a safetensors handle is not iterable
+        self.stack_keys = {k[len(_STACK) :] for k in keys if k.startswith(_STACK)}
+        n = self.meta.get("num_members")
+        if n is None and self.stack_keys:
+            n = self.file.get_slice(_STACK + min(self.stack_keys)).get_shape()[0]
+        self.num_members = int(n or 0)
+        self._block = range(0)
+
+    def select(self, block: range) -> None:
+        self._block = block
+
+    def stack_rows(self, key: str) -> torch.Tensor:
+        return self.file.get_slice(_STACK + key)[self._block.start : self._block.stop]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """A tensor of the optimizer state: this block's rows when it carries the members."""
+        shape = self.file.get_slice(key).get_shape()
+        if shape and shape[0] == self.num_members:
+            return self.file.get_slice(key)[self._block.start : self._block.stop]
+        return self.file.get_tensor(key)
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        from phalanx._checkpoint import _decode
+
+        if "optimizer" not in self.meta:
+            return None
+        return _decode(self.meta["optimizer"], self)  # type: ignore[arg-type]
 
 
 def load(
@@ -222,13 +286,16 @@ def load(
     *,
     shard: Shard | None = None,
 ) -> None:
-    """Loads this rank's members (and optimizer state) from a sharded checkpoint.
+    """Loads this rank's members (and optimizer state) from a checkpoint of all N members.
 
-    The checkpoint may have been written by any number of ranks: each rank reads the rows of
-    its own global members. In a plain process, a stack of all N members loads everything.
+    The checkpoint may have been written by any number of ranks (a directory from
+    :func:`phalanx.distributed.save`) or by one process (a file from :func:`phalanx.save`):
+    each rank reads only the rows of its own global members. In a plain process, a stack of
+    all N members loads everything, e.g. to write it again with :func:`phalanx.save`.
 
     Args:
-        path: the directory :func:`phalanx.distributed.save` wrote.
+        path: a directory written by :func:`phalanx.distributed.save`, or a file written by
+            :func:`phalanx.save`.
         stack: this rank's stack, built with the checkpoint's N (e.g. by
             ``phalanx.distributed.shard(factory, num_members=N)``); its tensors are
             overwritten in place.
@@ -238,68 +305,57 @@ def load(
             :func:`phalanx.distributed.shard` or in a plain process.
 
     Raises:
-        FileNotFoundError: no index in ``path``.
+        FileNotFoundError: ``path`` is neither a checkpoint file nor a directory with an
+            index.
         ValueError: the checkpoint has another N, other parameter names or shapes, or no
-            optimizer state when one is asked for.
+            optimizer state when one is asked for. Nothing is changed then.
 
     Example:
         >>> stack, shard = phalanx.distributed.shard(make_member, num_members=8)
         >>> phalanx.distributed.load("ckpt", stack, optimizer=opt)
     """
-    where = "phalanx.distributed.load()"
-    directory = Path(path)
-    index = read_index(directory)
-    n = int(index["num_members"])
-    if shard is None:
-        from phalanx.distributed._shard import _shards
+    from phalanx.distributed._shard import _shards
 
+    where = "phalanx.distributed.load()"
+    location = Path(path)
+    source: _Sharded | _SingleFile = (
+        _SingleFile(location, where) if location.is_file() else _Sharded(location)
+    )
+    n = source.num_members
+    if shard is None:
         shard = _shards.get(stack) or layout(n)
     if shard.num_members != n:
         raise ValueError(
-            f"{where}: the checkpoint in {directory} holds {n} members but this run has "
+            f"{where}: the checkpoint {location} holds {n} members but this run has "
             f"{shard.num_members}; build the stack with num_members={n}."
         )
     _check_stack(stack, shard, where)
-    reader = _Rows(directory, index, shard.global_indices)
     own = stack.state_dict()
-    stored = set(index["stack_keys"])
-    missing, unexpected = sorted(set(own) - stored), sorted(stored - set(own))
+    missing, unexpected = sorted(set(own) - source.stack_keys), sorted(source.stack_keys - set(own))
     if missing or unexpected:
         raise ValueError(
             f"{where}: the checkpoint's members have other parameters and buffers than the "
             f"stack's: missing from the checkpoint {missing}, not in the stack {unexpected}. "
             f"Build the members with the architecture that was saved."
         )
-    state = {}
-    wrong = []
-    for key, value in own.items():
-        state[key] = reader.rows(_STACK + key)
-        if state[key].shape != value.shape:
-            wrong.append(
-                f"{key!r}: checkpoint {tuple(state[key].shape)}, stack {tuple(value.shape)}"
-            )
+    source.select(shard.global_indices)
+    state = {key: source.stack_rows(key) for key in own}
+    wrong = [
+        f"{key!r}: checkpoint {tuple(state[key].shape)}, stack {tuple(value.shape)}"
+        for key, value in own.items()
+        if state[key].shape != value.shape
+    ]
     if wrong:
         raise ValueError(
             f"{where}: shapes differ between the checkpoint and the stack (this rank's "
             f"{shard.num_local} members):\n  - " + "\n  - ".join(wrong)
         )
     if optimizer is not None:
-        entry = index["optimizer"]
-        if entry is None:
+        optimizer_state = source.optimizer_state()
+        if optimizer_state is None:
             raise ValueError(
-                f"{where}: the checkpoint in {directory} holds no optimizer state; load "
-                f"without optimizer=, or save with phalanx.distributed.save(..., optimizer=opt)."
+                f"{where}: the checkpoint {location} holds no optimizer state; load without "
+                f"optimizer=, or save with optimizer=opt."
             )
-        members = set(entry["member_keys"])
-        leaves = []
-        for leaf in entry["leaves"]:
-            if isinstance(leaf, dict):
-                key = leaf["tensor"]
-                leaf = (
-                    reader.rows(_MEMBER + key) if key in members else reader.replica(_REPLICA + key)
-                )
-            leaves.append(leaf)
-        optimizer.load_state_dict(
-            pytree.tree_unflatten(leaves, pytree.treespec_loads(entry["treespec"]))
-        )
+        optimizer.load_state_dict(optimizer_state)
     stack.load_state_dict(state)
