@@ -251,6 +251,8 @@ def test_errors_name_what_is_wrong_and_the_fix():
         pdist.gather({"a": torch.zeros(4, 2)}, Shard(7, 1, 2))
     with pytest.raises(ValueError, match=r"nprocs must be a positive int; got 0"):
         pdist.launch(print, 0)
+    with pytest.raises(TypeError, match=r"pass a module-level function, not a lambda"):
+        pdist.launch(lambda: None, 2)
     with pytest.raises(ValueError, match=r"unknown workloads \[.W9.\]; choose from"):
         pdist.bench_sharded(["W9"], 2, True, "cpu")
     with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds"):

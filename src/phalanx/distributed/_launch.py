@@ -84,6 +84,7 @@ def launch(
         ``fn``'s return value on each rank, by rank (each must be picklable).
 
     Raises:
+        TypeError: ``fn`` or ``args`` cannot be pickled (a lambda, a nested function).
         DistributedError: a rank raised or died (its traceback is in the message), or the
             ranks did not finish in time.
 
@@ -97,6 +98,14 @@ def launch(
     where = "phalanx.distributed.launch()"
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"{where}: nprocs must be a positive int; got {nprocs!r}.")
+    try:
+        pickle.dumps((fn, args))
+    except Exception as e:
+        raise TypeError(
+            f"{where}: fn and args must be picklable, since ranks are fresh processes that "
+            f"import fn by name: pass a module-level function, not a lambda or a nested "
+            f"function ({type(e).__name__}: {e})."
+        ) from e
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="phalanx-launch-") as tmp:
