@@ -98,7 +98,10 @@ def finite_members(tensors: Sequence[Tensor], n: int, device: torch.device) -> T
     """(N,) bool: True for members all of whose elements in the (N, ...) tensors are finite."""
     finite = torch.ones(n, dtype=torch.bool, device=device)
     for t in tensors:
-        finite &= torch.isfinite(t).reshape(n, -1).all(dim=1).to(device)
+        if t.numel():
+            # one read of t: min and max are finite iff every element is (NaN propagates)
+            low, high = torch.aminmax(t.reshape(n, -1), dim=1)
+            finite &= (low.isfinite() & high.isfinite()).to(device)
     return finite
 
 
