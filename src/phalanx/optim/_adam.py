@@ -7,8 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, axpy, math_dtype, rows, views
-from ._sgd import signed
+from ._base import MemberOptimizer, axpy, math_dtype, rows, signed, views
 
 __all__ = ["Adam", "AdamW"]
 

@@ -94,6 +94,14 @@ def _hypers_to(group: dict[str, Any], device: torch.device) -> None:
             group[key] = tuple(v.to(device) if isinstance(v, Tensor) else v for v in value)
 
 
+def signed(grads: list[Tensor], maximize: float | Tensor) -> list[Tensor]:
+    """The gradients, negated for the members that maximize."""
+    if isinstance(maximize, Tensor):
+        sign = torch.where(maximize, -1.0, 1.0)  # g * -1 is exactly -g
+        return list(torch._foreach_mul(grads, views(sign, grads)))
+    return list(torch._foreach_neg(grads)) if maximize else grads
+
+
 def finite_members(tensors: Sequence[Tensor], n: int, device: torch.device) -> Tensor:
     """(N,) bool: True for members all of whose elements in the (N, ...) tensors are finite."""
     finite = torch.ones(n, dtype=torch.bool, device=device)

@@ -7,17 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, axpy, math_dtype, rows, views
+from ._base import MemberOptimizer, axpy, math_dtype, rows, signed, views
 
 __all__ = ["SGD"]
-
-
-def signed(grads: list[Tensor], maximize: float | Tensor) -> list[Tensor]:
-    """The gradients, negated for the members that maximize."""
-    if isinstance(maximize, Tensor):
-        sign = torch.where(maximize, -1.0, 1.0)  # g * -1 is exactly -g
-        return list(torch._foreach_mul(grads, views(sign, grads)))
-    return list(torch._foreach_neg(grads)) if maximize else grads
 
 
 class SGD(MemberOptimizer):
