@@ -323,7 +323,8 @@ def load(
     )
     n = source.num_members
     if shard is None:
-        shard = _shards.get(stack) or layout(n)
+        known = _shards.get(stack)
+        shard = known if known is not None else layout(n)
     if shard.num_members != n:
         raise ValueError(
             f"{where}: the checkpoint {location} holds {n} members but this run has "
