@@ -376,3 +376,4 @@ def test_bench_sharded_times_a_workload_on_2_ranks_against_one_process():
         assert r["time_1proc_ms"] > 0 and r["time_kprocs_ms"] > 0
         assert r["ratio"] == pytest.approx(r["time_1proc_ms"] / r["time_kprocs_ms"])
         assert r["same_outputs"] is True
+        assert r["threads_1proc"] == torch.get_num_threads()

@@ -122,8 +122,9 @@ def bench_sharded(
 
     Returns:
         One row per workload and phase ("forward", "train"): ``workload``, ``phase``,
-        ``procs``, ``time_1proc_ms``, ``time_kprocs_ms``, ``ratio`` =
-        ``time_1proc_ms / time_kprocs_ms`` (above 1 when sharding pays), and
+        ``procs``, ``threads_1proc`` (the one process's intra-op threads; set them with
+        ``torch.set_num_threads`` before the call), ``time_1proc_ms``, ``time_kprocs_ms``,
+        ``ratio`` = ``time_1proc_ms / time_kprocs_ms`` (above 1 when sharding pays), and
         ``same_outputs``: whether the ranks' forward outputs, joined, match one process's.
 
     Raises:
@@ -159,6 +160,7 @@ def bench_sharded(
                     "workload": name,
                     "phase": phase,
                     "procs": procs,
+                    "threads_1proc": torch.get_num_threads(),
                     "time_1proc_ms": t1,
                     "time_kprocs_ms": tk,
                     "ratio": t1 / tk,
