@@ -1,8 +1,9 @@
 """``bench_sharded``: benchmark workloads on K local ranks against one process, in one run.
 
-Both sides run the same workload: one process holding all N members (this process, with its
-intra-op threads), then K ranks of one thread each holding their blocks. A sharded step
-takes as long as its slowest rank; members are independent, so the step itself needs no
+Both sides run the same workload in the same K launched processes, in alternating rounds:
+rank 0 alone holding all N members with the caller's intra-op threads (the other ranks idle
+at a barrier), then all K ranks with one thread each on their blocks. A sharded call lasts as
+long as its slowest rank; members are independent, so a training step needs no
 communication, and none is timed.
 """
 
@@ -50,45 +51,42 @@ def _block(workload: Any, block: range, device: torch.device) -> Any:
     )
 
 
-def _time_phases(workload: Any, block: range, device: torch.device, quick: bool) -> dict[str, Any]:
-    """Seconds per call of each phase, one figure per timed round of calls.
+class _Timed:
+    """A runner's two phases as functions, each timed over a round of calls."""
 
-    Also returns, under "output", the block's forward output before any training step, so
-    that the caller can check the ranks computed what one process computes.
-    """
-    runner = _block(workload, block, device)
-    runner.stack.eval()
-    with torch.no_grad():
-        output = runner.forward().cpu()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    def __init__(self, runner: Any, device: torch.device) -> None:
+        self.runner = runner
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def forward() -> None:
+    def output(self) -> torch.Tensor:
+        """The forward output before any training step, to check against one process."""
+        self.runner.stack.eval()
         with torch.no_grad():
-            runner.forward()
+            return self.runner.forward().cpu()
 
-    def train() -> None:
-        runner.backward()
-        runner.step()
+    def call(self, phase: str) -> None:
+        if phase == "forward":
+            with torch.no_grad():
+                self.runner.forward()
+        else:
+            self.runner.backward()
+            self.runner.step()
 
-    rounds, calls = (5, 5) if quick else (15, 20)
-    times: dict[str, Any] = {"output": output}
-    for phase, fn in (("forward", forward), ("train", train)):
-        runner.stack.train(phase == "train")
-        for _ in range(3 if quick else 10):  # warm-up
-            fn()
-        sync()
-        times[phase] = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            sync()
-            times[phase].append((time.perf_counter() - start) / calls)
-    return times
+    def time(self, phase: str, calls: int) -> float:
+        """Seconds per call over ``calls`` back-to-back calls."""
+        self.runner.stack.train(phase == "train")
+        start = time.perf_counter()
+        for _ in range(calls):
+            self.call(phase)
+        self.sync()
+        return (time.perf_counter() - start) / calls
 
 
-def _rank_main(name: str, quick: bool, device: str) -> dict[str, Any]:
-    """One rank: time its block; every rank returns its figures."""
+def _rank_main(name: str, quick: bool, device: str, threads_1proc: int) -> dict[str, Any]:
+    """One rank. Rounds alternate: rank 0 alone holding all N members with ``threads_1proc``
+    threads while the other ranks wait, then every rank on its block with one thread. So
+    both sides meet the same bursts of load from other processes on a shared machine.
+    """
     import torch.distributed as dist
 
     from phalanx._bench.workloads import WORKLOADS
@@ -99,8 +97,28 @@ def _rank_main(name: str, quick: bool, device: str) -> dict[str, Any]:
     dev = torch.device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", shard.rank % torch.cuda.device_count())
-    dist.barrier()  # start together: ranks compete for the same cores and memory bandwidth
-    return _time_phases(w, shard.global_indices, dev, quick)
+    mine = _Timed(_block(w, shard.global_indices, dev), dev)
+    whole = _Timed(_block(w, range(w.num_members), dev), dev) if shard.rank == 0 else None
+    out: dict[str, Any] = {"output": mine.output(), "one": {}, "k": {}}
+    if whole is not None:
+        out["output_1proc"] = whole.output()
+    rounds, calls, warmup = (5, 5, 3) if quick else (15, 20, 10)
+    for phase in PHASES:
+        out["one"][phase], out["k"][phase] = [], []
+        for timed in (mine, whole):
+            if timed is not None:
+                torch.set_num_threads(1 if timed is mine else threads_1proc)
+                for _ in range(warmup):
+                    timed.call(phase)
+        for _ in range(rounds):
+            dist.barrier()
+            if whole is not None:
+                torch.set_num_threads(threads_1proc)
+                out["one"][phase].append(whole.time(phase, calls))
+                torch.set_num_threads(1)
+            dist.barrier()  # the others wait here, idle, while rank 0 runs alone
+            out["k"][phase].append(mine.time(phase, calls))
+    return out
 
 
 def bench_sharded(
@@ -109,10 +127,12 @@ def bench_sharded(
     """Times workloads on ``procs`` local ranks against one process holding every member.
 
     Members and data come from the benchmark's builder (``phalanx._bench.workloads``), run
-    by its phalanx contender (backend "auto", phalanx's Adam). The one-process figure is taken
-    in this process, with its intra-op threads; then ``procs`` ranks of one thread each
-    (:func:`phalanx.distributed.launch`) time their blocks at the same moment. A sharded
-    call takes as long as the slowest rank; each figure is the median over timed rounds.
+    by its phalanx contender (backend "auto", phalanx's Adam). ``procs`` ranks are launched
+    (:func:`phalanx.distributed.launch`); rounds alternate between rank 0 alone running all N
+    members with this process's intra-op threads (the other ranks idle) and every rank
+    running its block with one thread, so both sides meet the same load from other
+    processes. A sharded call lasts as long as the slowest rank; each figure is the median
+    over rounds.
 
     Args:
         workloads: workload ids from DESIGN.md, e.g. ["W1", "W6"].
@@ -142,28 +162,28 @@ def bench_sharded(
         raise ValueError(f"{where}: unknown workloads {unknown}; choose from {sorted(WORKLOADS)}.")
     if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
         raise ValueError(f"{where}: procs must be a positive int; got {procs!r}.")
+    threads = torch.get_num_threads()
     rows = []
     for name in workloads:
         w = WORKLOADS[name]
-        one = _time_phases(w, range(w.num_members), torch.device(device), quick)
-        per_rank = launch(_rank_main, procs, name, quick, device, timeout=120.0)
-        joined = torch.cat(
-            [r["output"] for r in per_rank], dim=1 if w.input_mode == "sliced" else 0
-        )
-        exact = torch.allclose(joined, one["output"], rtol=1e-4, atol=1e-5)
+        per_rank = launch(_rank_main, procs, name, quick, device, threads, timeout=300.0)
+        dim = 1 if w.input_mode == "sliced" else 0
+        joined = torch.cat([r["output"] for r in per_rank], dim=dim)
+        exact = torch.allclose(joined, per_rank[0]["output_1proc"], rtol=1e-4, atol=1e-5)
         for phase in PHASES:
-            slowest = [max(block) for block in zip(*(r[phase] for r in per_rank))]
-            t1 = statistics.median(one[phase]) * 1e3
-            tk = statistics.median(slowest) * 1e3
+            one = statistics.median(per_rank[0]["one"][phase]) * 1e3
+            # A sharded call lasts as long as its slowest rank.
+            slowest = [max(ts) for ts in zip(*(r["k"][phase] for r in per_rank))]
+            k = statistics.median(slowest) * 1e3
             rows.append(
                 {
                     "workload": name,
                     "phase": phase,
                     "procs": procs,
-                    "threads_1proc": torch.get_num_threads(),
-                    "time_1proc_ms": t1,
-                    "time_kprocs_ms": tk,
-                    "ratio": t1 / tk,
+                    "threads_1proc": threads,
+                    "time_1proc_ms": one,
+                    "time_kprocs_ms": k,
+                    "ratio": one / k,
                     "same_outputs": exact,
                 }
             )
