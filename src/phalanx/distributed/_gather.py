@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from phalanx.distributed._mesh import Shard, collective
+from phalanx.distributed._mesh import Shard, collective, comm_device
 
 __all__ = ["broadcast", "gather"]
 
@@ -68,7 +68,7 @@ def gather(x: Any, shard: Shard) -> Any:
     out = []
     with collective(where, shard, "all_gather"):
         for leaf in leaves:
-            t = leaf.detach().to(shard.device)
+            t = leaf.detach().to(comm_device())
             if t.dtype == torch.bool:  # not every backend reduces or moves bool
                 t = t.to(torch.uint8)
             padded = t.new_zeros((width, *t.shape[1:]))
@@ -82,7 +82,7 @@ def gather(x: Any, shard: Shard) -> Any:
 
 def _check_same_everywhere(leaves: list[torch.Tensor], shard: Shard, where: str) -> None:
     """Raises on every rank when the ranks' leaves differ in count, dtype or trailing shape."""
-    mine = torch.tensor([len(leaves), _signature(leaves)], dtype=torch.int64, device=shard.device)
+    mine = torch.tensor([len(leaves), _signature(leaves)], dtype=torch.int64, device=comm_device())
     everyone = [torch.empty_like(mine) for _ in range(shard.world_size)]
     with collective(where, shard, "all_gather of shapes"):
         dist.all_gather(everyone, mine)
@@ -136,7 +136,7 @@ def broadcast(x: Any, shard: Shard, *, src: int = 0) -> Any:
             else (pytree.treespec_dumps(spec), [(t.dtype, tuple(t.shape)) for t in leaves]),
         ]
     with collective(where, shard, "broadcast"):
-        dist.broadcast_object_list(header, src=src, device=shard.device)
+        dist.broadcast_object_list(header, src=src, device=comm_device())
     if header[0] is None:
         raise TypeError(
             f"{where}: rank {src} must pass a tensor or a tuple, list or dict of tensors; "
@@ -147,9 +147,9 @@ def broadcast(x: Any, shard: Shard, *, src: int = 0) -> Any:
     with collective(where, shard, "broadcast"):
         for k, (dtype, shape) in enumerate(meta):
             if shard.rank == src:
-                t = leaves[k].detach().to(shard.device).contiguous()
+                t = leaves[k].detach().to(comm_device()).contiguous()
             else:
-                t = torch.empty(shape, dtype=dtype, device=shard.device)
+                t = torch.empty(shape, dtype=dtype, device=comm_device())
             dist.broadcast(t, src=src)
-            out.append(t)
+            out.append(t if shard.rank == src else t.to(shard.device))
     return pytree.tree_unflatten(out, pytree.treespec_loads(spec_text))

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DistributedError",
     "Shard",
+    "comm_device",
     "init",
     "is_distributed",
     "layout",
@@ -150,7 +151,8 @@ def member_range(num_members: int, world_size: int, rank: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
-def _default_device() -> torch.device:
+def comm_device() -> torch.device:
+    """Where collectives move tensors: this rank's GPU under nccl, else the CPU."""
     if is_distributed() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -305,7 +307,7 @@ def layout(num_members: int, *, device: torch.device | str | None = None) -> Sha
             f"{num_members!r}."
         )
     rank, world = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
-    dev = _default_device() if device is None else torch.device(device)
+    dev = comm_device() if device is None else torch.device(device)
     return Shard(num_members, rank, world, dev)
 
 
