@@ -13,6 +13,7 @@ from torch import nn
 import phalanx
 from conftest import Arch, assert_close, check_forward_and_gradients, reference_outputs
 from phalanx._backends import _fused_layers
+from phalanx._backends._fused import fused_tree
 
 
 class Wrap(nn.Module):
@@ -232,3 +233,57 @@ def test_torch_compile_gives_the_same_results():
     torch.testing.assert_close(compiled(x), eager)
     xs = torch.randn(4, 8, 10)
     torch.testing.assert_close(compiled(xs, in_dims=0), stack(xs, in_dims=0))
+
+
+# ------------------------------------------------------------------------- the MLP fast path
+
+MLPS = [
+    Arch("mlp_relu", lambda: _seq(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)),
+         lambda b: (torch.randn(b, 5),)),
+    Arch("mlp_tanh_sigmoid_no_bias", lambda: _seq(
+        nn.Linear(5, 7, bias=False), nn.Tanh(), nn.Linear(7, 6), nn.Sigmoid(), nn.Linear(6, 2)),
+        lambda b: (torch.randn(b, 5),)),
+    Arch("mlp_leaky_identity_3d", lambda: _seq(
+        nn.Tanh(), nn.Linear(4, 6), nn.LeakyReLU(0.2), nn.Identity(), nn.Linear(6, 6), nn.ReLU()),
+        lambda b: (torch.randn(b, 3, 4),)),
+    Arch("linear_chain_no_activation", lambda: _seq(nn.Linear(20, 10), nn.Linear(10, 1)),
+         lambda b: (torch.randn(b, 20),)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("arch", MLPS, ids=[a.name for a in MLPS])
+def test_mlp_fast_path_matches_loop(arch, mode):
+    stack = phalanx.stack([arch.make() for _ in range(2)], backend="fused")
+    assert "BatchedMLP" in repr(fused_tree(stack)), "the fast path must be the one under test"
+    check_forward_and_gradients("fused", arch, mode, 3, True)
+
+
+def test_mlp_fast_path_respects_frozen_parameters():
+    torch.manual_seed(0)
+    members = [MLPS[0].make() for _ in range(3)]
+    for m in members:
+        m[0].weight.requires_grad_(False)
+    reference = copy.deepcopy(members)
+    stack = phalanx.stack(members, backend="fused")
+    x = torch.randn(4, 5)
+    stack(x).square().sum().backward()
+    for m in reference:
+        m(x).square().sum().backward()
+    assert stack.module[0].weight.grad is None
+    for i, m in enumerate(reference):
+        assert_close(stack.module[2].weight.grad[i], m[2].weight.grad)
+        assert_close(stack.module[0].bias.grad[i], m[0].bias.grad)
+
+
+def test_mlp_no_grad_forward_in_member_chunks(monkeypatch):
+    from phalanx._backends import _fused_mlp
+
+    monkeypatch.setattr(_fused_mlp, "_CHUNK_BYTES", 4 * 4 * 7 * 2)  # two members a chunk
+    torch.manual_seed(0)
+    members = [MLPS[0].make() for _ in range(5)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    for args, dims in [((torch.randn(4, 5),), (None,)), ((torch.randn(5, 4, 5),), (0,))]:
+        with torch.no_grad():
+            out = stack(*args, in_dims=dims)
+        assert_close(out, reference_outputs(members, args, dims))

@@ -458,3 +458,42 @@ def test_state_dict_round_trip_continues_identically() -> None:
 def test_bad_arguments_are_named(make: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make(make_params(torch.float32))
+
+
+@pytest.mark.parametrize("cls", ["Adam", "AdamW"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_fused_kernel_path_matches_torch_and_steps_aside_for_masks(monkeypatch, cls, amsgrad):
+    """One lr for all members and equal step counts take torch's fused Adam kernel; a mask
+    makes the counts differ, after which the foreach path runs. Both match torch.optim."""
+    from phalanx.optim import _adam
+
+    calls = []
+    original = _adam.Adam._fused_update
+    monkeypatch.setattr(
+        _adam.Adam, "_fused_update", lambda self, *a: calls.append(1) or original(self, *a)
+    )
+    torch.manual_seed(0)
+    n = 3
+    params = [nn.Parameter(torch.randn(n, 4, 5)), nn.Parameter(torch.randn(n, 5))]
+    refs = [[nn.Parameter(p[i].detach().clone()) for p in params] for i in range(n)]
+    kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1, "amsgrad": amsgrad}
+    opt = getattr(phalanx.optim, cls)(params, **kwargs)
+    ref_opts = [getattr(torch.optim, cls)(r, **kwargs) for r in refs]
+    for step in range(6):
+        grads = [torch.randn_like(p) for p in params]
+        mask = torch.tensor([True, step < 3 or step % 2 == 0, True])
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step(mask=mask if step >= 3 else None)
+        for i, (r, o) in enumerate(zip(refs, ref_opts)):
+            if not mask[i]:
+                continue
+            for q, g in zip(r, grads):
+                q.grad = g[i].clone()
+            o.step()
+    # Steps 0-3 start from equal counts (step 3's mask is applied after the update); from
+    # step 4 on member 1 is a step behind, so the foreach path runs.
+    assert len(calls) == 4
+    for i in range(n):
+        for p, q in zip(params, refs[i]):
+            assert_close(p[i], q, msg=f"member {i}")

@@ -6,7 +6,48 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.func import vmap
+
+# Losses that are a mean of per-element terms: computed once on (N, B, ...) with
+# reduction="none", then averaged per member, instead of through vmap's per-call overhead.
+_ELEMENTWISE = {
+    F.mse_loss: (),
+    F.l1_loss: (),
+    F.smooth_l1_loss: ("beta",),
+    F.huber_loss: ("delta",),
+    F.binary_cross_entropy_with_logits: (),
+    F.binary_cross_entropy: (),
+}
+# Losses over a class dimension (dim 1 of a member's (B, C, ...) output) with a mean over
+# the samples: computed on the (N * B, C, ...) flattening.
+_CLASSWISE = {F.cross_entropy: ("label_smoothing",), F.nll_loss: ()}
+
+
+def _batched_loss(
+    loss_fn: Callable[..., torch.Tensor],
+    output: torch.Tensor,
+    target: Any,
+    in_dims: tuple[int | None, int | None],
+    kwargs: dict[str, Any],
+) -> torch.Tensor | None:
+    """The (N,) losses without vmap for the common losses with a plain mean; else None."""
+    if not isinstance(target, torch.Tensor) or in_dims[0] != 0 or output.dim() < 2:
+        return None
+    n = output.shape[0]
+    if in_dims[1] is None:
+        target = target.expand(n, *target.shape)
+    if loss_fn in _ELEMENTWISE and set(kwargs) <= set(_ELEMENTWISE[loss_fn]):
+        if target.shape != output.shape:
+            return None  # broadcasting targets: let the loss itself warn or refuse
+        per_element = loss_fn(output, target, reduction="none", **kwargs)
+        return per_element.flatten(1).mean(1)
+    if loss_fn in _CLASSWISE and set(kwargs) <= set(_CLASSWISE[loss_fn]) and output.dim() >= 3:
+        if target.shape[:2] != output.shape[:2]:
+            return None
+        per_sample = loss_fn(output.flatten(0, 1), target.flatten(0, 1), reduction="none", **kwargs)
+        return per_sample.view(n, -1).mean(1)
+    return None
 
 
 def member_losses(
@@ -58,7 +99,9 @@ def member_losses(
             f"per-member target pass in_dims=(0, 0); for a shared one pass a target without the "
             f"member axis."
         )
-    losses = vmap(lambda o, t: loss_fn(o, t, **kwargs), in_dims=in_dims)(output, target)
+    losses = _batched_loss(loss_fn, output, target, in_dims, kwargs)
+    if losses is None:
+        losses = vmap(lambda o, t: loss_fn(o, t, **kwargs), in_dims=in_dims)(output, target)
     expected = output.shape[:1] if in_dims[0] == 0 else target.shape[:1]
     if losses.shape != expected:
         raise ValueError(

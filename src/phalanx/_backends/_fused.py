@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from phalanx._backends._fused_layers import Batched, FusedUnsupported, classify
+from phalanx._backends._fused_mlp import BatchedMLP, mlp_layers
 
 if TYPE_CHECKING:
     from phalanx._stack import Stack
@@ -47,7 +48,7 @@ def build_tree(stack: Stack) -> nn.Module:
     for path, sub in list(tree.named_modules()):
         if any(path.startswith(p + ".") or p == "" for p in replaced):
             continue
-        kind, factory = classify(sub)
+        kind, factory = ("batched", BatchedMLP) if mlp_layers(sub) else classify(sub)
         if kind == "unsupported":
             unsupported.append(f"{path or '<root>'!r} ({type(sub).__name__})")
         elif kind == "batched" and factory is not None:
@@ -67,8 +68,9 @@ def build_tree(stack: Stack) -> nn.Module:
 
 
 def copy_modes(source: nn.Module, tree: nn.Module) -> None:
-    for a, b in zip(source.modules(), tree.modules()):
-        b.training = a.training
+    """Gives every module of the fused tree the train/eval mode of its twin in ``source``."""
+    for name, m in tree.named_modules():
+        m.training = source.get_submodule(name).training
 
 
 def fused_tree(stack: Stack) -> nn.Module:

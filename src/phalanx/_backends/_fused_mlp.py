@@ -1,0 +1,213 @@
+"""The fused backend's fast path for MLPs: a ``Sequential`` of Linear layers and activations.
+
+Small MLPs are launch-bound: layer by layer, autograd records about a dozen nodes per layer
+(views, transposes, the bias broadcast, the activation) and runs each as its own kernel. Here
+the whole chain is one autograd node with a hand-written backward: per layer one batched GEMM
+with the bias folded in and the activation applied in place on its output forward; and
+backward, one GEMM for the weight gradient, one for the input gradient and one reduction for
+the bias. With a shared input the first layer is one GEMM against every member's weights
+concatenated along the output dimension, and its input gradient one GEMM that sums over the
+members.
+
+Under ``torch.no_grad`` the members are processed in chunks whose activations fit in cache,
+which the loop over members gets for free and one huge batched call does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from phalanx._backends._fused_layers import Batched, FusedUnsupported, is_shared
+
+_ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU)
+_CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
+
+
+def mlp_layers(seq: nn.Module) -> list[nn.Module] | None:
+    """The layers of ``seq`` when it is a plain Sequential MLP the fast path runs, else None."""
+    if type(seq) is not nn.Sequential:
+        return None
+    layers = list(seq)
+    if not layers or not any(type(m) is nn.Linear for m in layers):
+        return None
+    for m in layers:
+        if type(m) is nn.Linear:
+            continue
+        if type(m) not in _ACTIVATIONS:
+            return None
+        if isinstance(m, nn.LeakyReLU) and m.negative_slope < 0:
+            return None  # the gradient is read off the output's sign
+    return layers
+
+
+def _activate_(h: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    if kind == "ReLU":
+        return h.relu_()
+    if kind == "Tanh":
+        return h.tanh_()
+    if kind == "Sigmoid":
+        return h.sigmoid_()
+    if kind == "LeakyReLU":
+        return F.leaky_relu_(h, slope)
+    return h
+
+
+def _activation_grad(g: torch.Tensor, out: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """The gradient through an activation, from its output (which is all that is kept)."""
+    if kind == "ReLU":
+        return torch.ops.aten.threshold_backward(g, out, 0)
+    if kind == "Tanh":
+        return g * (1 - out * out)
+    if kind == "Sigmoid":
+        return g * out * (1 - out)
+    if kind == "LeakyReLU":
+        return torch.where(out > 0, g, g * slope)
+    return g
+
+
+def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, shared: bool) -> torch.Tensor:
+    """One Linear for all members: h (N, M, in) or, shared, (M, in) -> (N, M, out)."""
+    n, out_f, in_f = w.shape
+    if shared:
+        flat_b = None if b is None else b.reshape(-1)
+        y = F.linear(h, w.reshape(n * out_f, in_f), flat_b)  # (M, N * out)
+        return y.view(h.shape[0], n, out_f).transpose(0, 1)
+    if b is None:
+        return torch.bmm(h, w.transpose(1, 2))
+    return torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+
+
+def _forward(h: torch.Tensor, shared: bool, spec: tuple, params: tuple) -> torch.Tensor:
+    """The chain without autograd: activations in place on each Linear's fresh output."""
+    k = 0
+    for kind, slope in spec:
+        if kind == "Linear":
+            h = _linear(h, params[k], params[k + 1], shared and k == 0)
+            k += 2
+        else:
+            h = _activate_(h, kind, slope)
+    return h
+
+
+class _MLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shared: bool, spec: tuple, *params: torch.Tensor):
+        inputs = [x]
+        h = x
+        outs_after_act: list[torch.Tensor] = []  # the output of each layer, after activation
+        k = 0
+        first = True
+        for kind, slope in spec:
+            if kind == "Linear":
+                if not first:
+                    inputs.append(h)
+                h = _linear(h, params[k], params[k + 1], shared and first)
+                outs_after_act.append(h)
+                first = False
+                k += 2
+            else:
+                h = _activate_(h, kind, slope)
+                outs_after_act[-1] = h
+        ctx.shared, ctx.spec = shared, spec
+        ctx.has_bias = [params[i + 1] is not None for i in range(0, len(params), 2)]
+        ctx.save_for_backward(*inputs, *outs_after_act, *params[::2])
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor):
+        spec, shared = ctx.spec, ctx.shared
+        saved = ctx.saved_tensors
+        n_lin = len(ctx.has_bias)
+        inputs, outs, weights = saved[:n_lin], saved[n_lin : 2 * n_lin], saved[2 * n_lin :]
+        # Group the spec by Linear: each Linear with the activations that follow it.
+        acts: list[list[tuple[str, float]]] = []
+        for kind, slope in spec:
+            if kind == "Linear":
+                acts.append([])
+            elif acts:
+                acts[-1].append((kind, slope))
+        grads: list[torch.Tensor | None] = [None] * (2 * n_lin)
+        g = grad
+        grad_x = None
+        for layer in reversed(range(n_lin)):
+            for kind, slope in reversed(acts[layer]):
+                g = _activation_grad(g, outs[layer], kind, slope)
+            a, w = inputs[layer], weights[layer]
+            n, out_f, in_f = w.shape
+            if ctx.has_bias[layer] and ctx.needs_input_grad[3 + 2 * layer + 1]:
+                grads[2 * layer + 1] = g.sum(1)
+            first_shared = shared and layer == 0
+            if ctx.needs_input_grad[3 + 2 * layer]:
+                if first_shared:
+                    grads[2 * layer] = torch.bmm(g.transpose(1, 2), a.expand(n, *a.shape))
+                else:
+                    grads[2 * layer] = torch.bmm(g.transpose(1, 2), a)
+            if layer > 0 or ctx.needs_input_grad[0]:
+                if first_shared:
+                    flat = g.transpose(0, 1).reshape(g.shape[1], n * out_f)  # (M, N * out)
+                    g = flat @ w.reshape(n * out_f, in_f)  # sums over the members
+                else:
+                    g = torch.bmm(g, w)
+                if layer == 0:
+                    grad_x = g
+        # Leading activations (before the first Linear) are not part of the fast path.
+        return (grad_x, None, None, *grads)
+
+
+class BatchedMLP(Batched):
+    """A whole ``Sequential`` MLP for all members as one autograd node."""
+
+    layers: list[nn.Module]
+    linears: list[nn.Module]
+
+    def __init__(self, src: nn.Module, n: int) -> None:
+        super().__init__(src, n)
+        layers = mlp_layers(src)
+        if layers is None:
+            raise FusedUnsupported(f"{type(src).__name__} is not a plain MLP")
+        self.layers = layers
+        self.spec = tuple(
+            (type(m).__name__, float(getattr(m, "negative_slope", 0.0))) for m in layers
+        )
+        self.lead = 0  # activations before the first Linear run as ordinary ops
+        while self.spec[self.lead][0] != "Linear":
+            self.lead += 1
+        object.__setattr__(self, "linears", [m for m in layers if type(m) is nn.Linear])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.layers[: self.lead]:
+            x = m(x)
+        spec = self.spec[self.lead :]
+        params: list[Any] = []
+        for m in self.linears:
+            params += [m.weight, m.bias]
+        n = self.n
+        shared = is_shared(x)
+        lead_shape = x.shape[1:-1]
+        h = x[0].reshape(-1, x.shape[-1]) if shared else x.reshape(n, -1, x.shape[-1])
+        if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in params)):
+            y = _MLPFunction.apply(h, shared, spec, *params)
+        else:
+            y = self._no_grad(h, shared, spec, params)
+        return y.view(n, *lead_shape, y.shape[-1])
+
+    def _no_grad(self, h: torch.Tensor, shared: bool, spec: tuple, params: list) -> torch.Tensor:
+        """Forward in member chunks whose activations stay in cache."""
+        n = self.n
+        widest = max(p.shape[1] for p in params[::2])
+        rows = h.shape[-2]
+        chunk = max(1, min(n, _CHUNK_BYTES // max(1, rows * widest * h.element_size())))
+        if chunk >= n:
+            return _forward(h, shared, spec, tuple(params))
+        outs = []
+        for start in range(0, n, chunk):
+            part = tuple(None if p is None else p[start : start + chunk] for p in params)
+            xs = h if shared else h[start : start + chunk]
+            outs.append(_forward(xs, shared, spec, part))
+        return torch.cat(outs)
