@@ -102,11 +102,19 @@ def test_every_batched_layer_matches_loop(backend, arch, mode, n, train):
     check_forward_and_gradients(backend, arch, mode, n, train)
 
 
-def test_auto_picks_fused_for_known_layers():
-    stack = phalanx.stack([LAYERS[3].make() for _ in range(3)])
-    assert stack.backend == "fused"
-    stack(*LAYERS[3].inputs(4))
-    assert stack.backend == "fused"
+def test_auto_picks_fused_where_it_is_exact_and_far_faster():
+    # 256 tiny members: the loop makes 256 calls per layer, fused one, so the race auto runs
+    # on its first call must pick fused. One thread: on a loaded 2-core machine two OpenMP
+    # threads can slow a batched kernel down by 50x, which is noise this test is not about.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stack = phalanx.stack([MLPS[0].make() for _ in range(256)])
+        assert stack.backend == "fused"
+        stack(torch.randn(8, 5))
+        assert stack.backend == "fused"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("strategy", ["grouped", "per_member"])
@@ -155,7 +163,7 @@ def test_auto_falls_back_to_vmap_with_a_warning_and_the_right_answer(cls):
     assert stack.backend == "fused"  # nothing in the tree is unknown...
     with pytest.warns(UserWarning, match=r"backend 'fused' cannot run this architecture exactly"):
         out = stack(x)  # ...but the probe sees the member's forward is not fusable
-    assert stack.backend == "vmap"
+    assert stack.backend in ("vmap", "loop"), "auto times the exact backends and takes the faster"
     assert_close(out, expected)
 
 

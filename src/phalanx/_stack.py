@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from phalanx._backends import BACKENDS, get_backend
 from phalanx._backends._fused import copy_modes, fused_tree
@@ -98,6 +100,7 @@ class Stack(nn.Module):
         self._requested = backend
         self._resolved: str | None = None if backend == "auto" else backend
         self._vmap_ran = False
+        self._raced = backend != "auto"
         if backend == "fused":
             self._require_fused(where)
 
@@ -149,6 +152,7 @@ class Stack(nn.Module):
             )
         self._requested = name
         self._resolved = None if name == "auto" else name
+        self._raced = name != "auto"
         if name == "fused":
             self._require_fused("Stack.backend")
 
@@ -245,8 +249,10 @@ class Stack(nn.Module):
         """
         candidates = [b for b in BACKENDS if BACKENDS.index(b) >= BACKENDS.index(self.backend)]
         for name, fallback in itertools.pairwise(candidates):
-            # Until vmap has run once, keep what a refused attempt might have changed.
-            saved = self._save_side_effects() if name == "vmap" and not self._vmap_ran else None
+            # Until vmap has run once, keep what a refused attempt might have changed; before
+            # the race, keep the state the first call starts from.
+            first_try = (name == "vmap" and not self._vmap_ran) or not self._raced
+            saved = self._save_side_effects() if first_try else None
             try:
                 out = get_backend(name).forward(self, args, kwargs, dims)
             except FusedUnsupported as e:
@@ -258,6 +264,14 @@ class Stack(nn.Module):
                 reason = str(e.__cause__ or e).strip().splitlines()[0]
             else:
                 self._vmap_ran = self._vmap_ran or name == "vmap"
+                if not self._raced and saved is not None:
+                    # The output's graph must not see the race's buffer updates: undo this
+                    # run, race from the same state, then run the winner for real.
+                    self._raced = True
+                    del out
+                    self._restore_side_effects(saved)
+                    name = self._race(candidates[candidates.index(name) :], args, kwargs, dims)
+                    out = get_backend(name).forward(self, args, kwargs, dims)
                 if self._resolved != name:
                     logger.info("phalanx: backend 'auto' runs %r", name)
                 self._resolved = name
@@ -271,6 +285,58 @@ class Stack(nn.Module):
             self._resolved = fallback
         self._resolved = candidates[-1]
         return get_backend(self._resolved).forward(self, args, kwargs, dims)
+
+    def _race(
+        self, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any], dims: tuple
+    ) -> str:
+        """Times the backends that run this input exactly and returns the fastest.
+
+        Once, on the first call under ``auto``, like cuDNN's benchmark mode: a batched
+        computation is not always faster than a loop (large convolutions on a CPU). Under
+        autograd the backward pass is timed too, with ``torch.autograd.grad`` so that no
+        ``.grad`` is touched; buffers and RNG states are restored afterwards.
+        """
+        if len(names) < 2:
+            return names[0]
+        params = [p for p in self.parameters() if p.requires_grad]
+        train = torch.is_grad_enabled() and bool(params)
+        sync = torch.cuda.synchronize if params and params[0].is_cuda else (lambda: None)
+
+        def run(name: str) -> float:
+            sync()
+            start = time.perf_counter()
+            out = get_backend(name).forward(self, args, kwargs, dims)
+            if train:
+                leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                total = sum(t.float().sum() for t in leaves if t.requires_grad)
+                if isinstance(total, torch.Tensor):
+                    torch.autograd.grad(total, params, allow_unused=True)
+            sync()
+            return time.perf_counter() - start
+
+        saved = self._save_side_effects()
+        times: dict[str, float] = {}
+        try:
+            for name in names:
+                try:
+                    first = run(name)  # warm-up: the fused probe and autotuning run here
+                    if times and first > 10 * min(times.values()):
+                        continue  # hopeless, and maybe slow: do not time it again
+                    times[name] = min(run(name), run(name))
+                except (RuntimeError, ValueError, NotImplementedError, FusedUnsupported) as e:
+                    logger.debug("phalanx: backend %r left out of the race: %s", name, e)
+                    continue
+                finally:
+                    self._restore_side_effects(saved)
+        finally:
+            self._restore_side_effects(saved)
+        best = min(times, key=times.__getitem__) if times else names[0]
+        logger.info(
+            "phalanx: backend 'auto' timed %s and picked %r",
+            ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in times.items()),
+            best,
+        )
+        return best
 
     def _save_side_effects(self) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
         """Buffers and RNG states, so that a failed attempt leaves no trace."""

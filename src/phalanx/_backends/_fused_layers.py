@@ -36,6 +36,11 @@ def to_channels(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).flatten(1, 2)
 
 
+def is_batch_major(x: torch.Tensor) -> bool:
+    """True when ``(N, B, ...)`` is laid out as ``(B, N, ...)``, which to_channels views."""
+    return x.dim() > 2 and x.transpose(0, 1).is_contiguous()
+
+
 def from_channels(y: torch.Tensor, n: int) -> torch.Tensor:
     """``(B, N * C, *sp)`` -> ``(N, B, C, *sp)``, a view (batch-major layout)."""
     return y.unflatten(1, (n, -1)).transpose(0, 1)
@@ -301,6 +306,8 @@ class PerChannel(Batched):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.src, "return_indices", False):
             raise FusedUnsupported(f"{type(self.src).__name__} with return_indices=True")
+        if x.is_contiguous() and not is_batch_major(x):  # member-major: (N * B, C, ...) is a view
+            return self.src(x.flatten(0, 1)).unflatten(0, x.shape[:2])
         return from_channels(self.src(to_channels(x)), self.n)
 
 
