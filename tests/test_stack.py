@@ -363,3 +363,14 @@ def test_member_losses_per_member_targets_and_errors():
         phalanx.member_losses(F.mse_loss, out, ts)
     with pytest.raises(ValueError, match=r"must return one scalar per member.*reduction='mean'"):
         phalanx.member_losses(F.mse_loss, out, ts, in_dims=(0, 0), reduction="none")
+
+
+def test_settings_outside_tensors_must_agree():
+    a = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.LeakyReLU(0.1))
+    b = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.2), nn.LeakyReLU(0.1))
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 submodule '1' is Dropout\(p=0.2, "
+        r"inplace=False\), member 0 has Dropout\(p=0.5",
+    ):
+        phalanx.stack([a, b])

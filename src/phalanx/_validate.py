@@ -69,10 +69,13 @@ def architecture_differences(
 ) -> list[str]:
     """Lists every way ``other`` (member ``index``) differs from ``reference``."""
     diffs: list[str] = []
+    setting_diffs: dict[str, str] = {}
     who = f"member {index}"
 
-    ref_types = {p: type(m) for p, m in reference.named_modules(remove_duplicate=False)}
-    oth_types = {p: type(m) for p, m in other.named_modules(remove_duplicate=False)}
+    ref_modules = dict(reference.named_modules(remove_duplicate=False))
+    oth_modules = dict(other.named_modules(remove_duplicate=False))
+    ref_types = {p: type(m) for p, m in ref_modules.items()}
+    oth_types = {p: type(m) for p, m in oth_modules.items()}
     for path in ref_types.keys() | oth_types.keys():
         shown = repr(path) if path else "the root module"
         if path not in oth_types:
@@ -86,6 +89,17 @@ def architecture_differences(
                 f"{who} submodule {shown} is a {oth_types[path].__name__}, "
                 f"{ref_name} has a {ref_types[path].__name__}"
             )
+        else:
+            # Settings that live outside tensors (Dropout's p, BatchNorm's eps, a LeakyReLU's
+            # slope) would silently be taken from member 0: their repr shows them.
+            ref_repr = ref_modules[path].extra_repr()
+            oth_repr = oth_modules[path].extra_repr()
+            if ref_repr != oth_repr:
+                name = ref_types[path].__name__
+                setting_diffs[path] = (
+                    f"{who} submodule {shown} is {name}({oth_repr}), {ref_name} has "
+                    f"{name}({ref_repr})"
+                )
 
     ref_t = _tensor_table(reference)
     oth_t = _tensor_table(other)
@@ -111,6 +125,7 @@ def architecture_differences(
         if a is None or b is None:
             continue
         if a.shape != b.shape:
+            setting_diffs.pop(name.rpartition(".")[0], None)  # the shapes say it already
             diffs.append(
                 f"{who} {kind} '{name}' has shape {_fmt_shape(b.shape)}, "
                 f"{ref_name} has {_fmt_shape(a.shape)}"
@@ -128,8 +143,8 @@ def architecture_differences(
                 f"{ref_name} has requires_grad={a.requires_grad}"
             )
 
-    ref_modules = dict(reference.named_modules(remove_duplicate=False))
-    for path, sub in other.named_modules(remove_duplicate=False) if check_mode else ():
+    diffs.extend(setting_diffs.values())
+    for path, sub in oth_modules.items() if check_mode else ():
         ref_sub = ref_modules.get(path)
         if ref_sub is not None and ref_sub.training != sub.training:
             shown = f"submodule {path!r}" if path else "the root module"
