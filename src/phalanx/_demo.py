@@ -186,7 +186,7 @@ def _sweep(data: Digits, args: argparse.Namespace) -> Sweep:
                 bar.update()
             train_loss = total / len(loader)
             finite = train_loss[train_loss.isfinite()]
-            best = f"{finite.min():.3f}" if len(finite) else "-"
+            best = f"{finite.min():.2g}" if len(finite) else "-"
             bar.set_postfix(frozen=int(opt.frozen.sum()), best_loss=best)
     seconds = time.perf_counter() - start
     return Sweep(stack, opt, lrs, seeds, train_loss, seconds, steps, stack.backend)
