@@ -295,3 +295,16 @@ def test_mlp_no_grad_forward_in_member_chunks(monkeypatch):
         with torch.no_grad():
             out = stack(*args, in_dims=dims)
         assert_close(out, reference_outputs(members, args, dims))
+
+
+def test_probe_copes_with_a_diverged_member():
+    torch.manual_seed(0)
+    members = [MLPS[0].make() for _ in range(3)]
+    with torch.no_grad():
+        members[1][0].weight.fill_(float("nan"))
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    for batch in (4, 5):  # each new batch size is probed against vmap
+        x = torch.randn(batch, 5)
+        out = stack(x)
+        assert torch.isnan(out[1]).all()
+        assert_close(out[[0, 2]], reference_outputs(members, (x,), (None,))[[0, 2]])
