@@ -324,10 +324,6 @@ def _report_sweep(
         (N,) test accuracies, the indices of the top k members, the top k's ensemble accuracy.
     """
     stack, frozen, n = sweep.stack, sweep.opt.frozen.cpu(), args.members
-    # Workaround: on a new input shape the fused backend checks itself against vmap, and that
-    # check raises when an output holds NaN (phalanx/_backends/_fused.py, _compare: NaN atol);
-    # diverged members may output NaN, so evaluate on vmap. Remove once _compare is fixed.
-    stack.backend = "vmap"
     with torch.no_grad():
         val_acc = phalanx.metrics.accuracy(stack(data.x_val), data.y_val)  # (N,)
         test_logits = stack(data.x_test)  # (N, n_test, 10)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import time
 import warnings
@@ -97,12 +96,16 @@ class Stack(nn.Module):
         self.training = self.module.training
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
-        self._requested = backend
-        self._resolved: str | None = None if backend == "auto" else backend
-        self._vmap_ran = False
-        self._raced = backend != "auto"
+        self._set_backend(backend)
         if backend == "fused":
             self._require_fused(where)
+
+    def _set_backend(self, name: str) -> None:
+        self._requested = name
+        # Under auto: the backends not yet shown unable to run this architecture exactly
+        # (None: not looked at yet), and the race's winner for each grad mode.
+        self._exact: list[str] | None = None
+        self._picks: dict[bool, str] = {}
 
     def _require_fused(self, where: str) -> None:
         reason = self._fused_unsupported()
@@ -138,9 +141,10 @@ class Stack(nn.Module):
         call shows otherwise (an architecture that a backend turns out not to run exactly
         falls back, with a warning). Assign a name to switch; no weights are copied.
         """
-        if self._resolved is None:
-            self._resolved = "vmap" if self._fused_unsupported() else "fused"
-        return self._resolved
+        if self._requested != "auto":
+            return self._requested
+        pick = self._picks.get(torch.is_grad_enabled())
+        return pick if pick is not None else self._exact_backends()[0]
 
     @backend.setter
     def backend(self, name: str) -> None:
@@ -150,11 +154,14 @@ class Stack(nn.Module):
                 + ", ".join(repr(c) for c in _CHOICES)
                 + "."
             )
-        self._requested = name
-        self._resolved = None if name == "auto" else name
-        self._raced = name != "auto"
+        self._set_backend(name)
         if name == "fused":
             self._require_fused("Stack.backend")
+
+    def _exact_backends(self) -> list[str]:
+        if self._exact is None:
+            self._exact = [b for b in BACKENDS if b != "fused" or not self._fused_unsupported()]
+        return self._exact
 
     def _fused_unsupported(self) -> str | None:
         """Why the fused backend cannot be built for this architecture, or None."""
@@ -244,47 +251,55 @@ class Stack(nn.Module):
     ) -> Any:
         """``auto``: the fastest backend that runs this input exactly; a fallback is loud.
 
-        The choice is remembered. The fused backend checks each new input signature against
-        vmap before it is trusted (see ``_fused.py``), so ``auto`` can still leave it later.
+        The first call in each grad mode (training, or inference under ``no_grad``) finds the
+        backends that run the input, races them (``_race``) and remembers the winner. The
+        fused backend checks each new input signature against vmap before it is trusted (see
+        ``_fused.py``); when a check fails, auto drops fused, says so, and races again.
         """
-        candidates = [b for b in BACKENDS if BACKENDS.index(b) >= BACKENDS.index(self.backend)]
-        for name, fallback in itertools.pairwise(candidates):
-            # Until vmap has run once, keep what a refused attempt might have changed; before
-            # the race, keep the state the first call starts from.
-            first_try = (name == "vmap" and not self._vmap_ran) or not self._raced
-            saved = self._save_side_effects() if first_try else None
+        mode = torch.is_grad_enabled()
+        pick = self._picks.get(mode)
+        if pick is not None:
             try:
-                out = get_backend(name).forward(self, args, kwargs, dims)
+                return get_backend(pick).forward(self, args, kwargs, dims)
             except FusedUnsupported as e:
-                reason = str(e)
-            except (RuntimeError, ValueError, NotImplementedError) as e:
-                if name != "vmap" or not is_vmap_limitation(e) or saved is None:
-                    raise
+                self._drop(pick, str(e))
+        exact = self._exact_backends()
+        saved = self._save_side_effects()
+        for name in list(exact):
+            try:
+                get_backend(name).forward(self, args, kwargs, dims)
+            except FusedUnsupported as e:
                 self._restore_side_effects(saved)
-                reason = str(e.__cause__ or e).strip().splitlines()[0]
-            else:
-                self._vmap_ran = self._vmap_ran or name == "vmap"
-                if not self._raced and saved is not None:
-                    # The output's graph must not see the race's buffer updates: undo this
-                    # run, race from the same state, then run the winner for real.
-                    self._raced = True
-                    del out
-                    self._restore_side_effects(saved)
-                    name = self._race(candidates[candidates.index(name) :], args, kwargs, dims)
-                    out = get_backend(name).forward(self, args, kwargs, dims)
-                if self._resolved != name:
-                    logger.info("phalanx: backend 'auto' runs %r", name)
-                self._resolved = name
-                return out
-            warnings.warn(
-                f"phalanx: backend {name!r} cannot run this architecture exactly ({reason}); "
-                f"falling back to the slower {fallback!r} backend. Pass backend={fallback!r} "
-                f"to phalanx.stack() to silence this warning.",
-                stacklevel=3,
-            )
-            self._resolved = fallback
-        self._resolved = candidates[-1]
-        return get_backend(self._resolved).forward(self, args, kwargs, dims)
+                self._drop(name, str(e))
+                continue
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                self._restore_side_effects(saved)
+                if name != "vmap" or not is_vmap_limitation(e):
+                    raise
+                self._drop(name, str(e.__cause__ or e).strip().splitlines()[0])
+                continue
+            break
+        # This run only showed the backend works: undo it, race from the same state, and run
+        # the winner for real, so that the returned graph never sees the race's side effects.
+        self._restore_side_effects(saved)
+        pick = self._race(self._exact_backends(), args, kwargs, dims)
+        self._picks[mode] = pick
+        logger.info("phalanx: backend 'auto' runs %r when grad mode is %s", pick, mode)
+        return get_backend(pick).forward(self, args, kwargs, dims)
+
+    def _drop(self, name: str, reason: str) -> None:
+        """Takes a backend out of auto's choice for good, loudly."""
+        exact = self._exact_backends()
+        if name not in exact or len(exact) == 1:
+            return
+        exact.remove(name)
+        self._picks = {m: p for m, p in self._picks.items() if p != name}
+        warnings.warn(
+            f"phalanx: backend {name!r} cannot run this architecture exactly ({reason}); "
+            f"falling back to the slower {exact[0]!r} backend. Pass backend={exact[0]!r} "
+            f"to phalanx.stack() to silence this warning.",
+            stacklevel=4,
+        )
 
     def _race(
         self, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any], dims: tuple
