@@ -14,9 +14,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from phalanx._backends import BACKENDS, get_backend
-from phalanx._backends._fused import copy_modes, fused_tree
+from phalanx._backends._fused import fused_tree
 from phalanx._backends._fused_layers import FusedUnsupported
 from phalanx._backends._vmap import is_vmap_limitation
+from phalanx._modules import copy_modes
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
 
 logger = logging.getLogger("phalanx")
@@ -39,11 +40,6 @@ def _swap_in(module: nn.Module, params: dict[str, torch.Tensor], buffers: dict[s
         for leaf, old_buffer in sub._buffers.items():
             if old_buffer is not None:
                 sub._buffers[leaf] = by_id[id(old_buffer)]
-
-
-def _copy_modes(source: nn.Module, target: nn.Module) -> None:
-    for a, b in zip(source.modules(), target.modules()):
-        b.training = a.training
 
 
 class Stack(nn.Module):
@@ -92,7 +88,7 @@ class Stack(nn.Module):
         object.__setattr__(self, "_template", template)
         self.module = copy.deepcopy(template)
         _swap_in(self.module, params, buffers)
-        _copy_modes(members[0], self.module)
+        copy_modes(members[0], self.module)
         self.training = self.module.training
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
@@ -392,7 +388,7 @@ class Stack(nn.Module):
                 {k: v[i].detach().clone() for k, v in params.items()},
                 {k: v[i].clone() for k, v in buffers.items()},
             )
-        _copy_modes(self.module, member)
+        copy_modes(self.module, member)
         return member
 
     def copy_to(self, models: Sequence[nn.Module] | nn.ModuleList) -> None:

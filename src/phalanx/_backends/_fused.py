@@ -23,8 +23,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from phalanx._backends._fused_layers import Batched, FusedUnsupported, classify
+from phalanx._backends._fused_layers import FusedUnsupported, classify
 from phalanx._backends._fused_mlp import BatchedMLP, mlp_layers
+from phalanx._modules import copy_modes
 
 if TYPE_CHECKING:
     from phalanx._stack import Stack
@@ -65,12 +66,6 @@ def build_tree(stack: Stack) -> nn.Module:
         )
     copy_modes(stack.module, tree)
     return tree
-
-
-def copy_modes(source: nn.Module, tree: nn.Module) -> None:
-    """Gives every module of the fused tree the train/eval mode of its twin in ``source``."""
-    for name, m in tree.named_modules():
-        m.training = source.get_submodule(name).training
 
 
 def fused_tree(stack: Stack) -> nn.Module:
@@ -208,10 +203,6 @@ class FusedBackend:
                 f"dimension, which the fused layers cannot honour)"
             )
         return None
-
-
-def is_batched(module: nn.Module) -> bool:
-    return isinstance(module, Batched)
 
 
 BACKEND = FusedBackend()
