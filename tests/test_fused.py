@@ -308,3 +308,35 @@ def test_probe_copes_with_a_diverged_member():
         out = stack(x)
         assert torch.isnan(out[1]).all()
         assert_close(out[[0, 2]], reference_outputs(members, (x,), (None,))[[0, 2]])
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "loop",
+        "fused",
+        "auto",
+        pytest.param(
+            "vmap",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="under CPU autocast torch.func.vmap runs the member in float32, so "
+                "its output dtype differs from the loop's bfloat16",
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize("arch", [MLPS[0], LAYERS[3]], ids=["mlp", "conv1d_bn1d"])
+def test_autocast_matches_the_loop_under_autocast(backend, arch):
+    torch.manual_seed(0)
+    members = [arch.make().eval() for _ in range(3)]
+    x = arch.inputs(4)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference_outputs(members, (x,), (None,))
+    stack = phalanx.stack(copy.deepcopy(members), backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = stack(x)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    out.float().square().sum().backward()  # the backward pass runs under mixed dtypes
+    assert all(p.grad is not None and p.grad.dtype == p.dtype for p in stack.parameters())

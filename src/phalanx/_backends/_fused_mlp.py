@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from phalanx._backends._fused_layers import Batched, FusedUnsupported, is_shared
+from phalanx._backends._fused_layers import Batched, BatchedLinear, FusedUnsupported, is_shared
 
 _ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU)
 _CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
@@ -165,6 +165,7 @@ class BatchedMLP(Batched):
 
     layers: list[nn.Module]
     linears: list[nn.Module]
+    per_layer: list[nn.Module]
 
     def __init__(self, src: nn.Module, n: int) -> None:
         super().__init__(src, n)
@@ -179,8 +180,15 @@ class BatchedMLP(Batched):
         while self.spec[self.lead][0] != "Linear":
             self.lead += 1
         object.__setattr__(self, "linears", [m for m in layers if type(m) is nn.Linear])
+        # Under autocast the hand-written backward would meet tensors of two dtypes: run the
+        # layers one by one there, as batched layers that autocast sees op by op.
+        self.per_layer = [BatchedLinear(m, n) if type(m) is nn.Linear else m for m in layers]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            for m in self.per_layer:
+                x = m(x)
+            return x
         for m in self.layers[: self.lead]:
             x = m(x)
         spec = self.spec[self.lead :]
