@@ -52,6 +52,15 @@ def _seq(*layers: nn.Module) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def _random_slopes(module: nn.Module) -> nn.Module:
+    """PReLU starts every member at 0.25; different slopes show if members were mixed."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.PReLU):
+                m.weight.uniform_(0.05, 0.5)
+    return module
+
+
 LAYERS = [
     Arch("linear_no_bias", lambda: _seq(nn.Linear(6, 5, bias=False), nn.Tanh()),
          lambda b: (torch.randn(b, 6),)),
@@ -86,6 +95,9 @@ LAYERS = [
         lambda b: (torch.randn(b, 4),)),
     Arch("conv3d", lambda: _seq(nn.Conv3d(1, 2, 2), nn.BatchNorm3d(2), nn.Sigmoid()),
          lambda b: (torch.randn(b, 1, 3, 3, 3),)),
+    Arch("prelu_per_channel_and_shared", lambda: _random_slopes(_seq(
+        nn.Conv1d(2, 3, 2), nn.PReLU(3), nn.Flatten(), nn.Linear(9, 4), nn.PReLU())),
+        lambda b: (torch.randn(b, 2, 4),)),
 ]  # fmt: skip
 
 CASES = [

@@ -332,13 +332,28 @@ class ShiftedDims(Batched):
         return fn(x, _shift(dim))
 
 
+class BatchedPReLU(Batched):
+    """PReLU: one slope per member, or one per channel (the member's dim 1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.src.weight  # (N, num_parameters)
+        n, k = w.shape
+        if k == 1:
+            slope = w.view(n, *([1] * (x.dim() - 1)))
+        elif x.dim() >= 3 and x.shape[2] == k:
+            slope = w.view(n, 1, k, *([1] * (x.dim() - 3)))
+        else:
+            raise FusedUnsupported(f"PReLU with {k} parameters on input of shape {tuple(x.shape)}")
+        return torch.where(x >= 0, x, slope * x)
+
+
 # ------------------------------------------------------------------------------------ registry
 
 _ELEMENTWISE = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
     nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus,
     nn.Softsign, nn.Tanhshrink, nn.Softshrink, nn.Hardshrink, nn.LogSigmoid, nn.Threshold,
-    nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout,
+    nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU,
 )  # fmt: skip
 """Parameter-free layers that act elementwise (dropout draws per element, hence per member):
 they run unchanged on ``(N, B, ...)``."""
@@ -367,6 +382,7 @@ _BATCHED: dict[type, Callable[[nn.Module, int], nn.Module]] = {
     nn.BatchNorm2d: BatchedBatchNorm,
     nn.BatchNorm3d: BatchedBatchNorm,
     nn.GroupNorm: BatchedGroupNorm,
+    nn.PReLU: BatchedPReLU,
     nn.LayerNorm: BatchedLayerNorm,
     nn.Dropout1d: BatchedChannelDropout,
     nn.Dropout2d: BatchedChannelDropout,
