@@ -302,7 +302,7 @@ class Stack(nn.Module):
     ) -> str:
         """Times the backends that run this input exactly and returns the fastest.
 
-        Once, on the first call under ``auto``, like cuDNN's benchmark mode: a batched
+        On the first call under ``auto`` in each grad mode, like cuDNN's benchmark mode: a batched
         computation is not always faster than a loop (large convolutions on a CPU). Under
         autograd the backward pass is timed too, with ``torch.autograd.grad`` so that no
         ``.grad`` is touched; buffers and RNG states are restored afterwards.
