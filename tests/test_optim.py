@@ -162,6 +162,20 @@ def noise_stream(params: list[torch.Tensor], seed: int = 1):
         yield [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
 
 
+def train_alongside(opt, ref: Reference, params, steps: int, schedulers=()) -> None:
+    """`steps` steps of `opt` and of the per-member reference on the same noise gradients,
+    each followed by a step of every scheduler in `schedulers`."""
+    noise = noise_stream(params)
+    for _ in range(steps):
+        z = next(noise)
+        for p, g in zip(params, grads_from(params, z), strict=True):
+            p.grad = g
+        opt.step()
+        ref.step(z)
+        for s in schedulers:
+            s.step()
+
+
 # ---------------------------------------------------------------------------- equivalence
 
 
@@ -171,13 +185,7 @@ def test_each_member_matches_torch_optim_alone(case: Case, dtype: torch.dtype) -
     params = make_params(dtype)
     opt = case.ours(params, **case.kwargs)
     ref = Reference(case, params)
-    noise = noise_stream(params)
-    for _ in range(STEPS):
-        z = next(noise)
-        for p, g in zip(params, grads_from(params, z), strict=True):
-            p.grad = g
-        opt.step()
-        ref.step(z)
+    train_alongside(opt, ref, params, STEPS)
     ref.assert_matches(params, dtype)
     # the optimizer state too: per-member step counts and moments
     for p, j in zip(params, range(len(params)), strict=True):
@@ -295,16 +303,7 @@ def test_torch_schedulers_scale_every_member_rate(name: str) -> None:
     sched = SCHEDULERS[name](opt)
     ref = Reference(case, params)
     ref_scheds = [SCHEDULERS[name](o) for o in ref.opts]
-    noise = noise_stream(params)
-    for _ in range(12):
-        z = next(noise)
-        for p, g in zip(params, grads_from(params, z), strict=True):
-            p.grad = g
-        opt.step()
-        ref.step(z)
-        sched.step()
-        for s in ref_scheds:
-            s.step()
+    train_alongside(opt, ref, params, 12, [sched, *ref_scheds])
     # lr * factor vs factor * lr rounds differently in the last bit: close, not identical
     for i, member in enumerate(ref.members):
         for p, r in zip(params, member, strict=True):
@@ -319,15 +318,7 @@ def test_float_lr_with_scheduler_is_exact() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
     ref = Reference(case, params)
     ref_scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.3) for o in ref.opts]
-    noise = noise_stream(params)
-    for _ in range(8):
-        z = next(noise)
-        for p, g in zip(params, grads_from(params, z), strict=True):
-            p.grad = g
-        opt.step()
-        ref.step(z)
-        for s in [sched, *ref_scheds]:
-            s.step()
+    train_alongside(opt, ref, params, 8, [sched, *ref_scheds])
     for i, member in enumerate(ref.members):
         for p, r in zip(params, member, strict=True):
             assert torch.equal(p[i].detach(), r.detach())
@@ -350,17 +341,7 @@ def test_member_lambda_lr_gives_each_member_its_own_schedule() -> None:
         )
         for i, o in enumerate(ref.opts)
     ]
-    noise = noise_stream(params)
-    for _ in range(12):
-        z = next(noise)
-        for p, g in zip(params, grads_from(params, z), strict=True):
-            p.grad = g
-        opt.step()
-        ref.step(z)
-        member_sched.step()
-        shared_sched.step()
-        for s in ref_scheds:
-            s.step()
+    train_alongside(opt, ref, params, 12, [member_sched, shared_sched, *ref_scheds])
     for i, member in enumerate(ref.members):
         for p, r in zip(params, member, strict=True):
             torch.testing.assert_close(p[i].detach(), r.detach(), rtol=1e-12, atol=1e-14)
