@@ -86,9 +86,8 @@ class Stack(nn.Module):
         # The template is member 0's structure on the meta device: unstack() fills copies of it.
         template = copy.deepcopy(members[0]).to("meta")
         object.__setattr__(self, "_template", template)
-        self.module = copy.deepcopy(template)
+        self.module = copy.deepcopy(template)  # deepcopy keeps member 0's train/eval modes
         _swap_in(self.module, params, buffers)
-        copy_modes(members[0], self.module)
         self.training = self.module.training
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
