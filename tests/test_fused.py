@@ -14,6 +14,7 @@ import phalanx
 from conftest import Arch, assert_close, check_forward_and_gradients, reference_outputs
 from phalanx._backends import _fused_layers
 from phalanx._backends._fused import fused_tree
+from phalanx._modules import intra_op_threads
 
 
 class Wrap(nn.Module):
@@ -118,15 +119,11 @@ def test_auto_picks_fused_where_it_is_exact_and_far_faster():
     # 256 tiny members: the loop makes 256 calls per layer, fused one, so the race auto runs
     # on its first call must pick fused. One thread: on a loaded 2-core machine two OpenMP
     # threads can slow a batched kernel down by 50x, which is noise this test is not about.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with intra_op_threads(1):
         stack = phalanx.stack([MLPS[0].make() for _ in range(256)])
         assert stack.backend == "fused"
         stack(torch.randn(8, 5))
         assert stack.backend == "fused"
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("strategy", ["grouped", "per_member"])

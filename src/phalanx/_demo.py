@@ -11,13 +11,11 @@ with per-member minibatches, and writes a plot of accuracy against learning rate
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import phalanx
+from phalanx._modules import intra_op_threads
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -116,18 +115,6 @@ def _loader(
         seed=args.seed,
         first_member=first_member,
     )
-
-
-@contextlib.contextmanager
-def _threads(count: int | None) -> Iterator[None]:
-    """Runs with `count` intra-op threads (None: leave torch's setting), then restores it."""
-    before = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _bar(total: int, desc: str) -> tqdm:
@@ -431,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         f"frozen after {args.freeze_after} such steps",
         flush=True,
     )
-    with _threads(args.threads):
+    with intra_op_threads(args.threads):
         sweep = _sweep(data, args)
         test_acc, best, ensemble = _report_sweep(sweep, data, args)
         _report_time(sweep, data, args, test_acc)

@@ -14,6 +14,7 @@ from phalanx._bench.machine import BUSY, measure
 from phalanx._bench.report import format_text, plot, problems, text_table, write_json
 from phalanx._bench.suite import FULL, PHASES, QUICK, run_suite
 from phalanx._bench.workloads import WORKLOADS
+from phalanx._modules import intra_op_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,18 +95,6 @@ def _exact_fp32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` for the run (unchanged for None), then restored."""
-    saved = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
 def _command(args: argparse.Namespace, workloads: list[str], phases: list[str]) -> str:
     parts = ["phalanx bench"]
     if workloads != list(WORKLOADS):
@@ -169,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = QUICK if args.quick else FULL
     command = _command(args, workloads, phases)
-    with _exact_fp32(), _threads(args.threads):
+    with _exact_fp32(), intra_op_threads(args.threads):
         machine = measure(device, quick=args.quick)
         optimizer, optimizer_line = phalanx_adam()
         header = f"{machine.describe()}\noptimizer  phalanx contenders: {optimizer_line}"
