@@ -82,13 +82,21 @@ def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, shared: bo
     return torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
 
 
-def _forward(h: torch.Tensor, shared: bool, spec: tuple, params: tuple) -> torch.Tensor:
-    """The chain without autograd: activations in place on each Linear's fresh output."""
+def _forward(
+    h: torch.Tensor, shared: bool, spec: tuple, params: tuple, keep: list | None = None
+) -> torch.Tensor:
+    """The chain without autograd: activations in place on each Linear's fresh output.
+
+    With ``keep``, every Linear's output is appended to it; as the activations that follow
+    work in place, each kept tensor ends up holding its layer's activated output.
+    """
     k = 0
     for kind, slope in spec:
         if kind == "Linear":
             h = _linear(h, params[k], params[k + 1], shared and k == 0)
             k += 2
+            if keep is not None:
+                keep.append(h)
         else:
             h = _activate_(h, kind, slope)
     return h
@@ -97,25 +105,11 @@ def _forward(h: torch.Tensor, shared: bool, spec: tuple, params: tuple) -> torch
 class _MLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, shared: bool, spec: tuple, *params: torch.Tensor):
-        inputs = [x]
-        h = x
-        outs_after_act: list[torch.Tensor] = []  # the output of each layer, after activation
-        k = 0
-        first = True
-        for kind, slope in spec:
-            if kind == "Linear":
-                if not first:
-                    inputs.append(h)
-                h = _linear(h, params[k], params[k + 1], shared and first)
-                outs_after_act.append(h)
-                first = False
-                k += 2
-            else:
-                h = _activate_(h, kind, slope)
-                outs_after_act[-1] = h
+        outs: list[torch.Tensor] = []  # each layer's output, after its activations
+        h = _forward(x, shared, spec, params, keep=outs)
         ctx.shared, ctx.spec = shared, spec
         ctx.has_bias = [params[i + 1] is not None for i in range(0, len(params), 2)]
-        ctx.save_for_backward(*inputs, *outs_after_act, *params[::2])
+        ctx.save_for_backward(x, *outs, *params[::2])
         return h
 
     @staticmethod
@@ -124,7 +118,8 @@ class _MLPFunction(torch.autograd.Function):
         spec, shared = ctx.spec, ctx.shared
         saved = ctx.saved_tensors
         n_lin = len(ctx.has_bias)
-        inputs, outs, weights = saved[:n_lin], saved[n_lin : 2 * n_lin], saved[2 * n_lin :]
+        outs, weights = saved[1 : n_lin + 1], saved[n_lin + 1 :]
+        inputs = (saved[0], *outs[:-1])  # a layer's input is the previous layer's output
         # Group the spec by Linear: each Linear with the activations that follow it.
         acts: list[list[tuple[str, float]]] = []
         for kind, slope in spec:
