@@ -159,37 +159,26 @@ class BatchedConv(Batched):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         src, n = self.src, self.n
         w, b = src.weight, src.bias  # (N, out, in / groups, *k), (N, out)
-        args = (src.stride, None, src.dilation)
         shared = is_shared(x)
 
         def grouped() -> torch.Tensor:
+            # A shared input meets all members' filters in one ordinary convolution; otherwise
+            # the members' channels side by side make one grouped convolution.
             if shared and src.groups == 1:
-                y, pad = self._pad(x[0])
-                y = self.conv(
-                    y, w.flatten(0, 1), None if b is None else b.flatten(), args[0], pad, args[2]
-                )
+                inp, groups = x[0], 1
             else:
-                y, pad = self._pad(to_channels(x))
-                y = self.conv(
-                    y,
-                    w.flatten(0, 1),
-                    None if b is None else b.flatten(),
-                    args[0],
-                    pad,
-                    args[2],
-                    src.groups * n,
-                )
+                inp, groups = to_channels(x), src.groups * n
+            y, pad = self._pad(inp)
+            bias = None if b is None else b.flatten()
+            y = self.conv(y, w.flatten(0, 1), bias, src.stride, pad, src.dilation, groups)
             return from_channels(y, n)
 
         def per_member() -> torch.Tensor:
             outs = []
             for i in range(n):
                 xi, pad = self._pad(x[i])
-                outs.append(
-                    self.conv(
-                        xi, w[i], None if b is None else b[i], args[0], pad, args[2], src.groups
-                    )
-                )
+                bias = None if b is None else b[i]
+                outs.append(self.conv(xi, w[i], bias, src.stride, pad, src.dilation, src.groups))
             return torch.stack(outs)
 
         key = (
