@@ -73,7 +73,6 @@ class Stack(nn.Module):
                 + ", ".join(repr(c) for c in _CHOICES)
                 + "."
             )
-        self.num_members = len(members)
         with torch.no_grad():
             params = {
                 name: torch.stack([m.get_parameter(name).detach() for m in members])
@@ -83,8 +82,46 @@ class Stack(nn.Module):
                 name: torch.stack([m.get_buffer(name) for m in members])
                 for name, _ in members[0].named_buffers()
             }
-        # The template is member 0's structure on the meta device: unstack() fills copies of it.
-        template = copy.deepcopy(members[0]).to("meta")
+        self._setup(members[0], params, buffers, len(members), backend, where)
+
+    @classmethod
+    def _from_stacked(
+        cls,
+        member: nn.Module,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        num_members: int,
+        *,
+        backend: str = "auto",
+    ) -> Stack:
+        """A stack over tensors that are already stacked, ``(N, *shape)`` each, without copies.
+
+        ``member`` gives the architecture (its own tensors are never read; it may live on
+        ``meta``); ``params`` and ``buffers`` are keyed as ``member.named_parameters()`` and
+        ``member.named_buffers()`` and become the stack's tensors as they are.
+        """
+        if backend not in _CHOICES:
+            raise ValueError(
+                f"phalanx.stack(): unknown backend {backend!r}; choose one of "
+                + ", ".join(repr(c) for c in _CHOICES)
+                + "."
+            )
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(member, params, buffers, num_members, backend, "phalanx.stack()")
+        return self
+
+    def _setup(
+        self,
+        member: nn.Module,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        num_members: int,
+        backend: str,
+        where: str,
+    ) -> None:
+        self.num_members = num_members
+        template = meta_copy(member)
         object.__setattr__(self, "_template", template)
         self.module = copy.deepcopy(template)  # deepcopy keeps member 0's train/eval modes
         _swap_in(self.module, params, buffers)
@@ -427,6 +464,20 @@ class Stack(nn.Module):
                     m.get_parameter(name).copy_(p[i])
                 for name, b in buffers.items():
                     m.get_buffer(name).copy_(b[i])
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s structure whose parameters and buffers live on ``meta``.
+
+    No tensor data is copied, and tensors tied within the module (one parameter object used
+    by two submodules) stay tied in the copy.
+    """
+    memo: dict[int, Any] = {}
+    for _, p in module.named_parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for _, b in module.named_buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
 
 
 def _slot(module: nn.Module, name: str) -> tuple[str, nn.Module, str]:
