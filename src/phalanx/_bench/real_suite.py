@@ -1,0 +1,638 @@
+"""The real-model suite: models as people publish them, checked against the loop, then timed.
+
+Each :class:`RealModel` wraps one class of :mod:`phalanx._bench.real_models` with what a
+training step needs: a member factory, a batch builder (one batch shared by every member, or
+one batch per member), the loss its authors train it with, and the mode ``phalanx bench``
+times it in.
+
+- :func:`check_against_loop` runs a phalanx stack (any backend) and the loop over the N
+  original modules side by side, and compares, member by member: outputs, per-member losses,
+  parameter gradients, input gradients (float inputs), optionally the gradient of an
+  input-gradient penalty (second derivatives), and the parameters and buffers after several
+  Adam steps (``phalanx.optim.Adam`` on the stack, ``torch.optim.Adam`` per member).
+  Tolerances are earned, not tuned: the same loop is also run in float64, and the stack's
+  error against it may be at most :data:`FACTOR` times the float32 loop's own error (plus a
+  few ulps of the tensor's scale, for results the float32 loop happens to get exactly).
+- :func:`time_model` times one training step (forward, loss, backward, Adam step) of the
+  stack (``auto``) against the loop with ``torch.optim.Adam()``, the loop with
+  ``torch.optim.Adam(fused=True)`` (which isolates the gain from batching) and torch.func's
+  ensembling recipe, interleaved, in one process, on identical inputs.
+
+Run it with ``python -m phalanx._bench.real_suite --members 16 --threads 1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+import phalanx
+from phalanx._bench import real_models as rm
+
+Mode = Literal["shared", "per-member"]
+
+#: The stack's error against the float64 loop may be this many times the float32 loop's own.
+FACTOR = 4.0
+#: ... plus this many float32 ulps of the largest magnitude of the tensor compared: a result
+#: the float32 loop happens to get exactly (a sum of few terms) may differ by rounding.
+FLOOR_ULPS = 8.0
+#: Learning rate of every Adam.
+LR = 1e-3
+#: Adam moves an element by lr * g / (|g| + eps): where |g| comes near eps (1e-8), the
+#: update's sensitivity to g, lr * eps / (|g| + eps)^2, magnifies the gradient's last-bit
+#: rounding up to lr itself, so one float32 run is no yardstick for another there. The
+#: parameters after Adam steps are compared where the float64 loop's gradient stayed above
+#: 100 eps at every step, where that magnification is at most lr / (1e4 eps) = 10x (the same
+#: cut as the W-workloads' check in suite.py). The gradients themselves are compared everywhere.
+TINY_GRADIENT = 1e-6
+
+Args = tuple[Any, ...]
+Draw = Callable[[int, torch.Generator], tuple[Args, Any]]
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """One model class from public code and how it is trained.
+
+    Attributes:
+        name: short id, e.g. "td3_critic".
+        source: where the class comes from, "owner/repo path".
+        build: makes one member with the current RNG state (``make`` seeds it).
+        draw: ``(batch size, generator) -> (inputs, target)`` for one member; the target is
+            whatever ``loss`` takes (None when the output is the loss itself).
+        loss: ``(one member's output, its target) -> scalar``, as the model's authors train it.
+        batch: the batch size the suite times with.
+        mode: the input mode the suite times with.
+        second_order: an MLP-like model on which second derivatives are checked.
+        flop_counted: a model whose step is mostly GEMMs and convolutions, so that its share
+            of the measured GEMM peak means something.
+        noisy: its forward draws random numbers (``torch.randn_like``); checks replace them
+            by a fixed function of the input (see :func:`fixed_noise`).
+    """
+
+    name: str
+    source: str
+    build: Callable[[], nn.Module]
+    draw: Draw
+    loss: Callable[[Any, Any], torch.Tensor]
+    batch: int
+    mode: Mode = "shared"
+    second_order: bool = False
+    flop_counted: bool = True
+    noisy: bool = False
+
+    def make(self, i: int, seed: int = 0) -> nn.Module:
+        """Member i, initialised from seed 1000 * seed + i."""
+        torch.manual_seed(1000 * seed + i)
+        member = self.build()
+        # BatchNorm starts every member with the same statistics: make them differ, so
+        # that a backend mixing members' buffers shows.
+        with torch.no_grad():
+            for b in member.buffers():
+                if b.is_floating_point():
+                    b.add_(0.1 * (i + 1))
+        return member
+
+
+# ----------------------------------------------------------------------------- inputs, losses
+
+
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g)
+
+
+def _classes(g: torch.Generator, n: int, b: int) -> torch.Tensor:
+    return torch.randint(n, (b,), generator=g)
+
+
+def _image(c: int, side: int, classes: int = 10) -> Draw:
+    return lambda b, g: ((_randn(g, b, c, side, side),), _classes(g, classes, b))
+
+
+def _state_action(b: int, g: torch.Generator) -> tuple[Args, Any]:
+    return (_randn(g, b, 17), _randn(g, b, 6)), _randn(g, b, 1)
+
+
+def _sequence(b: int, g: torch.Generator) -> tuple[Args, Any]:
+    return (_randn(g, b, 24, 4),), _randn(g, b, 1)
+
+
+def _tokens(vocab: int, t: int) -> Draw:
+    def draw(b: int, g: torch.Generator) -> tuple[Args, Any]:
+        idx = torch.randint(vocab, (b, t + 1), generator=g)
+        return (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), None
+
+    return draw
+
+
+def _bags(vocab: int, length: int) -> Draw:
+    """The text tutorial's collate_batch: B texts of ``length`` tokens, concatenated."""
+
+    def draw(b: int, g: torch.Generator) -> tuple[Args, Any]:
+        text = torch.randint(vocab, (b * length,), generator=g)
+        offsets = torch.arange(0, b * length, length)
+        return (text, offsets), _classes(g, 4, b)
+
+    return draw
+
+
+def _td3_critic_loss(q: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    # sfujim/TD3 TD3.py: critic_loss = F.mse_loss(current_Q1, target_Q) + F.mse_loss(...)
+    return F.mse_loss(q[0], target) + F.mse_loss(q[1], target)
+
+
+def _gaussian_nll(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    # mbrl-lib mbrl/util/math.py gaussian_nll(reduce=True), as GaussianMLP._nll_loss uses it.
+    mean, logvar = out
+    losses = F.mse_loss(mean, target, reduction="none") * (-logvar).exp() + logvar
+    return losses.sum(dim=1).mean() * 0.5
+
+
+def _edac_critic_loss(q_values: torch.Tensor, q_target: torch.Tensor) -> torch.Tensor:
+    # tinkoff-ai/CORL edac.py EDAC._critic_loss, the TD part.
+    return ((q_values - q_target.view(1, -1)) ** 2).mean(dim=1).sum(dim=0)
+
+
+def _vae_loss(out: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+    # pytorch/examples vae/main.py loss_function: reconstruction + KL divergence.
+    recon_x, mu, logvar = out
+    bce = F.binary_cross_entropy(recon_x, x.view(-1, 784), reduction="sum")
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return bce + kld
+
+
+def _gpt_loss(out: tuple[torch.Tensor, torch.Tensor], _: Any) -> torch.Tensor:
+    return out[1]  # nanoGPT's forward(idx, targets) returns (logits, loss)
+
+
+def _vae_draw(b: int, g: torch.Generator) -> tuple[Args, Any]:
+    x = torch.rand(b, 1, 28, 28, generator=g)
+    return (x,), x
+
+
+def _transformer_draw(b: int, g: torch.Generator) -> tuple[Args, Any]:
+    return (_randn(g, b, 16, 64),), _randn(g, b, 16, 64)
+
+
+_GPT = rm.GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64)
+_TEXT_VOCAB = (
+    10_000  # 2.6 MB per member: the stacked gradient at N=16 passes glibc's mmap threshold
+)
+
+MODELS: dict[str, RealModel] = {
+    m.name: m
+    for m in [
+        RealModel(
+            "simple_mlp",
+            "pytorch/tutorials intermediate_source/ensembling.py",
+            rm.SimpleMLP,
+            _image(1, 28),
+            F.cross_entropy,
+            batch=64,
+            second_order=True,
+        ),
+        RealModel(
+            "simple_cnn",
+            "pytorch/tutorials intermediate_source/per_sample_grads.py",
+            rm.SimpleCNN,
+            _image(1, 28),
+            F.nll_loss,
+            batch=8,
+        ),
+        RealModel(
+            "lenet",
+            "kuangliu/pytorch-cifar models/lenet.py",
+            rm.LeNet,
+            _image(3, 32),
+            F.cross_entropy,
+            batch=32,
+        ),
+        RealModel(
+            "resnet_basicblock",
+            "kuangliu/pytorch-cifar models/resnet.py (BasicBlock)",
+            lambda: rm.SmallResNet(rm.BasicBlock, [1, 1], widths=(16, 32)),
+            _image(3, 16),
+            F.cross_entropy,
+            batch=16,
+        ),
+        RealModel(
+            "td3_critic",
+            "sfujim/TD3 TD3.py (Critic)",
+            lambda: rm.Critic(17, 6),
+            _state_action,
+            _td3_critic_loss,
+            batch=256,
+            mode="per-member",
+            second_order=True,
+        ),
+        RealModel(
+            "td3_actor",
+            "sfujim/TD3 TD3.py (Actor)",
+            lambda: rm.Actor(17, 6, 1.0),
+            lambda b, g: ((_randn(g, b, 17),), torch.tanh(_randn(g, b, 6))),
+            F.mse_loss,
+            batch=256,
+            mode="per-member",
+            second_order=True,
+        ),
+        RealModel(
+            "mbrl_gaussian_mlp",
+            "facebookresearch/mbrl-lib mbrl/models/gaussian_mlp.py",
+            lambda: rm.GaussianMLP(23, 18, hid_size=200),
+            lambda b, g: ((_randn(g, b, 23),), _randn(g, b, 18)),
+            _gaussian_nll,
+            batch=256,
+            mode="per-member",
+            second_order=True,
+        ),
+        RealModel(
+            "edac_critic",
+            "tinkoff-ai/CORL algorithms/offline/edac.py (VectorizedCritic)",
+            lambda: rm.VectorizedCritic(17, 6, 256, num_critics=2),
+            _state_action,
+            _edac_critic_loss,
+            batch=128,
+            second_order=True,
+        ),
+        RealModel(
+            "nanogpt",
+            "karpathy/nanoGPT model.py (GPT, tied lm_head)",
+            lambda: rm.GPT(_GPT),
+            _tokens(_GPT.vocab_size, _GPT.block_size),
+            _gpt_loss,
+            batch=8,
+            flop_counted=False,
+        ),
+        RealModel(
+            "transformer_encoder_layer",
+            "pytorch/pytorch torch/nn/modules/transformer.py (nn.TransformerEncoderLayer)",
+            lambda: nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True),
+            _transformer_draw,
+            F.mse_loss,
+            batch=16,
+            flop_counted=False,
+        ),
+        RealModel(
+            "lstm_forecaster",
+            "yunjey/pytorch-tutorial tutorials/02-intermediate/recurrent_neural_network/main.py",
+            lambda: rm.RNN(4, 32, 2, 1),
+            _sequence,
+            F.mse_loss,
+            batch=32,
+            flop_counted=False,
+        ),
+        RealModel(
+            "gru_forecaster",
+            "GRUModel of 'Building RNN, LSTM, and GRU for time series using PyTorch'",
+            lambda: rm.GRUModel(4, 32, 2, 1, 0.0),
+            _sequence,
+            F.mse_loss,
+            batch=32,
+            flop_counted=False,
+        ),
+        RealModel(
+            "text_embeddingbag",
+            "pytorch/tutorials beginner_source/text_sentiment_ngrams_tutorial.py",
+            lambda: rm.TextClassificationModel(_TEXT_VOCAB, 64, 4),
+            _bags(_TEXT_VOCAB, 16),
+            F.cross_entropy,
+            batch=64,
+            flop_counted=False,
+        ),
+        RealModel(
+            "vae",
+            "pytorch/examples vae/main.py",
+            rm.VAE,
+            _vae_draw,
+            _vae_loss,
+            batch=64,
+            second_order=True,
+            noisy=True,
+        ),
+    ]
+}
+
+
+@dataclass
+class Batch:
+    """Inputs and targets for N members in one input mode.
+
+    ``args`` are the stack's positional inputs, ``in_dims`` says which carry the member axis;
+    ``member_args(i)`` and ``member_target(i)`` are what member i sees in the loop.
+    """
+
+    args: Args
+    in_dims: tuple[int | None, ...]
+    target: Any
+    target_dim: int | None
+
+    def member_args(self, i: int) -> Args:
+        return tuple(a if d is None else a[i] for a, d in zip(self.args, self.in_dims))
+
+    def member_target(self, i: int) -> Any:
+        if self.target is None or self.target_dim is None:
+            return self.target
+        return self.target[i]
+
+    def to(self, dtype: torch.dtype) -> Batch:
+        def cast(t: Any) -> Any:
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        return Batch(tuple(cast(a) for a in self.args), self.in_dims, cast(self.target),
+                     self.target_dim)  # fmt: skip
+
+
+def make_batch(model: RealModel, n: int, mode: Mode, *, batch: int, seed: int = 0) -> Batch:
+    """One batch shared by the N members, or N batches stacked on a new dim 0."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    if mode == "shared":
+        args, target = model.draw(batch, g)
+        return Batch(args, (None,) * len(args), target, None)
+    draws = [model.draw(batch, g) for _ in range(n)]
+    args = tuple(torch.stack(col) for col in zip(*(d[0] for d in draws)))
+    target = None if draws[0][1] is None else torch.stack([d[1] for d in draws])
+    return Batch(args, (0,) * len(args), target, None if target is None else 0)
+
+
+class _FixedNoise(TorchFunctionMode):
+    """``torch.randn_like(x)`` becomes ``cos(5 x)``: elementwise, so every backend and the
+    loop draw the same "noise" whatever the batch layout, and the run is exact-comparable."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.randn_like:
+            return torch.cos(5.0 * args[0].detach())
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fixed_noise(active: bool) -> Iterator[None]:
+    """Replaces ``torch.randn_like`` by a fixed function of its input while ``active``."""
+    if not active:
+        yield
+        return
+    with _FixedNoise():
+        yield
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Forecasters build h0 with torch.zeros(...) in the default dtype: the float64 loop needs it.
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def stack_losses(model: RealModel, out: Any, batch: Batch) -> torch.Tensor:
+    """The (N,) per-member losses of the stack's output, never mixing members."""
+    if isinstance(out, torch.Tensor) and isinstance(batch.target, torch.Tensor):
+        return phalanx.member_losses(model.loss, out, batch.target, in_dims=(0, batch.target_dim))
+    return torch.func.vmap(model.loss, in_dims=(0, batch.target_dim))(out, batch.target)
+
+
+# ------------------------------------------------------------------------- the check
+
+
+@dataclass
+class Observed:
+    """One run of a training step's first half, stacked ``(N, ...)`` per member."""
+
+    outputs: list[torch.Tensor]  # output leaves, each (N, ...)
+    losses: torch.Tensor  # (N,)
+    input_grads: list[torch.Tensor]  # one per float input, shaped like the input
+    grads: dict[str, torch.Tensor]  # parameter name -> (N, *shape)
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check_against_loop` found.
+
+    Attributes:
+        backend: the backend the stack ran (what ``auto`` chose).
+        problems: one line per tensor that is further from the float64 loop than the float32
+            loop is, member by member; empty when the stack is exact.
+        warnings: warnings raised while the stack ran (``auto`` says when it falls back).
+    """
+
+    backend: str
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _float_inputs(batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
+    """A copy of the batch whose float inputs are fresh leaves that require grad."""
+    leaves: list[torch.Tensor] = []
+    args = []
+    for a in batch.args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            a = a.detach().clone().requires_grad_()
+            leaves.append(a)
+        args.append(a)
+    return Batch(tuple(args), batch.in_dims, batch.target, batch.target_dim), leaves
+
+
+def _loop_forward(members: list[nn.Module], model: RealModel, batch: Batch):
+    outs = [m(*batch.member_args(i)) for i, m in enumerate(members)]
+    losses = torch.stack([model.loss(o, batch.member_target(i)) for i, o in enumerate(outs)])
+    return pytree.tree_map(lambda *leaves: torch.stack(leaves), *outs), losses
+
+
+def _stack_forward(stack: phalanx.Stack, model: RealModel, batch: Batch):
+    out = stack(*batch.args, in_dims=batch.in_dims)
+    return out, stack_losses(model, out, batch)
+
+
+def _param_names(member: nn.Module) -> list[str]:
+    return [name for name, p in member.named_parameters() if p.requires_grad]
+
+
+def _loop_grads(members: list[nn.Module], names: list[str]) -> dict[str, torch.Tensor]:
+    def grad(m: nn.Module, name: str) -> torch.Tensor:
+        p = m.get_parameter(name)
+        return torch.zeros_like(p) if p.grad is None else p.grad
+
+    return {name: torch.stack([grad(m, name) for m in members]) for name in names}
+
+
+def _stack_state(stack: phalanx.Stack, what: str) -> dict[str, torch.Tensor]:
+    items = stack.named_parameters() if what == "params" else stack.named_buffers()
+    return {k.removeprefix("module."): v for k, v in items}
+
+
+def _member_state(members: list[nn.Module], what: str) -> dict[str, torch.Tensor]:
+    first = members[0].named_parameters() if what == "params" else members[0].named_buffers()
+    get = nn.Module.get_parameter if what == "params" else nn.Module.get_buffer
+    return {name: torch.stack([get(m, name).detach() for m in members]) for name, _ in first}
+
+
+def _observe(forward: Callable[[Batch], tuple[Any, torch.Tensor]], batch: Batch,
+             second_order: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    """Runs forward and backward; returns output leaves, losses and input gradients.
+
+    With ``second_order`` the backward pass is that of the squared norm of the input
+    gradient (taken with ``create_graph=True``), so parameter gradients are second
+    derivatives; otherwise that of the sum of the per-member losses.
+    """
+    batch, leaves = _float_inputs(batch)
+    out, losses = forward(batch)
+    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    input_grads: list[torch.Tensor] = []
+    if leaves:
+        input_grads = list(
+            torch.autograd.grad(losses.sum(), leaves, retain_graph=True, create_graph=second_order)
+        )
+    if second_order:
+        sum(g.pow(2).sum() for g in input_grads).backward()  # type: ignore[union-attr]
+    else:
+        losses.sum().backward()
+    return [t.detach() for t in outputs], losses.detach(), [g.detach() for g in input_grads]
+
+
+def _compare(what: str, got: torch.Tensor, loop: torch.Tensor, ref: torch.Tensor,
+             per_member: bool) -> list[str]:  # fmt: skip
+    """Problems where ``got`` is further from ``ref`` (float64) than ``loop`` (float32) is.
+
+    Member by member: member i's error is compared with the float32 loop's largest error
+    over all members on that tensor. Members are alike, and one member's float32 error is a
+    single draw whose maximum over the elements may be lucky (a member whose worst-conditioned
+    element happens to round well); the largest over N members is a steadier yardstick.
+    """
+    if got.shape != loop.shape:
+        return [f"{what}: shape {tuple(got.shape)}, the loop's is {tuple(loop.shape)}"]
+    got, loop, ref = got.double(), loop.double(), ref.double()
+    if per_member:
+        dims = tuple(range(1, got.dim()))
+        errors = (got - ref).abs().amax(dims) if dims else (got - ref).abs()
+        loop_err = ((loop - ref).abs().amax(dims) if dims else (loop - ref).abs()).max().item()
+        scales = ref.abs().amax(dims) if dims else ref.abs()
+    else:
+        errors, scales = (got - ref).abs().max()[None], ref.abs().max()[None]
+        loop_err = (loop - ref).abs().max().item()
+    problems = []
+    eps = torch.finfo(torch.float32).eps
+    for i, (err, scale) in enumerate(zip(errors.tolist(), scales.tolist())):
+        floor = FLOOR_ULPS * eps * scale
+        if not math.isfinite(err) or err > FACTOR * loop_err + floor:
+            member = f"member {i} " if per_member else ""
+            problems.append(
+                f"{member}{what}: max error {err:.3g} against the float64 loop, the float32 "
+                f"loop's is {loop_err:.3g} (allowed {FACTOR:g}x that + {floor:.2g})"
+            )
+    return problems
+
+
+def check_against_loop(model: RealModel, backend: str, n: int, mode: Mode, *, batch: int = 4,
+                       steps: int = 3, second_order: bool = False, seed: int = 0) -> CheckReport:  # fmt: skip
+    """A phalanx stack against the loop over the N original modules, member by member.
+
+    Three runs from the same weights on the same inputs: the stack (float32), the loop
+    (float32) and the loop in float64. Compared: output leaves, per-member losses, input
+    gradients, parameter gradients (of the losses' sum; or, with ``second_order``, of the
+    squared norm of the input gradient), then, after ``steps`` Adam steps on fresh batches
+    (``phalanx.optim.Adam`` on the stack, one ``torch.optim.Adam`` per member in the loops),
+    parameters and buffers. See the module docstring for the tolerance.
+
+    Args:
+        model: the model.
+        backend: any phalanx backend name ("auto", "fused", "vmap", "loop").
+        n: the number of members.
+        mode: "shared" or "per-member" input.
+        batch: the batch size (per member with per-member input).
+        steps: Adam steps before the parameters are compared (at least 1).
+        second_order: check second derivatives instead of the plain gradients.
+        seed: seeds weights and batches.
+
+    Returns:
+        The report; its ``problems`` are empty when the stack is exact.
+
+    Raises:
+        Whatever the stack raises: a refusal or a crash is not a mismatch.
+    """
+    members = [model.make(i, seed) for i in range(n)]
+    loop32 = [copy.deepcopy(m) for m in members]
+    loop64 = [copy.deepcopy(m).double() for m in members]
+    names = _param_names(members[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stack = phalanx.stack([copy.deepcopy(m) for m in members], backend=backend)
+        opt = phalanx.optim.Adam(stack.parameters(), lr=LR)
+        opts32 = [torch.optim.Adam(m.parameters(), lr=LR) for m in loop32]
+        opts64 = [torch.optim.Adam(m.parameters(), lr=LR) for m in loop64]
+        problems: list[str] = []
+        tiny = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in
+                _member_state(members, "params").items()}  # fmt: skip
+        with fixed_noise(model.noisy):
+            for step in range(steps):
+                data = make_batch(model, n, mode, batch=batch, seed=seed + step)
+                opt.zero_grad(set_to_none=True)
+                for o in (*opts32, *opts64):
+                    o.zero_grad(set_to_none=True)
+                s32 = _observe(lambda b: _stack_forward(stack, model, b), data, second_order)
+                f32 = _observe(lambda b: _loop_forward(loop32, model, b), data, second_order)
+                with _default_dtype(torch.float64):
+                    data64 = data.to(torch.float64)
+                    f64 = _observe(lambda b: _loop_forward(loop64, model, b), data64, second_order)
+                for name, g in _loop_grads(loop64, names).items():
+                    tiny[name] = tiny[name] | (g.abs() < TINY_GRADIENT)
+                if step == 0:  # the first step: everything the forward and backward give
+                    problems += _first_step_problems(s32, f32, f64, data)
+                    grads = _stack_state(stack, "params")
+                    problems += _grad_problems(
+                        {k: grads[k].grad for k in names}, loop32, loop64, names
+                    )
+                opt.step()
+                for o in (*opts32, *opts64):
+                    o.step()
+        for what in ("params", "buffers"):
+            after = _stack_state(stack, what)
+            a32, a64 = _member_state(loop32, what), _member_state(loop64, what)
+            for name in a32:
+                got, ref = after[name].detach(), a64[name]
+                if name in tiny:  # see TINY_GRADIENT
+                    got = torch.where(tiny[name], ref.to(got.dtype), got)
+                    a32[name] = torch.where(tiny[name], ref.to(got.dtype), a32[name])
+                problems += _compare(
+                    f"{what[:-1]} {name!r} after {steps} Adam steps",
+                    got, a32[name], ref, per_member=True,
+                )  # fmt: skip
+    notes = list(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
+    return CheckReport(stack.backend, problems, notes)
+
+
+def _first_step_problems(got, f32, f64, data: Batch) -> list[str]:
+    (out, losses, xg), (out32, losses32, xg32), (out64, losses64, xg64) = got, f32, f64
+    problems = []
+    if len(out) != len(out32):
+        return [f"the output has {len(out)} tensors, the loop's {len(out32)}"]
+    for k, (a, b, c) in enumerate(zip(out, out32, out64)):
+        problems += _compare(f"output {k}", a, b, c, per_member=True)
+    problems += _compare("loss", losses, losses32, losses64, per_member=True)
+    float_dims = [d for a, d in zip(data.args, data.in_dims) if a.is_floating_point()]
+    for k, (a, b, c, d) in enumerate(zip(xg, xg32, xg64, float_dims)):
+        problems += _compare(f"input {k} gradient", a, b, c, per_member=d == 0)
+    return problems
+
+
+def _grad_problems(got: dict[str, torch.Tensor | None], loop32: list[nn.Module],
+                   loop64: list[nn.Module], names: list[str]) -> list[str]:  # fmt: skip
+    g32, g64 = _loop_grads(loop32, names), _loop_grads(loop64, names)
+    problems = []
+    for name in names:
+        g = got[name]
+        if g is None:
+            g = torch.zeros_like(g32[name])
+        problems += _compare(f"gradient of {name!r}", g, g32[name], g64[name], per_member=True)
+    return problems

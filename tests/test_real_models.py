@@ -1,0 +1,167 @@
+"""Real models, as people publish them, on every backend against the loop over the originals.
+
+models x backends {loop, vmap, auto, fused} x {shared, per-member} input, N = 3: outputs,
+per-member losses, input and parameter gradients, and parameters and buffers after three Adam
+steps, member by member, no further from a float64 loop than the float32 loop is (see
+``phalanx._bench.real_suite``). Second derivatives on the MLP-like models.
+
+What fails today is a strict xfail with the failure observed, so that the list turns green
+(and the xfail turns into an error to remove) as the fast path learns these models.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import phalanx
+from phalanx._bench import real_suite
+from phalanx._bench.real_suite import MODELS, check_against_loop, fixed_noise
+
+BACKENDS = ["loop", "vmap", "auto", "fused"]
+MODES = ["shared", "per-member"]
+N = 3
+
+
+def _refused_at_build(what: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(
+        raises=ValueError,
+        strict=True,
+        reason=f"phalanx.stack(backend='fused') refuses it: no batched layer for {what}",
+    )
+
+
+def _refused_at_forward(what: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(
+        raises=RuntimeError,
+        strict=True,
+        reason=f"backend 'fused' cannot run it exactly ({what}); the probe refuses it",
+    )
+
+
+_LSTM_CRASH = pytest.mark.xfail(
+    raises=RuntimeError,
+    strict=True,
+    reason="vmap has no batching rule for aten::lstm.input, and auto does not fall back to the "
+    "loop for it: it raises (issue 9)",
+)
+
+# Observed on main at 93ea62d (2026-11-30). Keys: (backend, model).
+GAPS: dict[tuple[str, str], pytest.MarkDecorator] = {
+    ("fused", "simple_mlp"): _refused_at_forward(
+        "x.flatten(1) folds the member axis into the features"
+    ),
+    ("fused", "simple_cnn"): _refused_at_forward("F.max_pool2d on (N, B, C, H, W)"),
+    ("fused", "lenet"): _refused_at_forward("F.max_pool2d on (N, B, C, H, W)"),
+    ("fused", "resnet_basicblock"): _refused_at_forward("F.avg_pool2d on (N, B, C, H, W)"),
+    ("fused", "td3_critic"): _refused_at_forward("torch.cat([state, action], 1) on dim 1"),
+    ("fused", "vae"): _refused_at_forward("x.view(-1, 784) folds the member axis into the batch"),
+    ("fused", "mbrl_gaussian_mlp"): _refused_at_build(
+        "EnsembleLinearLayer's raw nn.Parameters (x.matmul(weight))"
+    ),
+    ("fused", "edac_critic"): _refused_at_build("VectorizedLinear's raw nn.Parameters (x @ w)"),
+    ("fused", "nanogpt"): _refused_at_build(
+        "nanoGPT's LayerNorm (raw nn.Parameters, F.layer_norm)"
+    ),
+    ("fused", "transformer_encoder_layer"): _refused_at_build("nn.MultiheadAttention"),
+    ("fused", "lstm_forecaster"): _refused_at_build("nn.LSTM"),
+    ("fused", "gru_forecaster"): _refused_at_build("nn.GRU"),
+    ("fused", "text_embeddingbag"): _refused_at_build("nn.EmbeddingBag"),
+    ("vmap", "lstm_forecaster"): pytest.mark.xfail(
+        raises=RuntimeError,
+        strict=True,
+        reason="torch.func.vmap has no batching rule for aten::lstm.input",
+    ),
+    ("vmap", "gru_forecaster"): pytest.mark.xfail(
+        raises=RuntimeError,
+        strict=True,
+        reason="the forecaster calls h0.requires_grad_(), which torch.func.vmap refuses",
+    ),
+    ("auto", "lstm_forecaster"): _LSTM_CRASH,
+}
+
+
+def _cases(backends, models, modes):
+    return [
+        pytest.param(
+            backend,
+            name,
+            mode,
+            id=f"{backend}-{name}-{mode}",
+            marks=[GAPS[backend, name]] if (backend, name) in GAPS else [],
+        )
+        for backend, name, mode in itertools.product(backends, models, modes)
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # two cores shared by the whole test run
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("backend", "name", "mode"), _cases(BACKENDS, MODELS, MODES))
+def test_matches_loop(backend, name, mode):
+    report = check_against_loop(MODELS[name], backend, N, mode)
+    assert not report.problems, "\n".join(report.problems)
+    if backend != "auto":
+        assert report.backend == backend
+
+
+SECOND_ORDER = [name for name, m in MODELS.items() if m.second_order]
+
+
+@pytest.mark.parametrize(
+    ("backend", "name", "mode"), _cases(BACKENDS, SECOND_ORDER, ["per-member"])
+)
+def test_second_derivatives_match_loop(backend, name, mode):
+    report = check_against_loop(MODELS[name], backend, N, mode, second_order=True, steps=1)
+    assert not report.problems, "\n".join(report.problems)
+
+
+# ------------------------------------------------------------------- the check itself can fail
+
+
+def test_check_catches_one_member_off(monkeypatch):
+    """A stack whose member 1 is nudged by 1e-4 in one weight is reported, naming member 1."""
+    stack = phalanx.stack
+
+    def nudged(models, **kwargs):
+        s = stack(models, **kwargs)
+        with torch.no_grad():
+            next(iter(s.parameters()))[1].add_(1e-4)
+        return s
+
+    monkeypatch.setattr(real_suite.phalanx, "stack", nudged)
+    report = check_against_loop(MODELS["td3_actor"], "vmap", N, "per-member", steps=1)
+    assert any("gradient of 'l1.weight'" in p for p in report.problems), report.problems
+    assert all(p.startswith("member 1 ") for p in report.problems), report.problems
+
+
+def test_compare_catches_nan_and_shape():
+    ref = torch.ones(2, 3, dtype=torch.float64)
+    got = torch.tensor([[1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]])
+    assert real_suite._compare("x", got, ref.float(), ref, per_member=True) == [
+        "member 0 x: max error nan against the float64 loop, the float32 loop's is 0 "
+        "(allowed 4x that + 9.5e-07)"
+    ]
+    assert "shape (3, 2)" in real_suite._compare("x", got.T, ref.float(), ref, per_member=True)[0]
+
+
+def test_fixed_noise_replaces_randn_like_also_under_vmap():
+    x = torch.rand(4, 5)
+    with fixed_noise(True):
+        direct = torch.randn_like(x)
+        mapped = torch.func.vmap(torch.randn_like, randomness="different")(x)
+    torch.testing.assert_close(direct, torch.cos(5 * x), rtol=0, atol=0)
+    torch.testing.assert_close(mapped, direct, rtol=0, atol=0)
+
+
+def test_zoo_names_its_sources():
+    assert len(MODELS) >= 13
+    for m in MODELS.values():
+        assert m.source and m.batch > 0, m.name
