@@ -18,7 +18,15 @@ import torch
 
 import phalanx
 from phalanx._bench import real_suite
-from phalanx._bench.real_suite import MODELS, check_against_loop, fixed_noise
+from phalanx._bench.real_suite import (
+    CONTENDERS,
+    MODELS,
+    check_against_loop,
+    fixed_noise,
+    format_table,
+    time_model,
+)
+from phalanx._bench.suite import Settings
 
 BACKENDS = ["loop", "vmap", "auto", "fused"]
 MODES = ["shared", "per-member"]
@@ -165,3 +173,26 @@ def test_zoo_names_its_sources():
     assert len(MODELS) >= 13
     for m in MODELS.values():
         assert m.source and m.batch > 0, m.name
+
+
+# ------------------------------------------------------------------------------- the timing
+
+_TINY = Settings(rounds=2, min_rounds=2, warmup=1, target_s=0.001, budget_s=0.5)
+
+
+def test_time_model_checks_then_times_every_contender():
+    row = time_model(MODELS["td3_actor"], 2, _TINY)
+    assert row.status == dict.fromkeys(CONTENDERS, "ok")
+    assert set(row.median_s) == set(CONTENDERS)
+    assert row.backend in ("fused", "vmap", "loop")
+    assert row.speedup("loop") == row.median_s["loop"] / row.median_s["phalanx"]
+    assert row.gflop is not None and row.gflop > 0
+    table = format_table([row], gemm_gflops=50.0)
+    assert table.splitlines()[2].startswith("td3_actor")
+
+
+def test_time_model_reports_a_contender_that_raises_and_does_not_time_it():
+    row = time_model(MODELS["lstm_forecaster"], 2, _TINY)
+    assert row.status["torch.func"].startswith("n/a: RuntimeError")
+    assert "torch.func" not in row.median_s
+    assert row.status["loop"] == "ok" and "loop" in row.median_s

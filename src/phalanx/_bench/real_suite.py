@@ -636,3 +636,269 @@ def _grad_problems(got: dict[str, torch.Tensor | None], loop32: list[nn.Module],
             g = torch.zeros_like(g32[name])
         problems += _compare(f"gradient of {name!r}", g, g32[name], g64[name], per_member=True)
     return problems
+
+
+# ------------------------------------------------------------------------------- the timing
+
+#: The contenders of :func:`time_model`, in the table's order.
+CONTENDERS = ("loop", "loop fused-Adam", "torch.func", "phalanx")
+
+
+class _Step:
+    """One contender's training step: forward, per-member losses, backward, Adam step."""
+
+    def __init__(self, kind: str, members: list[nn.Module], model: RealModel, batch: Batch):
+        self.kind, self.model, self.batch = kind, model, batch
+        members = [copy.deepcopy(m) for m in members]
+        self.stack: phalanx.Stack | None = None
+        self.opt: torch.optim.Optimizer
+        if kind in ("loop", "loop fused-Adam"):
+            self.members = nn.ModuleList(members)
+            fused = True if kind == "loop fused-Adam" else None
+            self.opt = torch.optim.Adam(self.members.parameters(), lr=LR, fused=fused)
+        elif kind == "torch.func":
+            self.params, self.buffers = torch.func.stack_module_state(members)
+            self.base = copy.deepcopy(members[0]).to("meta")
+            self.opt = torch.optim.Adam(self.params.values(), lr=LR)
+        else:
+            from phalanx._bench.contenders import phalanx_adam
+
+            self.stack = phalanx.stack(members, backend="auto")
+            self.opt = phalanx_adam()[0](self.stack.parameters(), lr=LR)
+
+    def losses(self) -> torch.Tensor:
+        """Zero the gradients, forward, backward; the (N,) losses."""
+        self.opt.zero_grad(set_to_none=True)
+        b = self.batch
+        if self.stack is not None:
+            losses = _stack_forward(self.stack, self.model, b)[1]
+        elif self.kind == "torch.func":
+
+            def member(params: dict, buffers: dict, target: Any, *args: Any) -> torch.Tensor:
+                out = torch.func.functional_call(self.base, (params, buffers), args)
+                return self.model.loss(out, target)
+
+            dims = (0, 0, b.target_dim, *b.in_dims)
+            losses = torch.func.vmap(member, in_dims=dims, randomness="different")(
+                self.params, self.buffers, b.target, *b.args
+            )
+        else:
+            losses = _loop_forward(list(self.members), self.model, b)[1]
+        losses.sum().backward()
+        return losses.detach()
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        if self.stack is not None:
+            return {k: v.grad for k, v in _stack_state(self.stack, "params").items()
+                    if v.grad is not None}  # fmt: skip
+        if self.kind == "torch.func":
+            return {k: v.grad for k, v in self.params.items() if v.grad is not None}
+        names = _param_names(self.members[0])
+        return _loop_grads(list(self.members), names)
+
+    def __call__(self) -> None:
+        self.losses()
+        self.opt.step()
+
+
+@dataclass
+class ModelTiming:
+    """One model's row of the real-model table. Times in seconds per training step.
+
+    ``status`` per contender: "ok" (checked and timed), "n/a: reason" (raised) or
+    "WRONG: reason" (disagrees with the loop). ``gflop`` is the GEMM and convolution work of
+    one step of all N members (torch's FlopCounterMode on one member's forward and backward,
+    times N; None where the step is not mostly GEMMs).
+    """
+
+    name: str
+    source: str
+    mode: str
+    members: int
+    batch: int
+    backend: str = "-"
+    status: dict[str, str] = field(default_factory=dict)
+    median_s: dict[str, float] = field(default_factory=dict)
+    gflop: float | None = None
+
+    def speedup(self, baseline: str) -> float | None:
+        """The baseline's median time over phalanx's: above 1, phalanx is faster."""
+        if "phalanx" not in self.median_s or baseline not in self.median_s:
+            return None
+        return self.median_s[baseline] / self.median_s["phalanx"]
+
+    def share_of_peak(self, contender: str, gemm_gflops: float) -> float | None:
+        if self.gflop is None or contender not in self.median_s:
+            return None
+        return self.gflop / self.median_s[contender] / gemm_gflops
+
+
+def step_gflop(model: RealModel, member: nn.Module, batch: Batch, n: int) -> float | None:
+    """GEMM and convolution GFLOP of one training step (forward and backward) of N members."""
+    if not model.flop_counted:
+        return None
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = copy.deepcopy(member)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model.loss(m(*batch.member_args(0)), batch.member_target(0)).backward()
+    return counter.get_total_flops() * n / 1e9
+
+
+def _agree(got: Any, expected: Any) -> str | None:
+    try:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    except AssertionError as e:
+        return " ".join(str(e).split())[:200]
+    return None
+
+
+def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> ModelTiming:
+    """Checks, then times, a training step of N members: phalanx (auto) against the baselines.
+
+    Every contender starts from the same members and runs on the same batch. Before timing,
+    each one's per-member losses and gradients of one step are compared with the loop's
+    (float32, rtol 1e-4 / atol 1e-5: a guard that the timed code computes the right thing;
+    :func:`check_against_loop` is the exactness test); one that raises is "n/a", one that
+    disagrees "WRONG", and neither is timed. The rest are timed round by round, interleaved
+    (:func:`phalanx._bench.timing.interleaved`).
+
+    Args:
+        model: the model.
+        n: the number of members.
+        settings: rounds and budget, e.g. ``phalanx._bench.suite.QUICK`` or ``FULL``.
+        seed: seeds weights and data.
+
+    Returns:
+        The row: auto's backend, each contender's status and median time, the step's GFLOP.
+    """
+    from phalanx._bench.suite import reason_of
+    from phalanx._bench.timing import interleaved
+
+    members = [model.make(i, seed) for i in range(n)]
+    batch = make_batch(model, n, model.mode, batch=model.batch, seed=seed)
+    row = ModelTiming(model.name, model.source, model.mode, n, model.batch)
+    row.gflop = step_gflop(model, members[0], batch, n)
+    steps: dict[str, _Step] = {}
+    expected: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+    for kind in CONTENDERS:
+        try:
+            with warnings.catch_warnings(), fixed_noise(model.noisy):
+                warnings.simplefilter("ignore")
+                step = _Step(kind, members, model, batch)
+                got = step.losses(), {k: g.clone() for k, g in step.grads().items()}
+        except Exception as e:
+            row.status[kind] = f"n/a: {reason_of(e)}"
+            continue
+        if expected is None:
+            expected = got
+        problem = _agree(got, expected)
+        row.status[kind] = f"WRONG: {problem}" if problem else "ok"
+        if not problem:
+            steps[kind] = step
+    if "phalanx" in steps and steps["phalanx"].stack is not None:
+        row.backend = steps["phalanx"].stack.backend
+    s = settings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timings = interleaved(
+            dict(steps.items()),
+            device=torch.device("cpu"),
+            rounds=s.rounds,
+            min_rounds=s.min_rounds,
+            warmup=s.warmup,
+            target_s=s.target_s,
+            budget_s=s.budget_s,
+        )
+    row.median_s = {k: t.median for k, t in timings.items()}
+    return row
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
+    """The real-model table: auto's backend, times, speed-ups and shares of the GEMM peak."""
+    from phalanx._bench.report import fmt_time, text_table
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    def share(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.0f}%"
+
+    headers = ["model", "input", "auto ran", "loop", "loop fused-Adam", "torch.func",
+               "phalanx", "vs loop", "vs fused-Adam loop", "vs torch.func", "loop % peak",
+               "phalanx % peak"]  # fmt: skip
+    cells = []
+    for r in rows:
+        times = [fmt_time(r.median_s.get(k)) if r.status.get(k) == "ok" else
+                 r.status.get(k, "-").split(":")[0] for k in CONTENDERS]  # fmt: skip
+        cells.append(
+            [
+                r.name,
+                f"{r.mode} B={r.batch}",
+                r.backend,
+                *times,
+                ratio(r.speedup("loop")),
+                ratio(r.speedup("loop fused-Adam")),
+                ratio(r.speedup("torch.func")),
+                share(r.share_of_peak("loop", gemm_gflops)),
+                share(r.share_of_peak("phalanx", gemm_gflops)),
+            ]
+        )
+    geo = [r.speedup("loop fused-Adam") for r in rows]
+    known = [g for g in geo if g is not None]
+    mean = math.exp(sum(map(math.log, known)) / len(known)) if known else None
+    lines = [text_table(headers, cells)]
+    lines.append(
+        f"geometric mean vs the fused-Adam loop: {ratio(mean)} over {len(known)} models; "
+        f"slowest: {ratio(min(known, default=None))}; fast path (fused) chosen for "
+        f"{sum(r.backend == 'fused' for r in rows)} of {len(rows)}"
+    )
+    for r in rows:
+        for k in CONTENDERS:
+            if r.status.get(k, "ok") != "ok":
+                lines.append(f"{r.name} / {k}: {r.status[k]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m phalanx._bench.real_suite``: check and time the real models."""
+    import argparse
+    import json
+    from dataclasses import asdict
+
+    from phalanx._bench.machine import measure
+    from phalanx._bench.suite import FULL, QUICK
+    from phalanx._modules import intra_op_threads
+
+    parser = argparse.ArgumentParser(prog="python -m phalanx._bench.real_suite")
+    parser.add_argument("--members", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    names = args.models.split(",")
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    with intra_op_threads(args.threads):
+        machine = measure(torch.device("cpu"), quick=args.quick)
+        print(machine.describe(), flush=True)
+        rows = []
+        for name in names:
+            rows.append(time_model(MODELS[name], args.members, QUICK if args.quick else FULL))
+            print(f"  {name}: done", flush=True)
+    print(format_table(rows, machine.gemm_gflops))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine.to_dict(), "rows": [asdict(r) for r in rows]}, f,
+                      indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
