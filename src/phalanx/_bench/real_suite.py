@@ -407,16 +407,6 @@ def stack_losses(model: RealModel, out: Any, batch: Batch) -> torch.Tensor:
 
 
 @dataclass
-class Observed:
-    """One run of a training step's first half, stacked ``(N, ...)`` per member."""
-
-    outputs: list[torch.Tensor]  # output leaves, each (N, ...)
-    losses: torch.Tensor  # (N,)
-    input_grads: list[torch.Tensor]  # one per float input, shaped like the input
-    grads: dict[str, torch.Tensor]  # parameter name -> (N, *shape)
-
-
-@dataclass
 class CheckReport:
     """What :func:`check_against_loop` found.
 
