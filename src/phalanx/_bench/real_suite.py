@@ -696,7 +696,8 @@ class ModelTiming:
     """One model's row of the real-model table. Times in seconds per training step.
 
     ``status`` per contender: "ok" (checked and timed), "n/a: reason" (raised) or
-    "WRONG: reason" (disagrees with the loop). ``gflop`` is the GEMM and convolution work of
+    "WRONG: reason" (disagrees with the loop). ``median_s`` and ``iqr_s`` (first and third
+    quartiles) are over the interleaved rounds, per contender timed. ``gflop`` is the GEMM and convolution work of
     one step of all N members (torch's FlopCounterMode on one member's forward and backward,
     times N; None where the step is not mostly GEMMs).
     """
@@ -709,6 +710,7 @@ class ModelTiming:
     backend: str = "-"
     status: dict[str, str] = field(default_factory=dict)
     median_s: dict[str, float] = field(default_factory=dict)
+    iqr_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     gflop: float | None = None
 
     def speedup(self, baseline: str) -> float | None:
@@ -802,6 +804,7 @@ def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> Mod
             budget_s=s.budget_s,
         )
     row.median_s = {k: t.median for k, t in timings.items()}
+    row.iqr_s = {k: t.iqr for k, t in timings.items()}
     return row
 
 
