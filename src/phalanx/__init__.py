@@ -1,7 +1,8 @@
 """phalanx: N PyTorch models of one architecture run as one computation."""
 
-from phalanx import _backends as _backends
-from phalanx import data, distributed, metrics, optim
+from typing import Any
+
+from phalanx import data, metrics, optim
 from phalanx._checkpoint import export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
@@ -9,6 +10,16 @@ from phalanx._split import merge, split
 from phalanx._stack import Stack, stack
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # phalanx.distributed imports torch.distributed: only on first use.
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module("phalanx.distributed")
+    raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+
 
 __all__ = [
     "Stack",

@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import copy
-import logging
-import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from phalanx._backends import BACKENDS, get_backend
-from phalanx._backends._fused import fused_tree
-from phalanx._backends._fused_layers import FusedUnsupported
-from phalanx._backends._vmap import is_vmap_limitation
+from phalanx._backends import CHOICES, StackView, get_backend
 from phalanx._modules import copy_modes
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
 
-logger = logging.getLogger("phalanx")
-
-_CHOICES = ("auto", *BACKENDS)
+_CHOICES = CHOICES
 InDims = int | None | Sequence[int | None]
 
 
@@ -61,6 +52,7 @@ class Stack(nn.Module):
 
     num_members: int
     _template: nn.Module
+    _view: StackView
 
     def __init__(self, models: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto"):
         super().__init__()
@@ -128,31 +120,26 @@ class Stack(nn.Module):
         self.training = self.module.training
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
+        object.__setattr__(
+            self, "_view", StackView(num_members, self.module, template, self._stacked_state)
+        )
         self._set_backend(backend)
         if backend == "fused":
             self._require_fused(where)
 
     def _set_backend(self, name: str) -> None:
         self._requested = name
-        # Under auto: the backends not yet shown unable to run this architecture exactly
-        # (None: not looked at yet), and the race's winner for each grad mode.
-        self._exact: list[str] | None = None
-        self._picks: dict[bool, str] = {}
+        self._view.cache.clear()  # what backends learnt about the old choice
 
     def _require_fused(self, where: str) -> None:
-        reason = self._fused_unsupported()
+        from phalanx._backends._fused import unsupported_reason
+
+        reason = unsupported_reason(self._view)
         if reason is not None:
             raise ValueError(
                 f"{where}: backend 'fused' cannot run this architecture: {reason}. Use "
                 f"backend='vmap' for any architecture torch.func can batch, or backend='auto'."
             )
-
-    def train(self, mode: bool = True) -> Stack:
-        super().train(mode)
-        tree = self.__dict__.get("_fused_tree")
-        if tree is not None:
-            copy_modes(self.module, tree)
-        return self
 
     # ----------------------------------------------------------------------------------- state
 
@@ -169,14 +156,14 @@ class Stack(nn.Module):
     def backend(self) -> str:
         """The backend in use: "fused", "vmap" or "loop".
 
-        With ``backend="auto"`` this is the backend ``auto`` expects to use until a forward
-        call shows otherwise (an architecture that a backend turns out not to run exactly
-        falls back, with a warning). Assign a name to switch; no weights are copied.
+        With ``backend="auto"`` this is the backend ``auto`` runs in the current grad mode
+        (before the first call, the one it will try first; a backend that turns out not to
+        run the model exactly is dropped, with a warning). Assign a name to switch; no
+        weights are copied.
         """
         if self._requested != "auto":
             return self._requested
-        pick = self._picks.get(torch.is_grad_enabled())
-        return pick if pick is not None else self._exact_backends()[0]
+        return get_backend("auto").current(self._view)  # type: ignore[attr-defined]
 
     @backend.setter
     def backend(self, name: str) -> None:
@@ -190,21 +177,8 @@ class Stack(nn.Module):
         if name == "fused":
             self._require_fused("Stack.backend")
 
-    def _exact_backends(self) -> list[str]:
-        if self._exact is None:
-            self._exact = [b for b in BACKENDS if b != "fused" or not self._fused_unsupported()]
-        return self._exact
-
-    def _fused_unsupported(self) -> str | None:
-        """Why the fused backend cannot be built for this architecture, or None."""
-        try:
-            fused_tree(self)
-        except FusedUnsupported as e:
-            return str(e)
-        return None
-
     def extra_repr(self) -> str:
-        return f"num_members={self.num_members}, backend={self.backend!r}"
+        return f"num_members={self.num_members}, backend={self._requested!r}"
 
     # --------------------------------------------------------------------------------- forward
 
@@ -231,16 +205,8 @@ class Stack(nn.Module):
             torch.Size([3, 5, 2])
         """
         dims = self._normalize_in_dims(in_dims, args)
-        if self._requested == "auto":
-            return self._forward_auto(args, kwargs, dims)
-        try:
-            return get_backend(self._requested).forward(self, args, kwargs, dims)
-        except FusedUnsupported as e:
-            raise RuntimeError(
-                f"Stack.forward(): backend 'fused' cannot run this architecture exactly: {e}. "
-                f"Use phalanx.stack(models, backend='vmap'), or backend='auto', which falls back "
-                f"by itself."
-            ) from e
+        self._check_devices(args, kwargs)
+        return get_backend(self._requested).forward(self._view, args, kwargs, dims)
 
     def _normalize_in_dims(self, in_dims: InDims, args: tuple[Any, ...]) -> tuple[int | None, ...]:
         where = "Stack.forward()"
@@ -278,128 +244,18 @@ class Stack(nn.Module):
                 )
         return dims
 
-    def _forward_auto(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], dims: tuple[int | None, ...]
-    ) -> Any:
-        """``auto``: the fastest backend that runs this input exactly; a fallback is loud.
-
-        The first call in each grad mode (training, or inference under ``no_grad``) finds the
-        backends that run the input, races them (``_race``) and remembers the winner. The
-        fused backend checks each new input signature against vmap before it is trusted (see
-        ``_fused.py``); when a check fails, auto drops fused, says so, and races again.
-        """
-        mode = torch.is_grad_enabled()
-        pick = self._picks.get(mode)
-        if pick is not None:
-            try:
-                return get_backend(pick).forward(self, args, kwargs, dims)
-            except FusedUnsupported as e:
-                self._drop(pick, str(e))
-        exact = self._exact_backends()
-        saved = self._save_side_effects()
-        for name in list(exact):
-            try:
-                get_backend(name).forward(self, args, kwargs, dims)
-            except FusedUnsupported as e:
-                self._restore_side_effects(saved)
-                self._drop(name, str(e))
-                continue
-            except (RuntimeError, ValueError, NotImplementedError) as e:
-                self._restore_side_effects(saved)
-                if name != "vmap" or not is_vmap_limitation(e):
-                    raise
-                self._drop(name, str(e.__cause__ or e).strip().splitlines()[0])
-                continue
-            break
-        # This run only showed the backend works: undo it, race from the same state, and run
-        # the winner for real, so that the returned graph never sees the race's side effects.
-        self._restore_side_effects(saved)
-        pick = self._race(self._exact_backends(), args, kwargs, dims)
-        self._picks[mode] = pick
-        logger.info("phalanx: backend 'auto' runs %r when grad mode is %s", pick, mode)
-        return get_backend(pick).forward(self, args, kwargs, dims)
-
-    def _drop(self, name: str, reason: str) -> None:
-        """Takes a backend out of auto's choice for good, loudly."""
-        exact = self._exact_backends()
-        if name not in exact or len(exact) == 1:
+    def _check_devices(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuses ``meta`` inputs to a stack holding data: no backend computes them truly."""
+        first = next(iter(self._stacked_state()[0].values()), None)
+        if first is None or first.is_meta:
             return
-        exact.remove(name)
-        self._picks = {m: p for m, p in self._picks.items() if p != name}
-        warnings.warn(
-            f"phalanx: backend {name!r} cannot run this architecture exactly ({reason}); "
-            f"falling back to the slower {exact[0]!r} backend. Pass backend={exact[0]!r} "
-            f"to phalanx.stack() to silence this warning.",
-            stacklevel=4,
-        )
-
-    def _race(
-        self, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any], dims: tuple
-    ) -> str:
-        """Times the backends that run this input exactly and returns the fastest.
-
-        On the first call under ``auto`` in each grad mode, like cuDNN's benchmark mode: a batched
-        computation is not always faster than a loop (large convolutions on a CPU). Under
-        autograd the backward pass is timed too, with ``torch.autograd.grad`` so that no
-        ``.grad`` is touched; buffers and RNG states are restored afterwards.
-        """
-        if len(names) < 2:
-            return names[0]
-        params = [p for p in self.parameters() if p.requires_grad]
-        train = torch.is_grad_enabled() and bool(params)
-        sync = torch.cuda.synchronize if params and params[0].is_cuda else (lambda: None)
-
-        def run(name: str) -> float:
-            sync()
-            start = time.perf_counter()
-            out = get_backend(name).forward(self, args, kwargs, dims)
-            if train:
-                leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                total = sum(t.float().sum() for t in leaves if t.requires_grad)
-                if isinstance(total, torch.Tensor):
-                    torch.autograd.grad(total, params, allow_unused=True)
-            sync()
-            return time.perf_counter() - start
-
-        saved = self._save_side_effects()
-        times: dict[str, float] = {}
-        try:
-            for name in names:
-                try:
-                    first = run(name)  # warm-up: the fused probe and autotuning run here
-                    if times and first > 10 * min(times.values()):
-                        continue  # hopeless, and maybe slow: do not time it again
-                    times[name] = min(run(name), run(name))
-                except (RuntimeError, ValueError, NotImplementedError, FusedUnsupported) as e:
-                    logger.debug("phalanx: backend %r left out of the race: %s", name, e)
-                    continue
-                finally:
-                    self._restore_side_effects(saved)
-        finally:
-            self._restore_side_effects(saved)
-        best = min(times, key=times.__getitem__) if times else names[0]
-        logger.info(
-            "phalanx: backend 'auto' timed %s and picked %r",
-            ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in times.items()),
-            best,
-        )
-        return best
-
-    def _save_side_effects(self) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-        """Buffers and RNG states, so that a failed attempt leaves no trace."""
-        _, buffers = self._stacked_state()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-        return [b.clone() for b in buffers.values()], torch.get_rng_state(), cuda
-
-    def _restore_side_effects(self, saved: tuple[list, torch.Tensor, list]) -> None:
-        values, cpu_rng, cuda_rng = saved
-        _, buffers = self._stacked_state()
-        with torch.no_grad():
-            for b, v in zip(buffers.values(), values):
-                b.copy_(v)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        for k, a in [*enumerate(args), *kwargs.items()]:
+            if isinstance(a, torch.Tensor) and a.is_meta:
+                raise ValueError(
+                    f"Stack.forward(): input {k!r} is on the meta device, the stack's parameters "
+                    f"on {first.device}; move the input with x.to({str(first.device)!r}), or the "
+                    f"stack with stack.to('meta') to trace shapes only."
+                )
 
     # ---------------------------------------------------------------------------------- export
 

@@ -1,21 +1,67 @@
 """Backends: stateless strategies that compute a forward pass for all members at once.
 
-A backend is an object with a ``name`` and a ``forward(stack, args, kwargs, in_dims)`` method
-that reads the stack's stacked tensors and returns the members' outputs stacked on dim 0. The
-``loop`` backend is the specification; every other backend is tested against it. Backends are
-looked up by name and imported on first use.
+A backend is an object with a ``name`` and a ``forward(view, args, kwargs, in_dims)`` method
+that reads the stack through a :class:`StackView` (a narrow, read-only view: the member
+count, the module holding the stacked tensors, the stacked tensors by name, and one cache
+dictionary per backend) and returns the members' outputs stacked on dim 0. A backend that
+cannot run an architecture or an input exactly raises :class:`BackendRefusal`, whatever the
+cause; ``auto`` hands over to the next backend on it.
+
+The ``loop`` backend is the specification; every other backend is tested against it.
+Backends are looked up by name and imported on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from phalanx._stack import Stack
+import torch
+from torch import nn
 
 BACKENDS = ("fused", "vmap", "loop")
-_MODULES = {"loop": "._loop", "vmap": "._vmap", "fused": "._fused"}
+"""The strategies, fastest first as a rule; ``auto`` chooses among them."""
+CHOICES = ("auto", *BACKENDS)
+_MODULES = {"loop": "._loop", "vmap": "._vmap", "fused": "._fused", "auto": "._auto"}
+
+
+class BackendRefusal(RuntimeError):
+    """A backend cannot run this architecture or this input exactly; the message says why."""
+
+
+class StackView:
+    """What a backend may see of a stack: read-only, except for its own cache.
+
+    Attributes:
+        num_members: N.
+        module: member 0's architecture holding the stacked tensors ``(N, *shape)``.
+        template: member 0's architecture on the ``meta`` device (ties kept).
+        cache: one dictionary per backend name, for what a backend keeps between calls.
+    """
+
+    def __init__(
+        self,
+        num_members: int,
+        module: nn.Module,
+        template: nn.Module,
+        state: Callable[[], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    ) -> None:
+        self.num_members = num_members
+        self.module = module
+        self.template = template
+        self._state = state
+        self.cache: dict[str, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return self.num_members
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The stacked parameters and buffers by name, each ``(N, *shape)``."""
+        return self._state()
+
+    def cache_of(self, backend: str) -> dict[str, Any]:
+        return self.cache.setdefault(backend, {})
 
 
 class Backend(Protocol):
@@ -23,7 +69,7 @@ class Backend(Protocol):
 
     def forward(
         self,
-        stack: Stack,
+        view: StackView,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
@@ -34,7 +80,7 @@ _loaded: dict[str, Backend] = {}
 
 
 def get_backend(name: str) -> Backend:
-    """Returns the backend called ``name`` ("fused", "vmap" or "loop")."""
+    """Returns the backend called ``name`` ("auto", "fused", "vmap" or "loop")."""
     if name not in _loaded:
         module = importlib.import_module(_MODULES[name], __name__)
         _loaded[name] = module.BACKEND

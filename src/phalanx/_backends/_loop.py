@@ -9,7 +9,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 if TYPE_CHECKING:
-    from phalanx._stack import Stack
+    from phalanx._backends import StackView
 
 
 def stack_outputs(outputs: list[Any], where: str) -> Any:
@@ -53,21 +53,21 @@ class LoopBackend:
 
     def forward(
         self,
-        stack: Stack,
+        view: StackView,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
     ) -> Any:
-        params, buffers = stack._stacked_state()
+        params, buffers = view.state()
         # unbind gives all N views in one autograd node, so backward builds one stacked grad
         # instead of N zero-padded ones.
         param_views = {k: v.unbind(0) for k, v in params.items()}
         outputs = []
-        for i in range(len(stack)):
+        for i in range(view.num_members):
             state = {k: v[i] for k, v in param_views.items()}
             state.update({k: v[i] for k, v in buffers.items()})
             member_args = tuple(a[i] if d == 0 else a for a, d in zip(args, in_dims))
-            outputs.append(functional_call(stack.module, state, member_args, kwargs))
+            outputs.append(functional_call(view.module, state, member_args, kwargs))
         return stack_outputs(outputs, "Stack.forward()")
 
 

@@ -6,24 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.func import functional_call, vmap
 
+from phalanx._backends import BackendRefusal
+
 if TYPE_CHECKING:
-    from phalanx._stack import Stack
-
-# Substrings of the errors torch.func raises for code that vmap cannot batch.
-_VMAP_LIMITS = (
-    "vmap",
-    "batched tensor",
-    "data-dependent",
-    ".item()",
-    "randomness",
-    "functorch",
-)
-
-
-def is_vmap_limitation(error: BaseException) -> bool:
-    """True when ``error`` looks like torch.func refusing the code, not a user bug."""
-    text = str(error).lower()
-    return any(s in text for s in _VMAP_LIMITS)
+    from phalanx._backends import StackView
 
 
 class VmapBackend:
@@ -38,28 +24,28 @@ class VmapBackend:
 
     def forward(
         self,
-        stack: Stack,
+        view: StackView,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
     ) -> Any:
-        params, buffers = stack._stacked_state()
+        params, buffers = view.state()
 
         def member(params: dict, buffers: dict, *member_args: Any) -> Any:
-            return functional_call(stack.module, (params, buffers), member_args, kwargs)
+            return functional_call(view.module, (params, buffers), member_args, kwargs)
 
         try:
             return vmap(member, in_dims=(0, 0, *in_dims), randomness="different")(
                 params, buffers, *args
             )
         except (RuntimeError, ValueError, NotImplementedError) as e:
-            if not is_vmap_limitation(e):
-                raise
-            raise RuntimeError(
+            # Whatever torch.func says (a missing batching rule, data-dependent control flow,
+            # .item(), an in-place write into an unbatched tensor), the loop runs the member's
+            # code as written: refuse, and let the caller hand over.
+            raise BackendRefusal(
                 f"Stack.forward(): backend 'vmap' cannot run this architecture: torch.func.vmap "
-                f"refused it with: {e}\nvmap cannot batch data-dependent Python control flow, "
-                f".item() or in-place writes into unbatched tensors. Use "
-                f"phalanx.stack(models, backend='loop'), or backend='auto', which falls back to "
+                f"raised {type(e).__name__}: {str(e).strip().splitlines()[0]}\nUse "
+                f"phalanx.stack(models, backend='loop'), or backend='auto', which hands over to "
                 f"the loop by itself."
             ) from e
 

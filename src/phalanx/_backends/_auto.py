@@ -1,0 +1,177 @@
+"""``auto``: the fastest backend that runs the stack exactly, chosen stably, said truthfully.
+
+On the first call in each grad mode, ``auto`` tries the backends fastest first. Any failure
+of a faster one (a refusal, a missing batching rule, a crash) hands over to the next: the
+loop runs the member's code as written and is the specification. The backends that run are
+then timed (forward, and backward when training) and the fastest kept, unless a simpler one
+is within a margin of it: timing noise must not decide whether a result is bit-identical to
+the loop. A backend that fails is dropped for good once a slower one has run the same input,
+with one warning that names the backend ``auto`` actually runs.
+
+All of this happens outside ``torch.compile``'s tracing (``torch.compiler.disable``): the
+compiled graph only sees the chosen backend's forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from phalanx._backends import BACKENDS, StackView, get_backend
+from phalanx._backends._preserve import preserved, seconds
+
+logger = logging.getLogger("phalanx")
+
+MARGIN = 0.15
+"""A faster backend is chosen over a simpler one only when at least this much faster."""
+_SIMPLICITY = ("loop", "vmap", "fused")  # simplest first: the loop is the specification
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class AutoBackend:
+    name = "auto"
+
+    def state(self, view: StackView) -> dict[str, Any]:
+        cache = view.cache_of("auto")
+        cache.setdefault("candidates", list(BACKENDS))
+        cache.setdefault("picks", {})
+        return cache
+
+    def current(self, view: StackView) -> str:
+        """The backend ``auto`` runs now in this grad mode (its best guess before a call)."""
+        state = self.state(view)
+        return state["picks"].get(torch.is_grad_enabled(), state["candidates"][0])
+
+    def forward(
+        self,
+        view: StackView,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        in_dims: tuple[int | None, ...],
+    ) -> Any:
+        name = self._choose(view, args, kwargs, in_dims)
+        if torch.compiler.is_compiling():
+            return get_backend(name).forward(view, args, kwargs, in_dims)
+        try:
+            return get_backend(name).forward(view, args, kwargs, in_dims)
+        except Exception as e:
+            if name == "loop":
+                raise
+            # A new input the chosen backend cannot run (the fused check failed on it, say):
+            # the next backend runs it, and the chosen one is dropped if that one succeeds.
+            failed = {name: _reason(e)}
+        name = self._choose(view, args, kwargs, in_dims, failed=failed)
+        return get_backend(name).forward(view, args, kwargs, in_dims)
+
+    @torch.compiler.disable
+    def _choose(
+        self,
+        view: StackView,
+        args: tuple,
+        kwargs: dict,
+        in_dims: tuple,
+        failed: dict[str, str] | None = None,
+    ) -> str:
+        state = self.state(view)
+        mode = torch.is_grad_enabled()
+        pick = state["picks"].get(mode)
+        if pick is not None and not failed:
+            return pick
+        failed = dict(failed or {})
+        runnable: list[str] = []
+        for name in state["candidates"]:
+            if name in failed:
+                continue
+            try:
+                with preserved(view):
+                    get_backend(name).forward(view, args, kwargs, in_dims)
+            except Exception as e:
+                if name == "loop":
+                    raise  # the member's own code fails: the user's error, nothing to drop
+                failed[name] = _reason(e)
+                continue
+            runnable.append(name)
+            if name == "loop":
+                break
+        if not runnable:
+            # Only faster backends were left and every one failed: the loop decides.
+            runnable = ["loop"]
+        choice = self._race(view, runnable, args, kwargs, in_dims)
+        for name, reason in failed.items():
+            self._drop(state, name, reason, choice)
+        state["picks"] = {m: p for m, p in state["picks"].items() if p not in failed}
+        state["picks"][mode] = choice
+        logger.info("phalanx: backend 'auto' runs %r when grad mode is %s", choice, mode)
+        return choice
+
+    @staticmethod
+    def _drop(state: dict[str, Any], name: str, reason: str, runs: str) -> None:
+        if name not in state["candidates"]:
+            return
+        state["candidates"].remove(name)
+        if "loop" not in state["candidates"]:
+            state["candidates"].append("loop")
+        warnings.warn(
+            f"phalanx: backend {name!r} cannot run this model exactly ({reason}); backend "
+            f"'auto' runs {runs!r} instead. Pass backend={runs!r} to phalanx.stack() to choose "
+            f"it directly and silence this warning.",
+            stacklevel=6,
+        )
+
+    @staticmethod
+    def _race(view: StackView, names: list[str], args: tuple, kwargs: dict, in_dims: tuple) -> str:
+        """Times the backends that run this input and returns the one to keep.
+
+        Like cuDNN's benchmark mode: a batched computation is not always faster than a loop
+        (large convolutions on a CPU). Under autograd the backward pass is timed too, with
+        ``torch.autograd.grad`` so that no ``.grad`` is touched. The fastest wins unless a
+        simpler backend is within ``MARGIN`` of it.
+        """
+        if len(names) < 2:
+            return names[0]
+        params = [p for p in view.module.parameters() if p.requires_grad]
+        train = torch.is_grad_enabled() and bool(params)
+        device = params[0].device if params else torch.device("cpu")
+
+        def run(name: str) -> None:
+            out = get_backend(name).forward(view, args, kwargs, in_dims)
+            if train:
+                leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                total = sum(t.float().sum() for t in leaves if t.requires_grad)
+                if isinstance(total, torch.Tensor):
+                    torch.autograd.grad(total, params, allow_unused=True)
+
+        times: dict[str, float] = {}
+        with preserved(view):
+            for name in names:
+                try:
+                    call = functools.partial(run, name)
+                    first = seconds(call, device, repeats=1)  # warm-up
+                    if times and first > 10 * min(times.values()):
+                        continue  # hopeless, and maybe slow: do not time it again
+                    times[name] = seconds(call, device, repeats=3)
+                except Exception as e:  # it ran once already; a failure here is not a pick
+                    logger.debug("phalanx: backend %r left out of the race: %s", name, e)
+        if not times:
+            return names[-1]
+        best = min(times.values())
+        close = [n for n in _SIMPLICITY if n in times and times[n] <= best * (1 + MARGIN)]
+        choice = close[0]
+        logger.info(
+            "phalanx: backend 'auto' timed %s and picked %r",
+            ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in times.items()),
+            choice,
+        )
+        return choice
+
+
+BACKEND = AutoBackend()
