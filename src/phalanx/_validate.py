@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import enum
+import functools
+import weakref
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 def _fmt_shape(shape: Iterable[int]) -> str:
@@ -74,8 +79,8 @@ def architecture_differences(
 
     ref_modules = dict(reference.named_modules(remove_duplicate=False))
     oth_modules = dict(other.named_modules(remove_duplicate=False))
-    ref_types = {p: type(m) for p, m in ref_modules.items()}
-    oth_types = {p: type(m) for p, m in oth_modules.items()}
+    ref_types = {p: _kind(m) for p, m in ref_modules.items()}
+    oth_types = {p: _kind(m) for p, m in oth_modules.items()}
     for path in ref_types.keys() | oth_types.keys():
         shown = repr(path) if path else "the root module"
         if path not in oth_types:
@@ -157,6 +162,167 @@ def architecture_differences(
     return diffs
 
 
+def _kind(module: nn.Module) -> type:
+    """The module's class; for a parametrized module (a class made per instance), the original."""
+    if parametrize.is_parametrized(module):
+        return type(module).__bases__[0]
+    return type(module)
+
+
+# What every nn.Module keeps in its __dict__: not the member's own settings.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
+
+
+def _same_value(a: Any, b: Any, registered: frozenset[int] = frozenset()) -> bool:
+    """Whether two attribute values are the same setting, as far as one can tell.
+
+    Tensors in ``registered`` (the members' own parameters and buffers, which LSTM keeps a
+    list of) are the members' weights, not settings.
+    """
+    if isinstance(a, weakref.ReferenceType) or isinstance(b, weakref.ReferenceType):
+        return type(a) is type(b)
+    if id(a) in registered and id(b) in registered:
+        return True
+    if isinstance(a, _PLAIN) or isinstance(b, _PLAIN):
+        return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN equals NaN here
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same_value(x, y, registered) for x, y in zip(a, b))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k], registered) for k in a)
+    if isinstance(a, nn.Module) or isinstance(b, nn.Module):
+        return type(a) is type(b)  # submodules are compared on their own
+    if callable(a) or callable(b):
+        return _hook_identity(a) == _hook_identity(b)
+    return type(a) is type(b)
+
+
+def _hook_identity(fn: Any) -> Any:
+    """What makes two hooks (or callables) the same: their code and the plain values they hold."""
+    if isinstance(fn, functools.partial):
+        return ("partial", _hook_identity(fn.func), len(fn.args), tuple(sorted(fn.keywords)))
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return (
+            "object",
+            func
+            if isinstance(func, type) or (callable(func) and not hasattr(func, "__dict__"))
+            else type(func),
+        )
+    cells = tuple(
+        c.cell_contents if isinstance(c.cell_contents, _PLAIN) else type(c.cell_contents)
+        for c in (func.__closure__ or ())
+    )
+    return ("code", code, cells)
+
+
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def behaviour_differences(
+    reference: nn.Module, other: nn.Module, index: int, *, ref_name: str = "member 0"
+) -> list[str]:
+    """What the member's forward can read besides tensors: plain attributes and hooks.
+
+    Member 0's copy runs every member's forward, so a setting that differs would silently be
+    taken from member 0.
+    """
+    diffs: list[str] = []
+    who = f"member {index}"
+    oth_modules = dict(other.named_modules(remove_duplicate=False))
+    registered = frozenset(
+        id(t) for m in (reference, other) for t in [*m.parameters(), *m.buffers()]
+    )
+    for path, ref in reference.named_modules(remove_duplicate=False):
+        oth = oth_modules.get(path)
+        if oth is None or _kind(oth) is not _kind(ref):
+            continue  # reported by architecture_differences
+        where = f"submodule {path!r}" if path else "the root module"
+        # A forward pre-hook may keep a tensor attribute it recomputes on every call (old-style
+        # spectral_norm's 'weight'): that is derived from the member's tensors, not a setting.
+        derived = ref._forward_pre_hooks and oth._forward_pre_hooks
+        for key in sorted((ref.__dict__.keys() | oth.__dict__.keys()) - _MODULE_INTERNALS):
+            a, b = ref.__dict__.get(key), oth.__dict__.get(key)
+            if derived and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                continue
+            if key not in oth.__dict__ or key not in ref.__dict__:
+                has, lacks = (ref_name, who) if key in ref.__dict__ else (who, ref_name)
+                diffs.append(f"{where}: {has} has an attribute {key!r} that {lacks} lacks")
+            elif not _same_value(ref.__dict__[key], oth.__dict__[key], registered):
+                diffs.append(
+                    f"{who} {where} has {key}={_show(oth.__dict__[key])}, {ref_name} has "
+                    f"{key}={_show(ref.__dict__[key])}"
+                )
+        for hooks in _HOOKS:
+            a = [_hook_identity(h) for h in getattr(ref, hooks).values()]
+            b = [_hook_identity(h) for h in getattr(oth, hooks).values()]
+            if a != b:
+                kind = hooks.strip("_").replace("_", " ")[:-1]
+                diffs.append(
+                    f"{who} {where} has {len(b)} {kind}(s), {ref_name} has {len(a)}"
+                    + (" that differ" if len(a) == len(b) else "")
+                    + "; register the same hooks on every member"
+                )
+    return diffs
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def tie_differences(members: Sequence[nn.Module]) -> list[str]:
+    """Tensors shared between members, and ties within a member unlike member 0's."""
+    diffs: list[str] = []
+    owner: dict[int, tuple[int, str]] = {}
+    patterns: list[set[frozenset[str]]] = []
+    for i, m in enumerate(members):
+        groups: dict[int, list[str]] = {}
+        named = [
+            *m.named_parameters(remove_duplicate=False),
+            *m.named_buffers(remove_duplicate=False),
+        ]
+        for name, t in named:
+            groups.setdefault(id(t), []).append(name)
+            first = owner.setdefault(id(t), (i, name))
+            if first[0] != i:
+                diffs.append(
+                    f"member {i} '{name}' is the same tensor as member {first[0]} '{first[1]}': "
+                    f"members share it, and a stack would silently untie it; give each member "
+                    f"its own copy (copy.deepcopy(model))"
+                )
+        patterns.append({frozenset(g) for g in groups.values() if len(g) > 1})
+    for i, pattern in enumerate(patterns[1:], start=1):
+        if pattern != patterns[0]:
+
+            def fmt(p: set[frozenset[str]]) -> str:
+                return "; ".join(" = ".join(sorted(g)) for g in sorted(p, key=sorted)) or "none"
+
+            diffs.append(
+                f"member {i} ties {fmt(pattern)}, member 0 ties {fmt(patterns[0])}; every "
+                f"member must tie the same tensors"
+            )
+    return diffs
+
+
 def check_same_architecture(members: Sequence[nn.Module], where: str) -> None:
     """Raises once, listing every difference of members 1..N-1 against member 0.
 
@@ -166,10 +332,13 @@ def check_same_architecture(members: Sequence[nn.Module], where: str) -> None:
     diffs: list[str] = []
     for i, m in enumerate(members[1:], start=1):
         diffs.extend(architecture_differences(members[0], m, i))
+        diffs.extend(behaviour_differences(members[0], m, i))
+    diffs.extend(tie_differences(members))
     if diffs:
         raise ValueError(
             f"{where}: the members do not share one architecture:\n  - "
             + "\n  - ".join(diffs)
             + "\nAll members must share one architecture: the same module types, parameter and "
-            "buffer names, shapes, dtypes, devices and train/eval mode."
+            "buffer names, shapes, dtypes, devices, train/eval mode, settings, hooks and ties; "
+            "only tensor values may differ."
         )
