@@ -1,104 +1,134 @@
-"""The fused backend: the member's own ``forward`` runs once on ``(N, B, ...)`` tensors.
+"""The fused backend: the member's own ``forward`` runs once, on a folded batch.
 
-A copy of the member's module tree is made in which every known layer is swapped for its
-batched version (``_fused_layers``); containers, elementwise layers and parameter-free custom
-modules keep their own ``forward``. Shared inputs enter as views expanded over the member
-axis, which the batched layers recognise.
+Inputs are folded to ``(N * B, ...)`` (member i's samples in rows ``i * B .. i * B + B``), so
+the member's own per-sample code is correct as written; a copy of the member's module tree
+has every layer that holds stacked tensors swapped for its batched version
+(``_fused_layers``, ``_fused_mlp``), and outputs are unfolded to ``(N, B, ...)``.
 
-A member's forward may do something the batched layers cannot honour (a reshape over the
-batch dimension, a reduction over dim 0). That would silently give a wrong answer, so the
-first call with each new input signature is checked against the vmap backend (or the loop,
-where vmap cannot run) on the same input, with dropout off and every side effect undone; a
-mismatch raises ``FusedUnsupported``, on which ``auto`` falls back to vmap.
+What a forward does across the batch (a mean over dim 0, ``x[0]``, a reshape that mixes
+samples) the batched layers cannot honour, and it would give a silently wrong answer. So the
+fused result is checked against the reference (vmap, or the loop where vmap cannot run) on
+the real input, once for every case the forward can branch on that phalanx can see: the
+input's shapes, dtypes and devices, which inputs are per-member, every submodule's
+train/eval mode, grad mode and autocast. A case not yet checked is checked before it is
+trusted, however many there are. Random draws (dropout, ``randn_like``) are replaced by
+constants in both runs of the check, and buffers and RNG states are restored after it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from phalanx._backends._fused_layers import FusedUnsupported, classify
+from phalanx._backends import BackendRefusal
+from phalanx._backends._fused_layers import classify, fold_sizes, folding
 from phalanx._backends._fused_mlp import BatchedMLP, mlp_layers
+from phalanx._backends._preserve import preserved
 from phalanx._modules import copy_modes
 
 if TYPE_CHECKING:
-    from phalanx._stack import Stack
-
-_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-            nn.FeatureAlphaDropout)  # fmt: skip
-_PROBE_LIMIT = 16  # distinct input signatures checked per stack; later ones are trusted
+    from phalanx._backends import StackView
 
 
-def build_tree(stack: Stack) -> nn.Module:
-    """The member's module tree with batched layers, reading the stack's tensors.
-
-    Raises:
-        FusedUnsupported: a submodule holds parameters or buffers of a type with no batched
-            version.
-    """
-    tree = copy.deepcopy(stack._template)
-    n = len(stack)
-    unsupported: list[str] = []
+def build_tree(view: StackView) -> nn.Module:
+    """The member's module tree with batched layers, reading the stack's tensors."""
+    tree = copy.deepcopy(view.template)
+    n = view.num_members
     replaced: list[str] = []
     for path, sub in list(tree.named_modules()):
         if any(path.startswith(p + ".") or p == "" for p in replaced):
             continue
         kind, factory = ("batched", BatchedMLP) if mlp_layers(sub) else classify(sub)
-        if kind == "unsupported":
-            unsupported.append(f"{path or '<root>'!r} ({type(sub).__name__})")
-        elif kind == "batched" and factory is not None:
-            batched = factory(stack.module.get_submodule(path), n)
+        if kind == "batched" and factory is not None:
+            batched = factory(view.module.get_submodule(path), n)
             replaced.append(path)
             if path == "":
                 tree = batched
             else:
                 parent, _, leaf = path.rpartition(".")
                 setattr(tree.get_submodule(parent), leaf, batched)
-    if unsupported:
-        raise FusedUnsupported(
-            "no batched layer for the submodule(s) holding tensors: " + ", ".join(unsupported)
-        )
-    copy_modes(stack.module, tree)
     return tree
 
 
-def fused_tree(stack: Stack) -> nn.Module:
-    """The stack's fused tree, built on first use and cached on the stack."""
-    tree = stack.__dict__.get("_fused_tree")
-    if tree is None:
-        tree = build_tree(stack)
-        stack.__dict__["_fused_tree"] = tree
-        stack.__dict__["_fused_probed"] = set()
-    return tree
+def unsupported_reason(view: StackView) -> str | None:
+    """Why the fused tree cannot be built for this architecture, or None."""
+    try:
+        fused_tree(view)
+    except BackendRefusal as e:
+        return str(e)
+    return None
 
 
-def _signature(args: tuple, kwargs: dict, in_dims: tuple) -> tuple:
+def fused_tree(view: StackView) -> nn.Module:
+    cache = view.cache_of("fused")
+    if "tree" not in cache:
+        cache["tree"] = build_tree(view)
+        cache["checked"] = set()
+        cache["modes"] = None
+    return cache["tree"]
+
+
+def _modes(module: nn.Module) -> tuple[bool, ...]:
+    return tuple(m.training for m in module.modules())
+
+
+def _case(args: tuple, kwargs: dict, in_dims: tuple, modes: tuple) -> tuple:
+    """Everything the member's forward can branch on that phalanx can see."""
+
     def sig(a: Any) -> Any:
-        return (tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a)
+        if isinstance(a, torch.Tensor):
+            return (tuple(a.shape), a.dtype, a.device, a.requires_grad)
+        return (type(a), a) if isinstance(a, (bool, int, float, str, type(None))) else type(a)
 
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
     return (
         tuple(sig(a) for a in args),
         in_dims,
         tuple(sorted((k, sig(v)) for k, v in kwargs.items())),
+        modes,
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled(device),
+        torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None,
     )
 
 
-@contextlib.contextmanager
-def _dropout_off(*modules: nn.Module) -> Iterator[None]:
-    saved = [(m, m.training) for root in modules for m in root.modules() if isinstance(m, _DROPOUT)]
-    for m, _ in saved:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m, mode in saved:
-            m.training = mode
+_NO_DROPOUT = {
+    F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+    torch.dropout, torch.alpha_dropout, torch.feature_alpha_dropout,
+}  # fmt: skip
+_CONSTANT_DRAWS = {torch.randn_like, torch.rand_like, torch.normal, torch.bernoulli}
+
+
+class _Deterministic(TorchFunctionMode):
+    """Dropout off and random draws replaced by a constant, in both runs of the check.
+
+    Members draw their own randomness, so no two backends can draw the same numbers; with
+    the draws pinned the check compares everything else the forward does.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _NO_DROPOUT:
+            return args[0] if args else kwargs["input"]
+        if func in _CONSTANT_DRAWS:
+            like = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if like is not None:
+                return torch.full_like(like, 0.5, dtype=kwargs.get("dtype") or like.dtype)
+        if func is F.scaled_dot_product_attention and kwargs.get("dropout_p", 0.0):
+            kwargs = {**kwargs, "dropout_p": 0.0}
+        if func is F.scaled_dot_product_attention and len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        return func(*args, **kwargs)
 
 
 def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -116,6 +146,8 @@ def _compare(got: Any, expected: Any) -> str | None:
         return f"the output structure differs ({g_spec} against {e_spec})"
     for k, (g, e) in enumerate(zip(g_flat, e_flat)):
         if not isinstance(e, torch.Tensor):
+            if g != e:
+                return f"output {k} is {g!r}, the reference's {e!r}"
             continue
         if not isinstance(g, torch.Tensor) or g.shape != e.shape:
             shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
@@ -127,7 +159,7 @@ def _compare(got: Any, expected: Any) -> str | None:
         # Under autocast one side may have computed in lower precision than the other.
         rtol, atol = max(_tolerance(e.dtype), _tolerance(g.dtype))
         wide = torch.promote_types(g.dtype, e.dtype)
-        g, e = g.to(wide), e.to(wide)
+        g, e = g.detach().to(wide), e.detach().to(wide)
         finite = e[torch.isfinite(e)]  # a diverged member's NaNs must not poison the scale
         scale = 1.0 + finite.abs().max().item() if finite.numel() else 1.0
         # allclose with equal_nan counts NaN == NaN and equal infinities as agreeing.
@@ -137,75 +169,188 @@ def _compare(got: Any, expected: Any) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _folded(args: tuple, kwargs: dict, in_dims: tuple, n: int) -> Iterator[tuple[tuple, dict]]:
+    """The inputs folded to ``(N * B, ...)``, with the batched layers told the batch sizes."""
+    batches: list[int] = []
+
+    def fold(a: Any, per_member: bool) -> Any:
+        if not isinstance(a, torch.Tensor) or a.dim() == 0:
+            return a
+        if per_member:
+            batches.append(a.shape[1] if a.dim() > 1 else 1)
+            return a.reshape(-1, *a.shape[2:]) if a.dim() > 1 else a
+        batches.append(a.shape[0])
+        return a.expand(n, *a.shape).reshape(-1, *a.shape[1:])
+
+    fargs = tuple(fold(a, d == 0) for a, d in zip(args, in_dims))
+    fkwargs = {k: fold(v, False) for k, v in kwargs.items()}
+    with folding(n, batches):
+        yield fargs, fkwargs
+
+
+_LOSSES = {
+    F.cross_entropy: "weighted", F.nll_loss: "weighted", F.mse_loss: "plain",
+    F.l1_loss: "plain", F.smooth_l1_loss: "plain", F.huber_loss: "plain",
+    F.binary_cross_entropy: "plain", F.binary_cross_entropy_with_logits: "plain",
+}  # fmt: skip
+
+
+class _MemberLosses(TorchFunctionMode):
+    """A loss the member's forward computes itself (nanoGPT's ``model(idx, targets)``) is one
+    number per member: reduced over each member's own rows of the folded batch, not over all.
+
+    The result, ``(N,)``, is recorded in ``scalars``; an output that is one of these is the
+    members' stacked scalars. Anything else done to it changes its identity, and the output
+    check refuses it.
+    """
+
+    def __init__(self, n: int, scalars: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.n, self.scalars = n, scalars
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        kind = _LOSSES.get(func)
+        if kind is None:
+            return func(*args, **kwargs)
+        params = inspect.signature(func).bind(*args, **kwargs).arguments
+        x, target = params["input"], params["target"]
+        reduction = params.get("reduction", "mean")
+        if (
+            reduction not in ("mean", "sum")
+            or params.get("size_average") is not None
+            or params.get("reduce") is not None
+            or not isinstance(target, torch.Tensor)
+            or x.dim() == 0
+            or x.shape[0] % self.n
+            or target.shape[0] != x.shape[0]
+            or (kind == "weighted" and params.get("label_smoothing", 0.0) > 0)
+        ):
+            return func(*args, **kwargs)
+        per_element = func(**{**params, "reduction": "none"})
+        loss = per_element.reshape(self.n, -1).sum(1)
+        if reduction == "mean":
+            if kind == "weighted":
+                weight = params.get("weight")
+                ignore = params.get("ignore_index", -100)
+                keep = (target != ignore).to(per_element.dtype)
+                if weight is not None:
+                    keep = keep * weight[target.clamp(0, weight.shape[0] - 1)]
+                loss = loss / keep.reshape(self.n, -1).sum(1)
+            else:
+                loss = loss / (per_element.numel() // self.n)
+        self.scalars[id(loss)] = loss
+        return loss
+
+
+def _unfold_outputs(out: Any, n: int, sizes: set[int], scalars: dict[int, Any]) -> Any:
+    """Each output ``(..., N * B, ...)`` as ``(N, ..., B, ...)``: the batch is dim 0 as a rule,
+    a later dim where the member keeps an axis of its own in front (an ensemble's critics)."""
+
+    def unfold(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or id(t) in scalars:
+            return t
+        dim = next((d for d, size in enumerate(t.shape) if size in sizes), None)
+        if dim is None:
+            raise BackendRefusal(
+                f"an output of shape {tuple(t.shape)} does not carry the members' batches"
+            )
+        return t.unflatten(dim, (n, -1)).movedim(dim, 0)
+
+    return pytree.tree_map(unfold, out)
+
+
 class FusedBackend:
-    """Runs the member's forward once on ``(N, B, ...)`` tensors with batched layers."""
+    """Runs the member's forward once on the folded batch with batched layers."""
 
     name = "fused"
 
     def forward(
         self,
-        stack: Stack,
+        view: StackView,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
     ) -> Any:
-        tree = fused_tree(stack)
-        probed: set = stack.__dict__["_fused_probed"]
-        if len(probed) < _PROBE_LIMIT:
-            sig = _signature(args, kwargs, in_dims)
-            if sig not in probed:
-                failure = self.verify(stack, tree, args, kwargs, in_dims)
-                if failure is not None:
-                    raise FusedUnsupported(failure)
-                probed.add(sig)
-        return self._run(stack, tree, args, kwargs, in_dims)
+        tree = fused_tree(view)
+        cache = view.cache_of("fused")
+        modes = _modes(view.module)
+        if cache["modes"] != modes:
+            copy_modes(view.module, tree)
+            cache["modes"] = modes
+        self._check(view, tree, args, kwargs, in_dims, modes)
+        return self._run(view, tree, args, kwargs, in_dims)
 
     @staticmethod
-    def _run(stack: Stack, tree: nn.Module, args: tuple, kwargs: dict, in_dims: tuple) -> Any:
-        n = len(stack)
-        args = tuple(
-            a.expand(n, *a.shape) if d is None and isinstance(a, torch.Tensor) else a
-            for a, d in zip(args, in_dims)
+    def _run(view: StackView, tree: nn.Module, args: tuple, kwargs: dict, in_dims: tuple) -> Any:
+        n = view.num_members
+        shared_root = (
+            isinstance(tree, BatchedMLP)
+            and len(args) == 1
+            and in_dims == (None,)
+            and not kwargs
+            and isinstance(args[0], torch.Tensor)
         )
-        kwargs = {
-            k: v.expand(n, *v.shape) if isinstance(v, torch.Tensor) else v
-            for k, v in kwargs.items()
-        }
-        return tree(*args, **kwargs)
+        if shared_root:  # the MLP's first layer is one GEMM against every member's weights
+            return tree.forward_shared(args[0])  # type: ignore[operator]
+        cache = view.cache_of("fused")
+        scalars: dict[int, torch.Tensor] = {}
+        losses = _MemberLosses(n, scalars) if cache.get("losses") else contextlib.nullcontext()
+        with _folded(args, kwargs, in_dims, n) as (fargs, fkwargs), losses:
+            out = tree(*fargs, **fkwargs)
+            sizes = set(fold_sizes())
+        if not cache.get("losses") and any(
+            isinstance(t, torch.Tensor) and t.dim() == 0 for t in pytree.tree_leaves(out)
+        ):
+            # A scalar output: the forward reduces a loss. From now on losses are reduced per
+            # member (a mode costs a little on every op, so only where it is needed).
+            cache["losses"] = True
+            return FusedBackend._run(view, tree, args, kwargs, in_dims)
+        return _unfold_outputs(out, n, sizes, scalars)
+
+    @torch.compiler.disable
+    def _check(
+        self, view: StackView, tree: nn.Module, args: tuple, kwargs: dict, in_dims: tuple, modes
+    ) -> None:
+        checked: set = view.cache_of("fused")["checked"]
+        case = _case(args, kwargs, in_dims, modes)
+        if case in checked:
+            return
+        failure = self.verify(view, tree, args, kwargs, in_dims)
+        if failure is not None:
+            raise BackendRefusal(
+                f"Stack.forward(): backend 'fused' does not match the reference on this input: "
+                f"{failure}. The member's forward may mix samples across the batch (a mean "
+                f"or reshape over dim 0), which the fused backend cannot honour. Use "
+                f"phalanx.stack(models, backend='vmap'), or backend='auto', which hands over "
+                f"by itself."
+            )
+        checked.add(case)
 
     def verify(
-        self, stack: Stack, tree: nn.Module, args: tuple, kwargs: dict, in_dims: tuple
+        self, view: StackView, tree: nn.Module, args: tuple, kwargs: dict, in_dims: tuple
     ) -> str | None:
         """Compares the fused output with the vmap (or loop) backend's on this input.
 
         Returns:
-            None when they agree, else why not. Buffers and RNG states are restored, so the
-            check leaves no trace.
+            None when they agree, else what differs. Buffers and RNG states are restored, so
+            the check leaves no trace.
         """
         from phalanx._backends import get_backend
 
-        saved = stack._save_side_effects()
-        try:
-            with torch.no_grad(), _dropout_off(stack.module, tree):
-                try:
-                    expected = get_backend("vmap").forward(stack, args, kwargs, in_dims)
-                except Exception:  # vmap cannot run it: the loop is the specification anyway
-                    stack._restore_side_effects(saved)
-                    expected = get_backend("loop").forward(stack, args, kwargs, in_dims)
-                stack._restore_side_effects(saved)
-                try:
-                    got = self._run(stack, tree, args, kwargs, in_dims)
-                except Exception as e:
-                    return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
-        finally:
-            stack._restore_side_effects(saved)
-        failure = _compare(got, expected)
-        if failure is not None:
-            return (
-                f"{failure} (the member's forward may reshape or reduce over the batch "
-                f"dimension, which the fused layers cannot honour)"
-            )
-        return None
+        with preserved(view), _Deterministic():
+            try:
+                with preserved(view):
+                    expected = get_backend("vmap").forward(view, args, kwargs, in_dims)
+            except Exception:  # vmap cannot run it: the loop is the specification anyway
+                with preserved(view):
+                    expected = get_backend("loop").forward(view, args, kwargs, in_dims)
+            try:
+                got = self._run(view, tree, args, kwargs, in_dims)
+            except Exception as e:
+                return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        return _compare(got, expected)
 
 
 BACKEND = FusedBackend()

@@ -1,54 +1,73 @@
-"""Batched layers of the fused backend: each runs all N members of one layer on ``(N, B, ...)``.
+"""Batched layers of the fused backend: each runs one layer of all N members in one call.
+
+The fused backend runs the member's own ``forward`` on a *folded* batch: every tensor that
+carries the batch has shape ``(N * B, ...)``, member i's samples in rows ``i * B .. i * B + B``.
+Per-sample code (``x.flatten(1)``, ``x.view(x.size(0), -1)``, ``torch.cat([s, a], 1)``,
+``F.max_pool2d``, attention's ``view(B, T, heads, d)``) is then correct as written, and only
+the layers that hold stacked tensors are swapped for the classes below, which unfold
+``(N * B, ...)`` to ``(N, B, ...)`` (a view) and run all members in one batched call.
 
 A batched layer reads the stacked tensors of the stack's own submodule at call time (so
 ``.to()``, ``load_state_dict`` and optimizer steps are seen at once) and never owns weights.
-
-Per-channel layers (convolutions, BatchNorm, GroupNorm, pooling) treat the N members as N
-times the channels of one ordinary call: ``(N, B, C, ...)`` is laid out as ``(B, N * C, ...)``,
-which is free when the tensor is already "batch-major" (physically ``(B, N, C, ...)``), the
-layout those layers produce. A shared input (a tensor expanded over the member axis, stride 0)
-takes a fast path where one exists: the first Linear is one GEMM against all members' weights
-concatenated along the output dimension.
+A tensor created inside the forward that does not carry the batch (nanoGPT's positions
+``arange(T)``) is shared by the members: a layer's per-member result on it is broadcast over
+each member's batch, as the member's own broadcasting would. Anything else a forward does
+across the batch is caught by the fused backend's check against the reference.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, vmap
+from torch.utils import _pytree as pytree
+
+from phalanx._backends import BackendRefusal
+from phalanx._backends._preserve import seconds
+
+# The folding of the call under way: N and the batch sizes of the inputs (a stack of them,
+# should a forward call another stack).
+_folds: list[tuple[int, frozenset[int], int]] = []
 
 
-class FusedUnsupported(RuntimeError):
-    """The fused backend cannot run this layer or input exactly."""
+@contextlib.contextmanager
+def folding(n: int, batches: list[int]) -> Iterator[None]:
+    """Tells the batched layers that tensors with ``N * b`` rows (b in ``batches``) are folded."""
+    _folds.append((n, frozenset(n * b for b in batches), batches[0] if batches else 1))
+    try:
+        yield
+    finally:
+        _folds.pop()
 
 
-def is_shared(x: torch.Tensor) -> bool:
-    """True for an input broadcast over the member axis (``x.expand(N, ...)``)."""
-    return x.dim() > 1 and x.stride(0) == 0 and x.shape[0] > 1
+def fold_sizes() -> frozenset[int]:
+    """The sizes ``N * B`` of the folded batches of the call under way."""
+    return _folds[-1][1] if _folds else frozenset()
 
 
-def to_channels(x: torch.Tensor) -> torch.Tensor:
-    """``(N, B, C, *sp)`` -> ``(B, N * C, *sp)``: a view for batch-major tensors."""
-    return x.transpose(0, 1).flatten(1, 2)
+def is_folded(x: torch.Tensor) -> bool:
+    """True when ``x`` carries the folded batch ``(N * B, ...)``."""
+    return bool(_folds) and x.dim() > 0 and x.shape[0] in _folds[-1][1]
 
 
-def is_batch_major(x: torch.Tensor) -> bool:
-    """True when ``(N, B, ...)`` is laid out as ``(B, N, ...)``, which to_channels views."""
-    return x.dim() > 2 and x.transpose(0, 1).is_contiguous()
+def unfold(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``(N * B, ...)`` -> ``(N, B, ...)``, a view when possible."""
+    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
 
-def from_channels(y: torch.Tensor, n: int) -> torch.Tensor:
-    """``(B, N * C, *sp)`` -> ``(N, B, C, *sp)``, a view (batch-major layout)."""
-    return y.unflatten(1, (n, -1)).transpose(0, 1)
+def broadcast(y: torch.Tensor) -> torch.Tensor:
+    """Per-member results ``(N, *s)`` of a shared tensor, broadcast over each member's batch.
 
-
-def _shift(dim: int) -> int:
-    """A member's dim index in the fused tensor, which has the member axis in front."""
-    return dim + 1 if dim >= 0 else dim
+    Returns ``(N * B, *s)``: what member code gets when it adds a ``(s)`` tensor to its
+    ``(B, *s)`` activations.
+    """
+    b = _folds[-1][2] if _folds else 1
+    return y.unsqueeze(1).expand(y.shape[0], b, *y.shape[1:]).reshape(-1, *y.shape[1:])
 
 
 class Batched(nn.Module):
@@ -65,6 +84,15 @@ class Batched(nn.Module):
         return f"{type(self.src).__name__}, members={self.n}"
 
 
+def _member_view(t: torch.Tensor | None, n: int, ndim: int, dim: int = 1) -> torch.Tensor | None:
+    """A stacked ``(N, C)`` tensor viewed to broadcast against ``(N, B, C, *sp)`` at ``dim``."""
+    if t is None:
+        return None
+    shape = [n] + [1] * (ndim - 1)
+    shape[dim + 1] = t.shape[1]
+    return t.reshape(shape)
+
+
 # ------------------------------------------------------------------------------------- linear
 
 
@@ -72,10 +100,8 @@ class BatchedLinear(Batched):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.src.weight, self.src.bias  # (N, out, in), (N, out)
         n, out_f, in_f = w.shape
-        if is_shared(x):
-            # One GEMM: (*, in) @ (in, N * out); the result is viewed as (N, *, out).
-            y = F.linear(x[0], w.reshape(n * out_f, in_f), None if b is None else b.reshape(-1))
-            return y.unflatten(-1, (n, out_f)).movedim(-2, 0)
+        if not is_folded(x):
+            return broadcast(self.forward_shared(x))
         x3 = x.reshape(n, -1, in_f)
         if b is None:
             y = torch.bmm(x3, w.transpose(1, 2))
@@ -83,9 +109,18 @@ class BatchedLinear(Batched):
             y = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
         return y.view(*x.shape[:-1], out_f)
 
+    def forward_shared(self, x: torch.Tensor) -> torch.Tensor:
+        """A shared input ``(*, in)`` -> ``(N, *, out)``: one GEMM against every member."""
+        w, b = self.src.weight, self.src.bias
+        n, out_f, in_f = w.shape
+        y = F.linear(x, w.reshape(n * out_f, in_f), None if b is None else b.reshape(-1))
+        return y.unflatten(-1, (n, out_f)).movedim(-2, 0)
+
 
 class BatchedBilinear(Batched):
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        if not (is_folded(x1) and is_folded(x2)):
+            raise BackendRefusal("Bilinear on inputs that do not carry the batch")
         w, b = self.src.weight, self.src.bias  # (N, out, in1, in2), (N, out)
         n = w.shape[0]
         a = x1.reshape(n, -1, x1.shape[-1])
@@ -100,15 +135,58 @@ class BatchedEmbedding(Batched):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         src = self.src
         if src.max_norm is not None:
-            raise FusedUnsupported("Embedding with max_norm renormalises weights in place")
+            raise BackendRefusal("Embedding with max_norm renormalises weights in place")
         w = src.weight  # (N, V, D)
         n, v, d = w.shape
-        offsets = torch.arange(n, device=x.device).mul_(v).view(n, *([1] * (x.dim() - 1)))
-        y = F.embedding(x + offsets, w.reshape(n * v, d), scale_grad_by_freq=src.scale_grad_by_freq)
+        folded = is_folded(x)
+        idx = unfold(x, n) if folded else x.expand(n, *x.shape)
+        offsets = torch.arange(n, device=x.device).mul_(v).view(n, *([1] * (idx.dim() - 1)))
+        y = F.embedding(
+            idx + offsets, w.reshape(n * v, d), scale_grad_by_freq=src.scale_grad_by_freq
+        )
         if src.padding_idx is not None:
             # Rows at padding_idx take no gradient, as in nn.Embedding.
-            y = torch.where((x == src.padding_idx).unsqueeze(-1), y.detach(), y)
-        return y
+            y = torch.where((idx == src.padding_idx).unsqueeze(-1), y.detach(), y)
+        return y.reshape(*x.shape, d) if folded else broadcast(y)
+
+
+class BatchedEmbeddingBag(Batched):
+    """EmbeddingBag on 2-D input ``(N * B, L)``, or 1-D input with offsets (one bag list each)."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        src = self.src
+        if src.max_norm is not None:
+            raise BackendRefusal("EmbeddingBag with max_norm renormalises weights in place")
+        w = src.weight  # (N, V, D)
+        n, v, d = w.shape
+        if x.dim() == 2 and offsets is None and is_folded(x):
+            idx = unfold(x, n) + torch.arange(n, device=x.device).mul_(v).view(n, 1, 1)
+            flat_idx, flat_offsets = idx.reshape(-1, x.shape[1]), None
+        elif x.dim() == 1 and offsets is not None and x.shape[0] % n == 0 and is_folded(offsets):
+            length = x.shape[0] // n
+            idx = x.view(n, length) + torch.arange(n, device=x.device).mul_(v).view(n, 1)
+            starts = torch.arange(n, device=x.device).mul_(length).view(n, 1)
+            flat_idx = idx.reshape(-1)
+            flat_offsets = (unfold(offsets, n) + starts).reshape(-1)
+            if src.include_last_offset:
+                raise BackendRefusal("EmbeddingBag with include_last_offset=True")
+        else:
+            raise BackendRefusal("EmbeddingBag on an input that does not carry the batch")
+        return F.embedding_bag(
+            flat_idx,
+            w.reshape(n * v, d),
+            flat_offsets,
+            scale_grad_by_freq=src.scale_grad_by_freq,
+            mode=src.mode,
+            sparse=src.sparse,
+            per_sample_weights=per_sample_weights,
+            padding_idx=None if src.padding_idx is None else src.padding_idx,
+        )
 
 
 # ------------------------------------------------------------------------------- convolutions
@@ -120,26 +198,27 @@ _strategy_cache: dict[tuple, str] = {}
 
 def _autotune(key: tuple, strategies: dict[str, Callable[[], torch.Tensor]]) -> torch.Tensor:
     choice = _strategy_cache.get(key)
-    if choice is not None:
-        return strategies[choice]()
-    if len(strategies) == 1:
-        (choice,) = strategies
-        _strategy_cache[key] = choice
-        return strategies[choice]()
-    timings = {}
-    for name, run in strategies.items():
-        best = float("inf")
-        for _ in range(3):
+    if choice is None:
+        if len(strategies) == 1 or torch.compiler.is_compiling():
+            choice = next(iter(strategies))
+        else:
+            device = torch.device(key[-1])
             with torch.no_grad():
-                start = time.perf_counter()
-                run()
-                if torch.cuda.is_available() and key[-1] == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - start)
-        timings[name] = best
-    choice = min(timings, key=timings.__getitem__)
-    _strategy_cache[key] = choice
+                timings = {k: seconds(run, device, repeats=3) for k, run in strategies.items()}
+            choice = min(timings, key=timings.__getitem__)
+        _strategy_cache[key] = choice
     return strategies[choice]()
+
+
+def to_channels(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``(N * B, C, *sp)`` -> ``(B, N * C, *sp)``: members side by side as channels."""
+    xs = unfold(x, n)
+    return xs.transpose(0, 1).reshape(xs.shape[1], n * xs.shape[2], *xs.shape[3:])
+
+
+def from_channels(y: torch.Tensor, n: int) -> torch.Tensor:
+    """``(B, N * C, *sp)`` -> ``(N * B, C, *sp)``."""
+    return y.unflatten(1, (n, -1)).transpose(0, 1).reshape(-1, y.shape[1] // n, *y.shape[2:])
 
 
 class BatchedConv(Batched):
@@ -158,38 +237,26 @@ class BatchedConv(Batched):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         src, n = self.src, self.n
+        if not is_folded(x) or x.dim() != self.dims + 2:
+            raise BackendRefusal(f"{type(src).__name__} on an input without a batch dimension")
         w, b = src.weight, src.bias  # (N, out, in / groups, *k), (N, out)
-        shared = is_shared(x)
 
         def grouped() -> torch.Tensor:
-            # A shared input meets all members' filters in one ordinary convolution; otherwise
-            # the members' channels side by side make one grouped convolution.
-            if shared and src.groups == 1:
-                inp, groups = x[0], 1
-            else:
-                inp, groups = to_channels(x), src.groups * n
-            y, pad = self._pad(inp)
+            inp, pad = self._pad(to_channels(x, n))
             bias = None if b is None else b.flatten()
-            y = self.conv(y, w.flatten(0, 1), bias, src.stride, pad, src.dilation, groups)
+            y = self.conv(inp, w.flatten(0, 1), bias, src.stride, pad, src.dilation, src.groups * n)
             return from_channels(y, n)
 
         def per_member() -> torch.Tensor:
+            xs = unfold(x, n)
             outs = []
             for i in range(n):
-                xi, pad = self._pad(x[i])
+                xi, pad = self._pad(xs[i])
                 bias = None if b is None else b[i]
                 outs.append(self.conv(xi, w[i], bias, src.stride, pad, src.dilation, src.groups))
-            return torch.stack(outs)
+            return torch.cat(outs)
 
-        key = (
-            id(src),
-            tuple(x.shape),
-            x.stride(),
-            shared,
-            torch.is_grad_enabled(),
-            x.dtype,
-            x.device.type,
-        )
+        key = (id(src), tuple(x.shape), torch.is_grad_enabled(), x.dtype, x.device.type)
         return _autotune(key, {"grouped": grouped, "per_member": per_member})
 
 
@@ -198,13 +265,15 @@ class BatchedConvTranspose(Batched):
         super().__init__(src, n)
         self.conv = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[dims]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, output_size: Any = None) -> torch.Tensor:
         src, n = self.src, self.n
-        if src.padding_mode != "zeros":
-            raise FusedUnsupported("ConvTranspose supports only zero padding")
+        if src.padding_mode != "zeros" or output_size is not None:
+            raise BackendRefusal("ConvTranspose supports only zero padding and no output_size")
+        if not is_folded(x):
+            raise BackendRefusal(f"{type(src).__name__} on an input without a batch dimension")
         w, b = src.weight, src.bias  # (N, in, out / groups, *k)
         y = self.conv(
-            to_channels(x),
+            to_channels(x, n),
             w.flatten(0, 1),
             None if b is None else b.flatten(),
             src.stride,
@@ -224,19 +293,19 @@ class BatchedBatchNorm(Batched):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         src, n = self.src, self.n
-        if x.dim() < 3:
-            raise FusedUnsupported("BatchNorm needs a batch dimension")
+        if not is_folded(x) or x.dim() < 2:
+            raise BackendRefusal("BatchNorm on an input without a batch dimension")
         use_batch_stats = src.training or not src.track_running_stats
         factor = 0.0
         if src.training and src.track_running_stats:
             if src.momentum is None:
-                raise FusedUnsupported("BatchNorm with momentum=None (a cumulative average)")
+                raise BackendRefusal("BatchNorm with momentum=None (a cumulative average)")
             src.num_batches_tracked.add_(1)
             factor = src.momentum
         mean, var = src.running_mean, src.running_var
         w, b = src.weight, src.bias
         y = F.batch_norm(
-            to_channels(x),
+            to_channels(x, n),
             None if mean is None else mean.view(-1),
             None if var is None else var.view(-1),
             None if w is None else w.reshape(-1),
@@ -251,117 +320,166 @@ class BatchedBatchNorm(Batched):
 class BatchedGroupNorm(Batched):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         src, n = self.src, self.n
-        w, b = src.weight, src.bias
-        y = F.group_norm(
-            to_channels(x),
-            src.num_groups * n,
-            None if w is None else w.reshape(-1),
-            None if b is None else b.reshape(-1),
-            src.eps,
-        )
-        return from_channels(y, n)
+        if not is_folded(x):
+            raise BackendRefusal("GroupNorm on an input without a batch dimension")
+        y = unfold(F.group_norm(x, src.num_groups, None, None, src.eps), n)
+        weight, bias = _member_view(src.weight, n, y.dim()), _member_view(src.bias, n, y.dim())
+        if weight is not None and bias is not None:
+            y = y * weight + bias
+        return y.reshape(x.shape)
 
 
 class BatchedLayerNorm(Batched):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        src = self.src
+        src, n = self.src, self.n
         shape = tuple(src.normalized_shape)
         y = F.layer_norm(x, shape, None, None, src.eps)
-        view = (self.n,) + (1,) * (x.dim() - 1 - len(shape)) + shape
+        if src.weight is None and getattr(src, "bias", None) is None:
+            return y
+        folded = is_folded(x)
+        ys = unfold(y, n) if folded else y.expand(n, *y.shape)
+        view = (n,) + (1,) * (ys.dim() - 1 - len(shape)) + shape
         if src.weight is not None:
-            y = y * src.weight.view(view)
+            ys = ys * src.weight.view(view)
         if getattr(src, "bias", None) is not None:
-            y = y + src.bias.view(view)
-        return y
-
-
-# ------------------------------------------------------------------------- dropout and shapes
-
-
-class BatchedChannelDropout(Batched):
-    """Dropout1d/2d/3d: whole channels, drawn independently per member and sample."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        src = self.src
-        fn = {nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d}[
-            type(src)
-        ]
-        return fn(x.flatten(0, 1), src.p, src.training).unflatten(0, x.shape[:2])
-
-
-class PerChannel(Batched):
-    """Pooling and other per-channel, per-sample layers: ``(B, N * C, ...)`` in one call."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self.src, "return_indices", False):
-            raise FusedUnsupported(f"{type(self.src).__name__} with return_indices=True")
-        if x.is_contiguous() and not is_batch_major(x):  # member-major: (N * B, C, ...) is a view
-            return self.src(x.flatten(0, 1)).unflatten(0, x.shape[:2])
-        return from_channels(self.src(to_channels(x)), self.n)
-
-
-class ShiftedDims(Batched):
-    """Flatten, Unflatten, Softmax and friends: the member's dims move one to the right."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        src = self.src
-        if isinstance(src, nn.Flatten):
-            return x.flatten(_shift(src.start_dim), _shift(src.end_dim))
-        if isinstance(src, nn.Unflatten):
-            return x.unflatten(_shift(src.dim), src.unflattened_size)
-        dim = src.dim
-        if dim is None:
-            raise FusedUnsupported(f"{type(src).__name__} with dim=None")
-        fn = {
-            nn.Softmax: F.softmax,
-            nn.LogSoftmax: F.log_softmax,
-            nn.Softmin: F.softmin,
-            nn.GLU: F.glu,
-        }[type(src)]
-        return fn(x, _shift(dim))
+            ys = ys + src.bias.view(view)
+        return ys.reshape(x.shape) if folded else broadcast(ys)
 
 
 class BatchedPReLU(Batched):
-    """PReLU: one slope per member, or one per channel (the member's dim 1)."""
+    """PReLU: one slope per member, or one per channel (dim 1 of the member's input)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_folded(x):
+            raise BackendRefusal("PReLU on an input without a batch dimension")
         w = self.src.weight  # (N, num_parameters)
         n, k = w.shape
+        xs = unfold(x, n)
         if k == 1:
-            slope = w.view(n, *([1] * (x.dim() - 1)))
-        elif x.dim() >= 3 and x.shape[2] == k:
-            slope = w.view(n, 1, k, *([1] * (x.dim() - 3)))
+            slope = w.view(n, *([1] * (xs.dim() - 1)))
+        elif xs.dim() >= 3 and xs.shape[2] == k:
+            slope = w.view(n, 1, k, *([1] * (xs.dim() - 3)))
         else:
-            raise FusedUnsupported(f"PReLU with {k} parameters on input of shape {tuple(x.shape)}")
-        return torch.where(x >= 0, x, slope * x)
+            raise BackendRefusal(f"PReLU with {k} parameters on input of shape {tuple(x.shape)}")
+        return torch.where(xs >= 0, xs, slope * xs).reshape(x.shape)
+
+
+# ------------------------------------------------------------------- recurrent and everything else
+
+
+class PerMember(Batched):
+    """Any layer the others do not cover: ``vmap`` over the members, or an honest loop.
+
+    The folded inputs are unfolded to ``(N, B, ...)``; the layer runs on each member's views
+    of the stacked tensors, as ``torch.func.functional_call`` under ``vmap`` where torch.func
+    can batch it, else member by member (recurrent layers, which have no batching rule);
+    the outputs are folded back. The choice is made once per layer.
+    """
+
+    def __init__(self, src: nn.Module, n: int) -> None:
+        super().__init__(src, n)
+        self.strategy = "vmap"
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        state = dict(self.src.named_parameters())
+        state.update(self.src.named_buffers())
+        return state
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        n = self.n
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        # Where each input carries the folded batch: dim 0 as a rule, a later dim for a layer
+        # that keeps its own ensemble axis in front (CORL's VectorizedLinear).
+        dims = [_batch_dim(a) if isinstance(a, torch.Tensor) else None for a in flat]
+        found = [d for d in dims if d is not None]
+        if not found:
+            raise BackendRefusal(f"{type(self.src).__name__} on inputs that carry no batch")
+        where = found[0]
+        flat = [
+            a if d is None else a.unflatten(d, (n, -1)).movedim(d, 0) for a, d in zip(flat, dims)
+        ]
+        vmap_dims = [None if d is None else 0 for d in dims]
+        state = self._state()
+        out = None
+        if self.strategy == "vmap":
+            try:
+                out = self._vmap(state, flat, vmap_dims, spec)
+            except Exception:
+                self.strategy = "loop"
+        if out is None:
+            out = self._loop(state, flat, vmap_dims, spec)
+        return pytree.tree_map(lambda t: _fold_at(t, where), out)
+
+    def _vmap(self, state: dict, flat: list, dims: list, spec: Any) -> Any:
+        def member(state: dict, *leaves: Any) -> Any:
+            margs, mkwargs = pytree.tree_unflatten(list(leaves), spec)
+            return functional_call(self.src, state, margs, mkwargs)
+
+        return vmap(member, in_dims=(0, *dims), randomness="different")(state, *flat)
+
+    def _loop(self, state: dict, flat: list, dims: list, spec: Any) -> Any:
+        views = {k: v.unbind(0) for k, v in state.items()}
+        outs = []
+        for i in range(self.n):
+            leaves = [a[i] if d == 0 else a for a, d in zip(flat, dims)]
+            margs, mkwargs = pytree.tree_unflatten(leaves, spec)
+            member_state = {k: v[i] for k, v in views.items()}
+            outs.append(functional_call(self.src, member_state, margs, mkwargs))
+        return pytree.tree_map(lambda *ts: None if ts[0] is None else torch.stack(ts), *outs)
+
+
+def _batch_dim(x: torch.Tensor) -> int | None:
+    """The first dim of ``x`` that holds a folded batch, or None."""
+    if not _folds:
+        return None
+    return next((d for d, size in enumerate(x.shape) if size in _folds[-1][1]), None)
+
+
+def _fold_at(t: Any, dim: int) -> Any:
+    """A per-member result ``(N, *out)`` folded back into ``out``'s dim ``dim``."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        return t
+    dim = min(dim, t.dim() - 2)
+    return t.movedim(0, dim).flatten(dim, dim + 1)
+
+
+class BatchedRNN(PerMember):
+    """nn.RNN, nn.LSTM, nn.GRU: member by member (torch's fused kernels), batch dims honoured.
+
+    The batch is dim 0 of the input with ``batch_first=True``, else dim 1, and always dim 1 of
+    the hidden states; torch.func has no batching rule for these layers.
+    """
+
+    def forward(self, x: torch.Tensor, hx: Any = None) -> Any:
+        src, n = self.src, self.n
+        if not isinstance(x, torch.Tensor):
+            raise BackendRefusal(f"{type(src).__name__} on a PackedSequence")
+        bdim = 0 if src.batch_first else 1
+        if x.dim() != 3 or x.shape[bdim] not in _folds[-1][1]:
+            raise BackendRefusal(f"{type(src).__name__} on an input without a folded batch")
+        xs = x.unflatten(bdim, (n, -1)).movedim(bdim, 0)
+        hs = pytree.tree_map(
+            lambda h: None if h is None else h.unflatten(1, (n, -1)).movedim(1, 0), hx
+        )
+        views = {k: v.unbind(0) for k, v in self._state().items()}
+        outs, states = [], []
+        for i in range(n):
+            h_i = pytree.tree_map(lambda h, i=i: None if h is None else h[i], hs)
+            out, h_n = functional_call(src, {k: v[i] for k, v in views.items()}, (xs[i], h_i))
+            outs.append(out)
+            states.append(h_n)
+        out = torch.cat(outs, dim=bdim)
+        h_n = pytree.tree_map(lambda *hs: torch.cat(hs, dim=1), *states)
+        return out, h_n
 
 
 # ------------------------------------------------------------------------------------ registry
-
-_ELEMENTWISE = (
-    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
-    nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus,
-    nn.Softsign, nn.Tanhshrink, nn.Softshrink, nn.Hardshrink, nn.LogSigmoid, nn.Threshold,
-    nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU,
-)  # fmt: skip
-"""Parameter-free layers that act elementwise (dropout draws per element, hence per member):
-they run unchanged on ``(N, B, ...)``."""
-
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-_POOLING = (
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
-    nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.LPPool1d, nn.LPPool2d, nn.Upsample,
-    nn.ZeroPad1d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ReflectionPad1d,
-    nn.ReflectionPad2d, nn.ReplicationPad1d, nn.ReplicationPad2d, nn.PixelShuffle,
-    nn.PixelUnshuffle, nn.ChannelShuffle,
-)  # fmt: skip
 
 _BATCHED: dict[type, Callable[[nn.Module, int], nn.Module]] = {
     nn.Linear: BatchedLinear,
     nn.Bilinear: BatchedBilinear,
     nn.Embedding: BatchedEmbedding,
+    nn.EmbeddingBag: BatchedEmbeddingBag,
     nn.Conv1d: lambda m, n: BatchedConv(m, n, 1),
     nn.Conv2d: lambda m, n: BatchedConv(m, n, 2),
     nn.Conv3d: lambda m, n: BatchedConv(m, n, 3),
@@ -373,16 +491,9 @@ _BATCHED: dict[type, Callable[[nn.Module, int], nn.Module]] = {
     nn.GroupNorm: BatchedGroupNorm,
     nn.PReLU: BatchedPReLU,
     nn.LayerNorm: BatchedLayerNorm,
-    nn.Dropout1d: BatchedChannelDropout,
-    nn.Dropout2d: BatchedChannelDropout,
-    nn.Dropout3d: BatchedChannelDropout,
-    nn.Flatten: ShiftedDims,
-    nn.Unflatten: ShiftedDims,
-    nn.Softmax: ShiftedDims,
-    nn.LogSoftmax: ShiftedDims,
-    nn.Softmin: ShiftedDims,
-    nn.GLU: ShiftedDims,
-    **{t: PerChannel for t in _POOLING},
+    nn.RNN: BatchedRNN,
+    nn.LSTM: BatchedRNN,
+    nn.GRU: BatchedRNN,
 }
 
 
@@ -391,22 +502,37 @@ def _own_forward(module: nn.Module, cls: type) -> bool:
     return isinstance(module, cls) and type(module).forward is getattr(cls, "forward", None)
 
 
+def has_hooks(module: nn.Module) -> bool:
+    return any(
+        getattr(module, h)
+        for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    )
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values()) or any(
+        b is not None for b in module._buffers.values()
+    )
+
+
 def classify(module: nn.Module) -> tuple[str, Callable[[nn.Module, int], nn.Module] | None]:
     """How the fused backend treats one submodule.
 
     Returns:
-        ("batched", factory) for a layer with a batched version; ("as_is", None) for
-        elementwise layers and containers, which run unchanged; ("custom", None) for a module
-        without tensors of its own whose forward runs unchanged and is checked by the probe;
-        ("unsupported", None) for a module holding parameters or buffers phalanx has no
-        batched version of.
+        ("batched", factory) for a layer with a batched version, or a module holding tensors
+        of its own that none covers (it runs per member under vmap, or in a loop);
+        ("as_is", None) for a module without tensors of its own, whose forward runs unchanged
+        on the folded batch (its children may be swapped).
     """
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module) or has_hooks(module):
+        # A parametrization or a hook must see one member's tensors, and a swapped layer
+        # would not run the hooks at all.
+        return "batched", PerMember
     for cls, factory in _BATCHED.items():
         if _own_forward(module, cls):
             return "batched", factory
-    if any(_own_forward(module, cls) for cls in _ELEMENTWISE + _CONTAINERS):
-        return "as_is", None
-    has_tensors = any(p is not None for p in module._parameters.values()) or any(
-        b is not None for b in module._buffers.values()
-    )
-    return ("unsupported", None) if has_tensors else ("custom", None)
+    if _holds_tensors(module):
+        return "batched", PerMember
+    return "as_is", None

@@ -11,6 +11,11 @@ members.
 
 Under ``torch.no_grad`` the members are processed in chunks whose activations fit in cache,
 which the loop over members gets for free and one huge batched call does not.
+
+Second derivatives are exact: when the backward itself is differentiated (``create_graph=True``:
+gradient penalties, Hessian-vector products, MAML inner steps), the backward recomputes the
+chain with ordinary differentiable operations from the saved inputs and differentiates that,
+so the returned gradients carry their graph.
 """
 
 from __future__ import annotations
@@ -20,9 +25,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from phalanx._backends._fused_layers import Batched, BatchedLinear, FusedUnsupported, is_shared
+from phalanx._backends import BackendRefusal
+from phalanx._backends._fused_layers import (
+    Batched,
+    BatchedLinear,
+    broadcast,
+    has_hooks,
+    is_folded,
+)
 
 _ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU)
 _CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
@@ -30,7 +41,7 @@ _CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
 
 def mlp_layers(seq: nn.Module) -> list[nn.Module] | None:
     """The layers of ``seq`` when it is a plain Sequential MLP the fast path runs, else None."""
-    if type(seq) is not nn.Sequential:
+    if type(seq) is not nn.Sequential or any(has_hooks(m) for m in seq.modules()):
         return None
     layers = list(seq)
     if not layers or not any(type(m) is nn.Linear for m in layers):
@@ -43,6 +54,31 @@ def mlp_layers(seq: nn.Module) -> list[nn.Module] | None:
         if isinstance(m, nn.LeakyReLU) and m.negative_slope < 0:
             return None  # the gradient is read off the output's sign
     return layers
+
+
+def _activate(h: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """The activation, out of place: what autograd differentiates twice."""
+    if kind == "ReLU":
+        return F.relu(h)
+    if kind == "Tanh":
+        return torch.tanh(h)
+    if kind == "Sigmoid":
+        return torch.sigmoid(h)
+    if kind == "LeakyReLU":
+        return F.leaky_relu(h, slope)
+    return h
+
+
+def _differentiable(h: torch.Tensor, shared: bool, spec: tuple, params: tuple) -> torch.Tensor:
+    """The chain with ordinary autograd operations, for second derivatives."""
+    k = 0
+    for kind, slope in spec:
+        if kind == "Linear":
+            h = _linear(h, params[k], params[k + 1], shared and k == 0)
+            k += 2
+        else:
+            h = _activate(h, kind, slope)
+    return h
 
 
 def _activate_(h: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
@@ -109,16 +145,18 @@ class _MLPFunction(torch.autograd.Function):
         h = _forward(x, shared, spec, params, keep=outs)
         ctx.shared, ctx.spec = shared, spec
         ctx.has_bias = [params[i + 1] is not None for i in range(0, len(params), 2)]
-        ctx.save_for_backward(x, *outs, *params[::2])
+        ctx.save_for_backward(x, *outs, *params)
         return h
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor):
         spec, shared = ctx.spec, ctx.shared
         saved = ctx.saved_tensors
         n_lin = len(ctx.has_bias)
-        outs, weights = saved[1 : n_lin + 1], saved[n_lin + 1 :]
+        outs, params = saved[1 : n_lin + 1], saved[n_lin + 1 :]
+        if torch.is_grad_enabled():
+            return tuple(_double_differentiable(ctx, grad, saved[0], params))
+        weights = params[::2]
         inputs = (saved[0], *outs[:-1])  # a layer's input is the previous layer's output
         # Group the spec by Linear: each Linear with the activations that follow it.
         acts: list[list[tuple[str, float]]] = []
@@ -155,6 +193,22 @@ class _MLPFunction(torch.autograd.Function):
         return (grad_x, None, None, *grads)
 
 
+def _double_differentiable(ctx: Any, grad: torch.Tensor, x: torch.Tensor, params: tuple) -> list:
+    """The backward under ``create_graph=True``: recompute with autograd, differentiate that."""
+    inputs = [x, *params]
+    needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[3:]]
+    wanted = [i for i, t in enumerate(inputs) if t is not None and needs[i]]
+    with torch.enable_grad():
+        y = _differentiable(x, ctx.shared, ctx.spec, params)
+        got = torch.autograd.grad(
+            y, [inputs[i] for i in wanted], grad, create_graph=True, allow_unused=True
+        )
+    grads: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, g in zip(wanted, got):
+        grads[i] = g
+    return [grads[0], None, None, *grads[1:]]
+
+
 class BatchedMLP(Batched):
     """A whole ``Sequential`` MLP for all members as one autograd node."""
 
@@ -166,7 +220,7 @@ class BatchedMLP(Batched):
         super().__init__(src, n)
         layers = mlp_layers(src)
         if layers is None:
-            raise FusedUnsupported(f"{type(src).__name__} is not a plain MLP")
+            raise BackendRefusal(f"{type(src).__name__} is not a plain MLP")
         self.layers = layers
         self.spec = tuple(
             (type(m).__name__, float(getattr(m, "negative_slope", 0.0))) for m in layers
@@ -180,25 +234,41 @@ class BatchedMLP(Batched):
         self.per_layer = [BatchedLinear(m, n) if type(m) is nn.Linear else m for m in layers]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A folded input ``(N * B, ..., in)`` -> ``(N * B, ..., out)``."""
+        if not is_folded(x):
+            return broadcast(self.forward_shared(x))
+        n = self.n
         if torch.is_autocast_enabled(x.device.type):
             for m in self.per_layer:
                 x = m(x)
             return x
         for m in self.layers[: self.lead]:
             x = m(x)
+        y = self._chain(x.reshape(n, -1, x.shape[-1]), shared=False)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def forward_shared(self, x: torch.Tensor) -> torch.Tensor:
+        """A shared input ``(B, ..., in)`` -> ``(N, B, ..., out)``: the first layer is one GEMM."""
+        n = self.n
+        for m in self.layers[: self.lead]:
+            x = m(x)
+        if torch.is_autocast_enabled(x.device.type):
+            first, *rest = self.per_layer[self.lead :]
+            y = first.forward_shared(x).flatten(0, 1)  # type: ignore[operator]
+            for m in rest:
+                y = m(y)
+            return y.view(n, *x.shape[:-1], y.shape[-1])
+        y = self._chain(x.reshape(-1, x.shape[-1]), shared=True)
+        return y.view(n, *x.shape[:-1], y.shape[-1])
+
+    def _chain(self, h: torch.Tensor, shared: bool) -> torch.Tensor:
         spec = self.spec[self.lead :]
         params: list[Any] = []
         for m in self.linears:
             params += [m.weight, m.bias]
-        n = self.n
-        shared = is_shared(x)
-        lead_shape = x.shape[1:-1]
-        h = x[0].reshape(-1, x.shape[-1]) if shared else x.reshape(n, -1, x.shape[-1])
         if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in params)):
-            y = _MLPFunction.apply(h, shared, spec, *params)
-        else:
-            y = self._no_grad(h, shared, spec, params)
-        return y.view(n, *lead_shape, y.shape[-1])
+            return _MLPFunction.apply(h, shared, spec, *params)
+        return self._no_grad(h, shared, spec, params)
 
     def _no_grad(self, h: torch.Tensor, shared: bool, spec: tuple, params: list) -> torch.Tensor:
         """Forward in member chunks whose activations stay in cache."""
