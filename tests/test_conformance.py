@@ -24,16 +24,9 @@ from conftest import (
 
 BACKENDS = ["loop", "vmap", "fused", "auto"]
 
-# Known gaps: strict xfails, so that a gap that closes (or opens elsewhere) is noticed.
-GAPS = {
-    ("fused", "view_cat_index"): pytest.mark.xfail(
-        raises=RuntimeError,
-        strict=True,
-        reason="x.view(x.shape[0], -1) in the member's forward reshapes over the batch dim, "
-        "which the fused layers cannot honour: the probe detects it and backend='fused' "
-        "refuses (auto falls back to vmap, tested under 'auto')",
-    ),
-}
+# Known gaps: strict xfails, so that a gap that closes (or opens elsewhere) is noticed. None
+# today: the fused backend runs the member's own view/cat/index code on the folded batch.
+GAPS: dict[tuple[str, str], pytest.MarkDecorator] = {}
 
 CASES = [
     pytest.param(

@@ -5,8 +5,8 @@ per-member losses, input and parameter gradients, and parameters and buffers aft
 steps, member by member, no further from a float64 loop than the float32 loop is (see
 ``phalanx._bench.real_suite``). Second derivatives on the MLP-like models.
 
-What fails today is a strict xfail with the failure observed, so that the list turns green
-(and the xfail turns into an error to remove) as the fast path learns these models.
+What torch.func cannot batch is a strict xfail with the failure observed; the fused backend
+runs every model of the zoo unchanged.
 """
 
 from __future__ import annotations
@@ -33,50 +33,9 @@ MODES = ["shared", "per-member"]
 N = 3
 
 
-def _refused_at_build(what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(
-        raises=ValueError,
-        strict=True,
-        reason=f"phalanx.stack(backend='fused') refuses it: no batched layer for {what}",
-    )
-
-
-def _refused_at_forward(what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(
-        raises=RuntimeError,
-        strict=True,
-        reason=f"backend 'fused' cannot run it exactly ({what}); the probe refuses it",
-    )
-
-
-_LSTM_CRASH = pytest.mark.xfail(
-    raises=RuntimeError,
-    strict=True,
-    reason="vmap has no batching rule for aten::lstm.input, and auto does not fall back to the "
-    "loop for it: it raises (issue 9)",
-)
-
-# Observed on main at 93ea62d (2026-11-30). Keys: (backend, model).
+# Observed on main (2026-11-30), keys (backend, model): what torch.func cannot batch. The fused
+# backend and auto run every model of the zoo exactly.
 GAPS: dict[tuple[str, str], pytest.MarkDecorator] = {
-    ("fused", "simple_mlp"): _refused_at_forward(
-        "x.flatten(1) folds the member axis into the features"
-    ),
-    ("fused", "simple_cnn"): _refused_at_forward("F.max_pool2d on (N, B, C, H, W)"),
-    ("fused", "lenet"): _refused_at_forward("F.max_pool2d on (N, B, C, H, W)"),
-    ("fused", "resnet_basicblock"): _refused_at_forward("F.avg_pool2d on (N, B, C, H, W)"),
-    ("fused", "td3_critic"): _refused_at_forward("torch.cat([state, action], 1) on dim 1"),
-    ("fused", "vae"): _refused_at_forward("x.view(-1, 784) folds the member axis into the batch"),
-    ("fused", "mbrl_gaussian_mlp"): _refused_at_build(
-        "EnsembleLinearLayer's raw nn.Parameters (x.matmul(weight))"
-    ),
-    ("fused", "edac_critic"): _refused_at_build("VectorizedLinear's raw nn.Parameters (x @ w)"),
-    ("fused", "nanogpt"): _refused_at_build(
-        "nanoGPT's LayerNorm (raw nn.Parameters, F.layer_norm)"
-    ),
-    ("fused", "transformer_encoder_layer"): _refused_at_build("nn.MultiheadAttention"),
-    ("fused", "lstm_forecaster"): _refused_at_build("nn.LSTM"),
-    ("fused", "gru_forecaster"): _refused_at_build("nn.GRU"),
-    ("fused", "text_embeddingbag"): _refused_at_build("nn.EmbeddingBag"),
     ("vmap", "lstm_forecaster"): pytest.mark.xfail(
         raises=RuntimeError,
         strict=True,
@@ -87,7 +46,6 @@ GAPS: dict[tuple[str, str], pytest.MarkDecorator] = {
         strict=True,
         reason="the forecaster calls h0.requires_grad_(), which torch.func.vmap refuses",
     ),
-    ("auto", "lstm_forecaster"): _LSTM_CRASH,
 }
 
 
