@@ -25,6 +25,7 @@ from torch import nn
 import phalanx
 import phalanx.distributed as pdist
 from conftest import assert_close
+from phalanx._checkpoint import CheckpointError
 from phalanx.distributed import DistributedError, Shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,10 +187,12 @@ def test_example_under_torchrun_matches_a_plain_process(tmp_path, monkeypatch, c
     assert "members per rank: [3, 2]" in ranks.stdout
     losses = [line for line in plain.splitlines() if line.startswith("validation")]
     assert losses and losses[0] in ranks.stdout
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+    ckpt = tmp_path / "ckpt"
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == [
+        "gen-000001",
+        "gen-000001/members-000000-000003.safetensors",
+        "gen-000001/members-000003-000005.safetensors",
         "index.json",
-        "members-000000-000003.safetensors",
-        "members-000003-000005.safetensors",
     ]
 
 
@@ -280,9 +283,25 @@ def _assert_holds(part, opt, shard: Shard, full, full_opt) -> None:
     assert torch.equal(opt.param_groups[0]["member_lr"], shard.local(member_lr))
 
 
-def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch):
-    """Resharding, with the ranks played in turn by this process (barriers are no-ops)."""
+def _play_ranks_in_turn(monkeypatch) -> None:
+    """Lets this process play the ranks of a save in turn, rank 0 last: the collectives of
+    the save become a shared generation and a list that collects every rank's file entry."""
+    from phalanx.distributed import _checkpoint
+
+    entries: list = []
     monkeypatch.setattr(Shard, "barrier", lambda self: None)
+    monkeypatch.setattr(_checkpoint, "_agree_generation", lambda directory, shard: 1)
+
+    def all_entries(entry, shard, where):
+        entries.append(entry)
+        return sorted(entries, key=lambda e: e["start"]) if shard.rank == 0 else None
+
+    monkeypatch.setattr(_checkpoint, "_all_entries", all_entries)
+
+
+def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch):
+    """Resharding, with the ranks played in turn by this process."""
+    _play_ranks_in_turn(monkeypatch)
     full, full_opt = _trained_stack(8)
     for rank in (2, 1, 0):  # rank 0 last: it writes the index once every file exists
         shard = Shard(8, rank, 3)
@@ -290,7 +309,7 @@ def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch)
         opt = phalanx.optim.Adam(part.parameters(), lr=shard.local(torch.ones(8, dtype=F64)))
         opt.load_state_dict(_sliced_state(full_opt.state_dict(), shard))
         pdist.save(tmp_path, part, optimizer=opt, shard=shard)
-    assert len(list(tmp_path.glob("members-*.safetensors"))) == 3
+    assert len(list(tmp_path.glob("gen-000001/members-*.safetensors"))) == 3
     for k in (1, 2, 4):
         for rank in range(k):
             shard = Shard(8, rank, k)
@@ -311,7 +330,7 @@ def test_a_file_from_phalanx_save_loads_on_any_number_of_ranks(tmp_path):
 
 
 def test_torch_optim_state_with_a_0d_step_reshards(tmp_path, monkeypatch):
-    monkeypatch.setattr(Shard, "barrier", lambda self: None)
+    _play_ranks_in_turn(monkeypatch)
     full = phalanx.stack([_member() for _ in range(5)], backend="vmap")
     full_opt = torch.optim.Adam(full.parameters(), lr=0.1, foreach=True)
     full(_data()[0]).sum().backward()
@@ -359,7 +378,9 @@ def test_load_errors_name_what_is_wrong_and_the_fix(tmp_path):
         [nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3)) for _ in range(4)]
     )
     with pytest.raises(
-        ValueError, match=r"'module.0.weight': checkpoint \(4, 8, 6\), stack \(4, 9, 6\)"
+        CheckpointError,
+        match=r"'module.0.weight': checkpoint \(4, 8, 6\) torch.float64, stack \(4, 9, 6\) "
+        r"torch.float32",
     ):
         pdist.load(tmp_path, other)
     with pytest.raises(ValueError, match=r"the stack holds 4 members but rank 0 of 1 holds 5"):

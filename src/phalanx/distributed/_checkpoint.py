@@ -1,11 +1,20 @@
-"""Sharded checkpoints: one safetensors file per rank plus a JSON index of member ranges.
+"""Sharded checkpoints: one safetensors file per rank plus a JSON index, saved as a transaction.
 
 A checkpoint is a directory::
 
-    index.json                      N, the files and the global members each holds, the
-                                    optimizer state's structure and its non-tensor values
-    members-000000-000004.safetensors   global members 0..3: stack and optimizer tensors
-    members-000004-000007.safetensors   global members 4..6
+    index.json                          the committed generation: N, each file with the
+                                        global members it holds, its size and SHA-256, the
+                                        optimizer's type, structure and non-tensor values
+    gen-000007/members-000000-000004.safetensors   global members 0..3 of generation 7
+    gen-000007/members-000004-000007.safetensors   global members 4..6
+
+A save writes generation g+1 beside generation g (each file atomically), gathers every
+rank's file sizes and checksums (which waits until every rank has finished), and then rank 0
+commits by replacing ``index.json`` in one atomic rename; only after that is generation g
+removed. A save killed at any instant, on any rank, leaves ``index.json`` naming a
+generation whose files are all complete: the previous one or the new one. A load checks the
+size and SHA-256 of every file it reads against the index and refuses on every rank if one
+differs.
 
 Every per-member tensor is stored under its name with its block of rows, so a loader on any
 number of ranks reads, for each of its members, the rows it needs (safetensors reads slices
@@ -18,29 +27,38 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
+from phalanx._checks import CheckpointError, check_optimizer, decode, parse_meta, type_name
+from phalanx._files import atomic_write_text, checksum, fsync_directory, save_atomic
 from phalanx._stack import Stack
-from phalanx.distributed._mesh import Shard, layout
+from phalanx.distributed._mesh import Shard, collective, layout
 from phalanx.distributed._shard import shard_of
 
 __all__ = ["load", "save"]
 
 FORMAT = "phalanx.distributed.checkpoint"
-VERSION = 1
+VERSION = 2
 INDEX = "index.json"
-_SHARD_FILE = re.compile(r"members-\d{6,}-\d{6,}\.safetensors")
+_GENERATION = re.compile(r"gen-(\d{6,})")
+_SHARD_FILE = re.compile(r"gen-\d{6,}/members-\d{6,}-\d{6,}\.safetensors")
+_OLD_SHARD_FILE = re.compile(r"members-\d{6,}-\d{6,}\.safetensors")  # version 1, flat
 _STACK, _MEMBER, _REPLICA = "stack/", "optim/", "optim-replicated/"
 
 
 def _file_name(block: range) -> str:
     return f"members-{block.start:06d}-{block.stop:06d}.safetensors"
+
+
+def _generation_name(generation: int) -> str:
+    return f"gen-{generation:06d}"
 
 
 def _flatten_optimizer(
@@ -84,6 +102,38 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
 
 
+def _next_generation(directory: Path) -> int:
+    """One past every generation present, committed or left by a killed save: a new save
+    never writes into a generation that an index may name."""
+    numbers = [0]
+    for entry in directory.iterdir():
+        match = _GENERATION.fullmatch(entry.name)
+        if match:
+            numbers.append(int(match.group(1)))
+    try:
+        committed = json.loads((directory / INDEX).read_text()).get("generation", 0)
+        numbers.append(int(committed))
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+        pass
+    return max(numbers) + 1
+
+
+def _agree_generation(directory: Path, shard: Shard) -> int:
+    """The generation this save writes, chosen by rank 0 and sent to every rank."""
+    mine = _next_generation(directory) if shard.rank == 0 else 0
+    return int(shard.broadcast(torch.tensor([mine]))[0])
+
+
+def _all_entries(entry: dict[str, Any], shard: Shard, where: str) -> list[dict[str, Any]]:
+    """Every rank's shard entry, by rank; waits until every rank has written its file."""
+    if shard.world_size == 1:
+        return [entry]
+    table: list[Any] = [None] * shard.world_size
+    with collective(where, shard, "all_gather of the written files"):
+        dist.all_gather_object(table, entry)
+    return table
+
+
 def save(
     path: str | os.PathLike[str],
     stack: Stack,
@@ -93,14 +143,17 @@ def save(
 ) -> None:
     """Saves this rank's members (and optimizer state) into a sharded checkpoint directory.
 
-    Call it on every rank at the same point. Each rank writes one safetensors file of its
-    members; rank 0 writes ``index.json`` last, once every file is complete. The directory
-    must be on a file system every rank sees. The checkpoint loads with
-    :func:`phalanx.distributed.load` on any number of ranks, a plain process included.
+    Call it on every rank at the same point. The save is a transaction: each rank writes its
+    members into a new generation beside the committed one; once every rank has finished,
+    rank 0 commits it by atomically replacing ``index.json`` (which names every file with its
+    size and SHA-256), and only then removes the previous generation. If any rank is killed
+    at any instant, the directory still loads as the previous checkpoint (or, once committed,
+    the new one). The directory must be on a file system every rank sees. The checkpoint
+    loads with :func:`phalanx.distributed.load` on any number of ranks, a plain process
+    included.
 
     Args:
-        path: the checkpoint directory; created if missing. Shard files of an earlier save
-            that the new index does not list are removed.
+        path: the checkpoint directory; created if missing.
         stack: this rank's stack.
         optimizer: an optimizer over ``stack.parameters()`` whose state tensors are
             per-member ``(n_local, ...)`` or 0-d, as phalanx.optim's and torch.optim's are.
@@ -110,7 +163,7 @@ def save(
     Raises:
         ValueError: the stack does not hold the shard's members, or optimizer state that is
             neither per-member nor 0-d.
-        DistributedError: another rank failed, or the timeout passed.
+        DistributedError: another rank failed, or the timeout passed; nothing was committed.
 
     Example:
         >>> phalanx.distributed.save("ckpt", stack, optimizer=opt)
@@ -119,7 +172,6 @@ def save(
     mine = shard if shard is not None else shard_of(stack, where)
     _check_stack(stack, mine, where)
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {_STACK + k: v for k, v in stack.state_dict().items()}
     optim_entry = None
     if optimizer is not None:
@@ -129,35 +181,46 @@ def save(
         tensors.update({_MEMBER + k: v for k, v in members.items()})
         tensors.update({_REPLICA + k: v for k, v in replicas.items()})
         optim_entry = {
-            "type": type(optimizer).__qualname__,
+            "type": type_name(optimizer),
             "treespec": spec,
             "leaves": plain,
             "member_keys": sorted(members),
         }
-    name = _file_name(mine.global_indices)
-    partial = directory / f".{name}.rank{mine.rank}.tmp"
-    save_file(_contiguous(tensors), str(partial), metadata={"format": FORMAT})
-    os.replace(partial, directory / name)
-    mine.barrier()  # every shard file is complete before the index names it
     if mine.rank == 0:
-        shards = [{"file": _file_name(r), "start": r.start, "stop": r.stop} for r in mine.ranges]
+        directory.mkdir(parents=True, exist_ok=True)
+    generation = _agree_generation(directory, mine)
+    name = f"{_generation_name(generation)}/{_file_name(mine.global_indices)}"
+    size, digest = save_atomic(_contiguous(tensors), directory / name, {"format": FORMAT})
+    entry = {"file": name, "start": mine.start, "stop": mine.stop, "size": size, "sha256": digest}
+    shards = _all_entries(entry, mine, where)  # every file is complete before the index names it
+    if mine.rank == 0:
         index = {
             "format": FORMAT,
             "version": VERSION,
+            "generation": generation,
             "num_members": mine.num_members,
             "saved_by_ranks": mine.world_size,
             "shards": shards,
             "stack_keys": sorted(stack.state_dict()),
             "optimizer": optim_entry,
         }
-        partial_index = directory / f".{INDEX}.tmp"
-        partial_index.write_text(json.dumps(index, indent=1))
-        os.replace(partial_index, directory / INDEX)
-        listed = {s["file"] for s in shards}
-        for stale in directory.iterdir():
-            if _SHARD_FILE.fullmatch(stale.name) and stale.name not in listed:
-                stale.unlink()
+        atomic_write_text(directory / INDEX, json.dumps(index, indent=1))  # the commit
+        _remove_superseded(directory, generation, {s["file"] for s in shards})
     mine.barrier()  # no rank returns (and perhaps loads) before the index exists
+
+
+def _remove_superseded(directory: Path, generation: int, listed: set[str]) -> None:
+    """After a commit: earlier generations, and files in this one that the index does not name."""
+    current = _generation_name(generation)
+    for entry in directory.iterdir():
+        if _GENERATION.fullmatch(entry.name) and entry.name != current and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif _OLD_SHARD_FILE.fullmatch(entry.name):
+            entry.unlink(missing_ok=True)
+    for entry in (directory / current).iterdir():
+        if f"{current}/{entry.name}" not in listed and not entry.name.startswith("."):
+            entry.unlink(missing_ok=True)
+    fsync_directory(directory)
 
 
 def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
@@ -170,24 +233,88 @@ def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
         )
 
 
+def _corrupt(file: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"phalanx.distributed.load(): {file} is corrupt: {what}.")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The index of the sharded checkpoint in directory ``path``."""
+    """The index of the sharded checkpoint in directory ``path``, checked for structure."""
     where = "phalanx.distributed.load()"
     file = Path(path) / INDEX
     if not file.is_file():
         raise FileNotFoundError(
             f"{where}: {file} does not exist; pass the directory that "
-            f"phalanx.distributed.save() wrote (a save that was interrupted has no index), or "
-            f"a file that phalanx.save() wrote."
+            f"phalanx.distributed.save() wrote (a first save that was interrupted has no "
+            f"index), or a file that phalanx.save() wrote."
         )
-    index = json.loads(file.read_text())
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _corrupt(file, f"it cannot be read as text ({e})") from None
+    index = parse_meta(text, where, str(file))
     if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise ValueError(
-            f"{where}: {file} is not a phalanx.distributed checkpoint index (format "
-            f"{index.get('format')!r}, version {index.get('version')!r}); expected {FORMAT!r} "
-            f"version {VERSION}."
+        raise CheckpointError(
+            f"{where}: {file} is not a phalanx.distributed checkpoint index of this version "
+            f"(format {index.get('format')!r}, version {index.get('version')!r}); expected "
+            f"{FORMAT!r} version {VERSION}."
         )
+    n, shards = index.get("num_members"), index.get("shards")
+    if not _is_int(n) or n < 1:
+        raise _corrupt(file, f"num_members is {n!r}")
+    if not isinstance(shards, list) or not shards:
+        raise _corrupt(file, "'shards' is not a non-empty list")
+    stop = 0
+    for k, s in enumerate(shards):
+        if not (
+            isinstance(s, dict)
+            and isinstance(s.get("file"), str)
+            and _SHARD_FILE.fullmatch(s["file"])
+            and all(_is_int(s.get(key)) for key in ("start", "stop", "size"))
+            and isinstance(s.get("sha256"), str)
+        ):
+            raise _corrupt(
+                file,
+                f"shard {k} is not {{file: 'gen-NNNNNN/members-...', start, stop, size, "
+                f"sha256}}: {s!r:.200}",
+            )
+        if s["start"] != stop or s["stop"] <= s["start"]:
+            raise _corrupt(
+                file,
+                f"shard {k} holds members {s['start']}..{s['stop']}, expected to start at {stop}",
+            )
+        stop = s["stop"]
+    if stop != n:
+        raise _corrupt(file, f"its shards hold members 0..{stop}, but num_members is {n}")
+    keys = index.get("stack_keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise _corrupt(file, "'stack_keys' is not a list of strings")
+    optim = index.get("optimizer")
+    if optim is not None and not (
+        isinstance(optim, dict)
+        and isinstance(optim.get("type"), str)
+        and isinstance(optim.get("treespec"), str)
+        and isinstance(optim.get("leaves"), list)
+        and isinstance(optim.get("member_keys"), list)
+    ):
+        raise _corrupt(file, "'optimizer' is not {type, treespec, leaves, member_keys}")
     return index
+
+
+def _verify(directory: Path, entry: dict[str, Any], full: bool) -> str | None:
+    """Why the file ``entry`` names is not the one the index committed, or None."""
+    file = directory / entry["file"]
+    if not file.is_file():
+        return f"{file} is missing"
+    size = file.stat().st_size
+    if size != entry["size"]:
+        return f"{file} has {size} bytes, the index says {entry['size']} (truncated or replaced)"
+    if full and checksum(file)[1] != entry["sha256"]:
+        return f"{file} does not match the SHA-256 the index recorded (corrupt or replaced)"
+    return None
 
 
 class _Sharded:
@@ -198,16 +325,29 @@ class _Sharded:
         self.directory = directory
         self.num_members = int(self.index["num_members"])
         self.stack_keys = set(self.index["stack_keys"])
+        self.optimizer_type = (self.index["optimizer"] or {}).get("type")
         self._files: list[tuple[range, Any]] = []
         self._block = range(0)
 
-    def select(self, block: range) -> None:
+    def select(self, block: range) -> str | None:
+        """Opens the files holding ``block``'s members; why one is not as committed, or None.
+
+        Every file's size is checked; the files this rank reads are checksummed too.
+        """
         for entry in self.index["shards"]:
             stored = range(entry["start"], entry["stop"])
-            if max(stored.start, block.start) < min(stored.stop, block.stop):
-                handle = safe_open(str(self.directory / entry["file"]), framework="pt")
-                self._files.append((stored, handle))
+            overlaps = max(stored.start, block.start) < min(stored.stop, block.stop)
+            problem = _verify(self.directory, entry, full=overlaps)
+            if problem is not None:
+                return problem
+            if overlaps:
+                file = self.directory / entry["file"]
+                try:
+                    self._files.append((stored, safe_open(str(file), framework="pt")))
+                except Exception as e:  # safetensors' own error type
+                    return f"{file} is not a readable safetensors file ({e})"
         self._block = block
+        return None
 
     def rows(self, key: str) -> torch.Tensor:
         pieces = []
@@ -242,27 +382,43 @@ class _SingleFile:
     """A file written by :func:`phalanx.save` in one process: every member's rows in one file."""
 
     def __init__(self, file: Path, where: str) -> None:
-        self.file = safe_open(str(file), framework="pt")
-        raw = (self.file.metadata() or {}).get("phalanx")
+        self.path = str(file)
+        try:
+            self.file = safe_open(self.path, framework="pt")
+            raw = (self.file.metadata() or {}).get("phalanx")
+        except Exception as e:  # safetensors' own error type
+            raise CheckpointError(
+                f"{where}: {file} is not a readable safetensors file; it may be truncated or "
+                f"corrupt ({type(e).__name__}: {e})."
+            ) from None
         if raw is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: {file} is not a phalanx checkpoint (no 'phalanx' metadata); pass a "
                 f"directory written by phalanx.distributed.save() or a file by phalanx.save()."
             )
-        self.meta = json.loads(raw)
-        keys = self.file.keys()  # a safetensors handle is not iterable
-        self.stack_keys = {k[len(_STACK) :] for k in keys if k.startswith(_STACK)}
+        self.meta = parse_meta(raw, where, self.path)
+        self.keys = set(self.file.keys())  # a safetensors handle is not iterable
+        self.stack_keys = {k[len(_STACK) :] for k in self.keys if k.startswith(_STACK)}
         n = self.meta.get("num_members")
         if n is None and self.stack_keys:
             n = self.file.get_slice(_STACK + min(self.stack_keys)).get_shape()[0]
-        self.num_members = int(n or 0)
+        if not _is_int(n) or n < 1:
+            raise CheckpointError(f"{where}: {file} is corrupt: num_members is {n!r}.")
+        self.num_members = n
+        types = self.meta.get("types")
+        self.optimizer_type = types.get("optimizer") if isinstance(types, dict) else None
         self._block = range(0)
+        self._where = where
 
-    def select(self, block: range) -> None:
+    def select(self, block: range) -> str | None:
         self._block = block
+        return None
 
     def stack_rows(self, key: str) -> torch.Tensor:
         return self.file.get_slice(_STACK + key)[self._block.start : self._block.stop]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys
 
     def __getitem__(self, key: str) -> torch.Tensor:
         """A tensor of the optimizer state: this block's rows when it carries the members."""
@@ -272,11 +428,19 @@ class _SingleFile:
         return self.file.get_tensor(key)
 
     def optimizer_state(self) -> dict[str, Any] | None:
-        from phalanx._checkpoint import _decode
-
         if "optimizer" not in self.meta:
             return None
-        return _decode(self.meta["optimizer"], self)  # type: ignore[arg-type]
+        return decode(self.meta["optimizer"], self, self._where, self.path, "optimizer")
+
+
+def _agree(problem: str | None, shard: Shard, where: str) -> str | None:
+    """The first rank's problem on every rank, so that all refuse together or none does."""
+    if shard.world_size == 1 or not dist.is_initialized():
+        return problem
+    table: list[Any] = [None] * shard.world_size
+    with collective(where, shard, "all_gather of the file checks"):
+        dist.all_gather_object(table, problem)
+    return next((f"(found by rank {r}) {p}" for r, p in enumerate(table) if p is not None), None)
 
 
 def load(
@@ -288,10 +452,13 @@ def load(
 ) -> None:
     """Loads this rank's members (and optimizer state) from a checkpoint of all N members.
 
-    The checkpoint may have been written by any number of ranks (a directory from
-    :func:`phalanx.distributed.save`) or by one process (a file from :func:`phalanx.save`):
-    each rank reads only the rows of its own global members. In a plain process, a stack of
-    all N members loads everything, e.g. to write it again with :func:`phalanx.save`.
+    Call it on every rank at the same point. The checkpoint may have been written by any
+    number of ranks (a directory from :func:`phalanx.distributed.save`) or by one process (a
+    file from :func:`phalanx.save`): each rank reads only the rows of its own global members.
+    In a plain process, a stack of all N members loads everything, e.g. to write it again
+    with :func:`phalanx.save`. Every file read is checked against the size and SHA-256 the
+    index committed, and everything is checked before the stack or optimizer is written: on
+    any error nothing is changed, on any rank.
 
     Args:
         path: a directory written by :func:`phalanx.distributed.save`, or a file written by
@@ -299,16 +466,17 @@ def load(
         stack: this rank's stack, built with the checkpoint's N (e.g. by
             ``phalanx.distributed.shard(factory, num_members=N)``); its tensors are
             overwritten in place.
-        optimizer: an optimizer over ``stack.parameters()`` to restore; the checkpoint must
-            hold optimizer state then.
+        optimizer: an optimizer over ``stack.parameters()`` of the saved type, to restore;
+            the checkpoint must hold optimizer state then.
         shard: this rank's :class:`Shard`; None for a stack built by
             :func:`phalanx.distributed.shard` or in a plain process.
 
     Raises:
         FileNotFoundError: ``path`` is neither a checkpoint file nor a directory with an
             index.
-        ValueError: the checkpoint has another N, other parameter names or shapes, or no
-            optimizer state when one is asked for. Nothing is changed then.
+        CheckpointError: (a ValueError) a file is missing, truncated, corrupt or not a phalanx
+            checkpoint; or the checkpoint has another N, other parameter names, shapes or
+            dtypes, another optimizer type, or no optimizer state when one is asked for.
 
     Example:
         >>> stack, shard = phalanx.distributed.shard(make_member, num_members=8)
@@ -326,7 +494,7 @@ def load(
         known = _shards.get(stack)
         shard = known if known is not None else layout(n)
     if shard.num_members != n:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: the checkpoint {location} holds {n} members but this run has "
             f"{shard.num_members}; build the stack with num_members={n}."
         )
@@ -334,29 +502,47 @@ def load(
     own = stack.state_dict()
     missing, unexpected = sorted(set(own) - source.stack_keys), sorted(source.stack_keys - set(own))
     if missing or unexpected:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: the checkpoint's members have other parameters and buffers than the "
             f"stack's: missing from the checkpoint {missing}, not in the stack {unexpected}. "
             f"Build the members with the architecture that was saved."
         )
-    source.select(shard.global_indices)
-    state = {key: source.stack_rows(key) for key in own}
+    problem = _agree(source.select(shard.global_indices), shard, where)
+    if problem is not None:
+        raise CheckpointError(
+            f"{where}: the checkpoint {location} is damaged: {problem}. A killed save never "
+            f"does this (it leaves the previous generation whole); the files were changed or "
+            f"lost after the save. Restore the directory from a copy."
+        )
+    try:
+        state = {key: source.stack_rows(key) for key in own}
+        optimizer_state = source.optimizer_state() if optimizer is not None else None
+    except CheckpointError:
+        raise
+    except Exception as e:  # a committed file or index whose contents disagree
+        raise CheckpointError(
+            f"{where}: the checkpoint {location} is corrupt: reading it failed with "
+            f"{type(e).__name__}: {e}."
+        ) from None
     wrong = [
-        f"{key!r}: checkpoint {tuple(state[key].shape)}, stack {tuple(value.shape)}"
+        f"{key!r}: checkpoint {tuple(state[key].shape)} {state[key].dtype}, stack "
+        f"{tuple(value.shape)} {value.dtype}"
         for key, value in own.items()
-        if state[key].shape != value.shape
+        if state[key].shape != value.shape or state[key].dtype != value.dtype
     ]
     if wrong:
-        raise ValueError(
-            f"{where}: shapes differ between the checkpoint and the stack (this rank's "
-            f"{shard.num_local} members):\n  - " + "\n  - ".join(wrong)
+        raise CheckpointError(
+            f"{where}: shapes or dtypes differ between the checkpoint and the stack (this "
+            f"rank's {shard.num_local} members):\n  - " + "\n  - ".join(wrong)
         )
     if optimizer is not None:
-        optimizer_state = source.optimizer_state()
         if optimizer_state is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: the checkpoint {location} holds no optimizer state; load without "
                 f"optimizer=, or save with optimizer=opt."
             )
-        optimizer.load_state_dict(optimizer_state)
+        check_optimizer(where, str(location), optimizer, optimizer_state, source.optimizer_type)
+    # Every check passed: only now is anything written.
     stack.load_state_dict(state)
+    if optimizer is not None:
+        optimizer.load_state_dict(optimizer_state)
