@@ -10,8 +10,8 @@ from torch import nn
 
 import phalanx
 import phalanx.distributed as pdist
-from phalanx._build import stack_from_factory
 from conftest import assert_close
+from phalanx._build import stack_from_factory
 
 
 class Tied(nn.Module):

@@ -398,3 +398,137 @@ def test_bench_sharded_times_a_workload_on_2_ranks_against_one_process():
         assert r["ratio"] == pytest.approx(r["time_1proc_ms"] / r["time_kprocs_ms"])
         assert r["same_outputs"] is True
         assert r["threads_1proc"] == torch.get_num_threads()
+
+
+# ------------------------------------------------- ranks that die or hang, checkpoints that break
+
+
+def _rank_1_killed_while_saving(tmp: str) -> None:
+    import signal
+
+    from phalanx.distributed import _checkpoint
+
+    stack, shard = pdist.shard(_member, num_members=8)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.fill_(1.0)
+    pdist.save(tmp, stack)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.fill_(2.0)
+    if shard.rank == 1:  # dies before its file of the new generation is complete
+        monkey = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        _checkpoint.save_atomic = monkey
+    pdist.save(tmp, stack)
+
+
+def test_a_rank_killed_while_saving_is_named_and_the_previous_checkpoint_loads(tmp_path):
+    with pytest.raises(
+        DistributedError,
+        match=r"launch\(\): rank 1 was killed by SIGKILL without raising an exception(.|\n)*"
+        r"Ranks \[0\] then failed too \(after rank 1\)",
+    ):
+        pdist.launch(_rank_1_killed_while_saving, 2, str(tmp_path), timeout=TIMEOUT)
+    stack = phalanx.stack([_member() for _ in range(8)])
+    pdist.load(tmp_path, stack)
+    for name, value in stack.state_dict().items():  # every member from the same, old save
+        assert bool((value == 1.0).all()), name
+
+
+def _rank_1_exits(code: int) -> None:
+    stack, shard = pdist.shard(_member, num_members=4)
+    if shard.rank == 1:
+        os._exit(code)
+    shard.gather(stack(torch.randn(2, 6, dtype=F64)))  # rank 0 fails here, second
+
+
+def test_a_rank_that_exits_hard_is_named_not_the_survivor():
+    with pytest.raises(
+        DistributedError,
+        match=r"rank 1 exited with code 3 without raising an exception \(os._exit, (.|\n)*"
+        r"Ranks \[0\] then failed too",
+    ):
+        pdist.launch(_rank_1_exits, 2, 3, timeout=TIMEOUT)
+
+
+def _hangs_after_its_last_collective() -> int:
+    stack, shard = pdist.shard(_member, num_members=4)
+    shard.gather(stack(torch.randn(2, 6, dtype=F64)))
+    if shard.rank == 1:
+        time.sleep(120)
+    return shard.rank
+
+
+def test_a_rank_that_hangs_after_its_last_collective_is_stopped_after_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(
+        DistributedError,
+        match=r"rank 1 had not finished 3 s after rank 0 finished; it was terminated",
+    ):
+        pdist.launch(_hangs_after_its_last_collective, 2, timeout=3.0)
+    assert time.monotonic() - start < 40  # not 3 x timeout + 60 s
+
+
+def _damage(directory: Path, how: str) -> None:
+    index = json.loads((directory / "index.json").read_text())
+    shard = directory / index["shards"][0]["file"]
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif how == "flipped":
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif how == "missing":
+        shard.unlink()
+    else:
+        (directory / "index.json").write_text(how)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        (
+            "truncated",
+            r"is damaged: .*members-000000-000008.safetensors has \d+ bytes, the index says",
+        ),
+        ("flipped", r"is damaged: .*does not match the SHA-256 the index recorded"),
+        ("missing", r"is damaged: .*members-000000-000008.safetensors is missing"),
+        ("{not json", r"index.json' is corrupt: its metadata is not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, r"index.json' is corrupt: its metadata nests too deeply"),
+        ("[1, 2]", r"index.json' is corrupt: its metadata is a JSON list, expected an object"),
+        (
+            '{"format": "phalanx.distributed.checkpoint", "version": 1}',
+            r"not a phalanx.distributed checkpoint index of this version",
+        ),
+    ],
+)
+def test_a_damaged_sharded_checkpoint_is_refused_and_nothing_changes(tmp_path, how, message):
+    pdist.save(tmp_path, phalanx.stack([_member() for _ in range(8)]))
+    _damage(tmp_path, how)
+    stack = phalanx.stack([_member() for _ in range(8)])
+    before = {k: v.clone() for k, v in stack.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message):
+        pdist.load(tmp_path, stack)
+    assert all(torch.equal(v, before[k]) for k, v in stack.state_dict().items())
+
+
+def test_an_index_naming_files_outside_the_checkpoint_is_refused(tmp_path):
+    pdist.save(tmp_path, phalanx.stack([_member() for _ in range(8)]))
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["shards"][0]["file"] = "../../etc/passwd"
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"is corrupt: shard 0 is not \{file: 'gen-NNNNNN/"):
+        pdist.load(tmp_path, phalanx.stack([_member() for _ in range(8)]))
+
+
+def test_an_optimizer_of_another_type_is_refused_with_both_types_named(tmp_path):
+    stack, opt = _trained_stack(4)
+    pdist.save(tmp_path, stack, optimizer=opt)
+    for other in (phalanx.optim.SGD(stack.parameters()), torch.optim.Adam(stack.parameters())):
+        with pytest.raises(
+            CheckpointError,
+            match=r"holds the state of a phalanx.optim._adam.Adam optimizer, but a "
+            + type(other).__module__.replace(".", r"\.")
+            + r"\.(SGD|Adam) was given",
+        ):
+            pdist.load(tmp_path, stack, optimizer=other)
