@@ -527,8 +527,7 @@ def test_an_optimizer_of_another_type_is_refused_with_both_types_named(tmp_path)
     for other in (phalanx.optim.SGD(stack.parameters()), torch.optim.Adam(stack.parameters())):
         with pytest.raises(
             CheckpointError,
-            match=r"holds the state of a phalanx.optim._adam.Adam optimizer, but a "
-            + type(other).__module__.replace(".", r"\.")
-            + r"\.(SGD|Adam) was given",
+            match=r"holds the state of a phalanx.optim.Adam optimizer, but a "
+            r"(phalanx.optim.SGD|torch.optim.Adam) was given",
         ):
             pdist.load(tmp_path, stack, optimizer=other)

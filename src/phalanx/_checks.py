@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import sys
 from typing import Any
 
 import torch
@@ -41,8 +42,14 @@ class CheckpointError(ValueError):
 
 
 def type_name(obj: Any) -> str:
-    """The type of ``obj`` as ``module.QualName``, recorded so that loads can compare it."""
+    """The type of ``obj`` by its public name (``phalanx.optim.Adam``, ``torch.optim.Adam``),
+    recorded so that loads can compare it: the shortest package path that exports it."""
     cls = type(obj)
+    parts = cls.__module__.split(".")
+    for k in range(1, len(parts)):
+        package = sys.modules.get(".".join(parts[:k]))
+        if package is not None and getattr(package, cls.__qualname__, None) is cls:
+            return f"{'.'.join(parts[:k])}.{cls.__qualname__}"
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
