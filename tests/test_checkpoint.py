@@ -404,7 +404,9 @@ def test_corrupt_metadata_gives_one_error_naming_the_file(tmp_path, case) -> Non
     edit, message = CORRUPT[case]
     _rewrite(path, edit)
     before = _snapshot(stack, opt, sched, loader)
-    with pytest.raises(CheckpointError, match=r"phalanx.load\(\): .*'.*run.safetensors'.*" + message):
+    with pytest.raises(
+        CheckpointError, match=r"phalanx.load\(\): .*'.*run.safetensors'.*" + message
+    ):
         phalanx.load(path, stack, optimizer=opt, scheduler=sched, loader=loader)
     assert all(_same(a, b) for a, b in zip(before, _snapshot(stack, opt, sched, loader)))
 

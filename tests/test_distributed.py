@@ -25,6 +25,7 @@ from torch import nn
 import phalanx
 import phalanx.distributed as pdist
 from conftest import assert_close
+from phalanx._bench.sharded import bench_sharded
 from phalanx._checkpoint import CheckpointError
 from phalanx.distributed import DistributedError, Shard
 
@@ -257,7 +258,7 @@ def test_errors_name_what_is_wrong_and_the_fix():
     with pytest.raises(TypeError, match=r"pass a module-level function, not a lambda"):
         pdist.launch(lambda: None, 2)
     with pytest.raises(ValueError, match=r"unknown workloads \[.W9.\]; choose from"):
-        pdist.bench_sharded(["W9"], 2, True, "cpu")
+        bench_sharded(["W9"], 2, True, "cpu")
     with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds"):
         pdist.init(timeout=-1)
 
@@ -388,7 +389,7 @@ def test_load_errors_name_what_is_wrong_and_the_fix(tmp_path):
 
 
 def test_bench_sharded_times_a_workload_on_2_ranks_against_one_process():
-    rows = pdist.bench_sharded(["W2"], procs=2, quick=True, device="cpu")
+    rows = bench_sharded(["W2"], procs=2, quick=True, device="cpu")
     assert [(r["workload"], r["phase"], r["procs"]) for r in rows] == [
         ("W2", "forward", 2),
         ("W2", "train", 2),

@@ -26,31 +26,33 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch.utils import _pytree as pytree
 
-from phalanx._checks import CheckpointError, check_optimizer, decode, parse_meta, type_name
-from phalanx._files import atomic_write_text, checksum, fsync_directory, save_atomic
+from phalanx._checks import CheckpointError, check_optimizer, type_name
+from phalanx._files import atomic_write_text, fsync_directory, save_atomic
 from phalanx._stack import Stack
 from phalanx.distributed._mesh import Shard, collective, layout
 from phalanx.distributed._shard import shard_of
+from phalanx.distributed._sources import (
+    FORMAT,
+    GENERATION,
+    INDEX,
+    MEMBER,
+    OLD_SHARD_FILE,
+    REPLICA,
+    STACK,
+    VERSION,
+    Sharded,
+    SingleFile,
+)
 
 __all__ = ["load", "save"]
-
-FORMAT = "phalanx.distributed.checkpoint"
-VERSION = 2
-INDEX = "index.json"
-_GENERATION = re.compile(r"gen-(\d{6,})")
-_SHARD_FILE = re.compile(r"gen-\d{6,}/members-\d{6,}-\d{6,}\.safetensors")
-_OLD_SHARD_FILE = re.compile(r"members-\d{6,}-\d{6,}\.safetensors")  # version 1, flat
-_STACK, _MEMBER, _REPLICA = "stack/", "optim/", "optim-replicated/"
 
 
 def _file_name(block: range) -> str:
@@ -107,7 +109,7 @@ def _next_generation(directory: Path) -> int:
     never writes into a generation that an index may name."""
     numbers = [0]
     for entry in directory.iterdir():
-        match = _GENERATION.fullmatch(entry.name)
+        match = GENERATION.fullmatch(entry.name)
         if match:
             numbers.append(int(match.group(1)))
     try:
@@ -172,14 +174,14 @@ def save(
     mine = shard if shard is not None else shard_of(stack, where)
     _check_stack(stack, mine, where)
     directory = Path(path)
-    tensors = {_STACK + k: v for k, v in stack.state_dict().items()}
+    tensors = {STACK + k: v for k, v in stack.state_dict().items()}
     optim_entry = None
     if optimizer is not None:
         members, replicas, plain, spec = _flatten_optimizer(
             optimizer.state_dict(), mine.num_local, where
         )
-        tensors.update({_MEMBER + k: v for k, v in members.items()})
-        tensors.update({_REPLICA + k: v for k, v in replicas.items()})
+        tensors.update({MEMBER + k: v for k, v in members.items()})
+        tensors.update({REPLICA + k: v for k, v in replicas.items()})
         optim_entry = {
             "type": type_name(optimizer),
             "treespec": spec,
@@ -213,9 +215,9 @@ def _remove_superseded(directory: Path, generation: int, listed: set[str]) -> No
     """After a commit: earlier generations, and files in this one that the index does not name."""
     current = _generation_name(generation)
     for entry in directory.iterdir():
-        if _GENERATION.fullmatch(entry.name) and entry.name != current and entry.is_dir():
+        if GENERATION.fullmatch(entry.name) and entry.name != current and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-        elif _OLD_SHARD_FILE.fullmatch(entry.name):
+        elif OLD_SHARD_FILE.fullmatch(entry.name):
             entry.unlink(missing_ok=True)
     for entry in (directory / current).iterdir():
         if f"{current}/{entry.name}" not in listed and not entry.name.startswith("."):
@@ -231,206 +233,6 @@ def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
             f"{shard.start}..{shard.stop - 1}); build the stack with "
             f"phalanx.distributed.shard(..., num_members={shard.num_members})."
         )
-
-
-def _corrupt(file: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"phalanx.distributed.load(): {file} is corrupt: {what}.")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The index of the sharded checkpoint in directory ``path``, checked for structure."""
-    where = "phalanx.distributed.load()"
-    file = Path(path) / INDEX
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{where}: {file} does not exist; pass the directory that "
-            f"phalanx.distributed.save() wrote (a first save that was interrupted has no "
-            f"index), or a file that phalanx.save() wrote."
-        )
-    try:
-        text = file.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise _corrupt(file, f"it cannot be read as text ({e})") from None
-    index = parse_meta(text, where, str(file))
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(
-            f"{where}: {file} is not a phalanx.distributed checkpoint index of this version "
-            f"(format {index.get('format')!r}, version {index.get('version')!r}); expected "
-            f"{FORMAT!r} version {VERSION}."
-        )
-    n, shards = index.get("num_members"), index.get("shards")
-    if not _is_int(n) or n < 1:
-        raise _corrupt(file, f"num_members is {n!r}")
-    if not isinstance(shards, list) or not shards:
-        raise _corrupt(file, "'shards' is not a non-empty list")
-    stop = 0
-    for k, s in enumerate(shards):
-        if not (
-            isinstance(s, dict)
-            and isinstance(s.get("file"), str)
-            and _SHARD_FILE.fullmatch(s["file"])
-            and all(_is_int(s.get(key)) for key in ("start", "stop", "size"))
-            and isinstance(s.get("sha256"), str)
-        ):
-            raise _corrupt(
-                file,
-                f"shard {k} is not {{file: 'gen-NNNNNN/members-...', start, stop, size, "
-                f"sha256}}: {s!r:.200}",
-            )
-        if s["start"] != stop or s["stop"] <= s["start"]:
-            raise _corrupt(
-                file,
-                f"shard {k} holds members {s['start']}..{s['stop']}, expected to start at {stop}",
-            )
-        stop = s["stop"]
-    if stop != n:
-        raise _corrupt(file, f"its shards hold members 0..{stop}, but num_members is {n}")
-    keys = index.get("stack_keys")
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise _corrupt(file, "'stack_keys' is not a list of strings")
-    optim = index.get("optimizer")
-    if optim is not None and not (
-        isinstance(optim, dict)
-        and isinstance(optim.get("type"), str)
-        and isinstance(optim.get("treespec"), str)
-        and isinstance(optim.get("leaves"), list)
-        and isinstance(optim.get("member_keys"), list)
-    ):
-        raise _corrupt(file, "'optimizer' is not {type, treespec, leaves, member_keys}")
-    return index
-
-
-def _verify(directory: Path, entry: dict[str, Any], full: bool) -> str | None:
-    """Why the file ``entry`` names is not the one the index committed, or None."""
-    file = directory / entry["file"]
-    if not file.is_file():
-        return f"{file} is missing"
-    size = file.stat().st_size
-    if size != entry["size"]:
-        return f"{file} has {size} bytes, the index says {entry['size']} (truncated or replaced)"
-    if full and checksum(file)[1] != entry["sha256"]:
-        return f"{file} does not match the SHA-256 the index recorded (corrupt or replaced)"
-    return None
-
-
-class _Sharded:
-    """A directory written by :func:`save`: rows of a block read across the shard files."""
-
-    def __init__(self, directory: Path) -> None:
-        self.index = read_index(directory)
-        self.directory = directory
-        self.num_members = int(self.index["num_members"])
-        self.stack_keys = set(self.index["stack_keys"])
-        self.optimizer_type = (self.index["optimizer"] or {}).get("type")
-        self._files: list[tuple[range, Any]] = []
-        self._block = range(0)
-
-    def select(self, block: range) -> str | None:
-        """Opens the files holding ``block``'s members; why one is not as committed, or None.
-
-        Every file's size is checked; the files this rank reads are checksummed too.
-        """
-        for entry in self.index["shards"]:
-            stored = range(entry["start"], entry["stop"])
-            overlaps = max(stored.start, block.start) < min(stored.stop, block.stop)
-            problem = _verify(self.directory, entry, full=overlaps)
-            if problem is not None:
-                return problem
-            if overlaps:
-                file = self.directory / entry["file"]
-                try:
-                    self._files.append((stored, safe_open(str(file), framework="pt")))
-                except Exception as e:  # safetensors' own error type
-                    return f"{file} is not a readable safetensors file ({e})"
-        self._block = block
-        return None
-
-    def rows(self, key: str) -> torch.Tensor:
-        pieces = []
-        for stored, handle in self._files:
-            lo = max(stored.start, self._block.start) - stored.start
-            hi = min(stored.stop, self._block.stop) - stored.start
-            pieces.append(handle.get_slice(key)[lo:hi])
-        return torch.cat(pieces)
-
-    def stack_rows(self, key: str) -> torch.Tensor:
-        return self.rows(_STACK + key)
-
-    def optimizer_state(self) -> dict[str, Any] | None:
-        entry = self.index["optimizer"]
-        if entry is None:
-            return None
-        members = set(entry["member_keys"])
-        leaves = []
-        for leaf in entry["leaves"]:
-            if isinstance(leaf, dict):
-                key = leaf["tensor"]
-                # Replicated tensors are the same in every file: read the first one's.
-                leaf = self.rows(_MEMBER + key) if key in members else self._replica(key)
-            leaves.append(leaf)
-        return pytree.tree_unflatten(leaves, pytree.treespec_loads(entry["treespec"]))
-
-    def _replica(self, key: str) -> torch.Tensor:
-        return self._files[0][1].get_tensor(_REPLICA + key)
-
-
-class _SingleFile:
-    """A file written by :func:`phalanx.save` in one process: every member's rows in one file."""
-
-    def __init__(self, file: Path, where: str) -> None:
-        self.path = str(file)
-        try:
-            self.file = safe_open(self.path, framework="pt")
-            raw = (self.file.metadata() or {}).get("phalanx")
-        except Exception as e:  # safetensors' own error type
-            raise CheckpointError(
-                f"{where}: {file} is not a readable safetensors file; it may be truncated or "
-                f"corrupt ({type(e).__name__}: {e})."
-            ) from None
-        if raw is None:
-            raise CheckpointError(
-                f"{where}: {file} is not a phalanx checkpoint (no 'phalanx' metadata); pass a "
-                f"directory written by phalanx.distributed.save() or a file by phalanx.save()."
-            )
-        self.meta = parse_meta(raw, where, self.path)
-        self.keys = set(self.file.keys())  # a safetensors handle is not iterable
-        self.stack_keys = {k[len(_STACK) :] for k in self.keys if k.startswith(_STACK)}
-        n = self.meta.get("num_members")
-        if n is None and self.stack_keys:
-            n = self.file.get_slice(_STACK + min(self.stack_keys)).get_shape()[0]
-        if not _is_int(n) or n < 1:
-            raise CheckpointError(f"{where}: {file} is corrupt: num_members is {n!r}.")
-        self.num_members = n
-        types = self.meta.get("types")
-        self.optimizer_type = types.get("optimizer") if isinstance(types, dict) else None
-        self._block = range(0)
-        self._where = where
-
-    def select(self, block: range) -> str | None:
-        self._block = block
-        return None
-
-    def stack_rows(self, key: str) -> torch.Tensor:
-        return self.file.get_slice(_STACK + key)[self._block.start : self._block.stop]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.keys
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        """A tensor of the optimizer state: this block's rows when it carries the members."""
-        shape = self.file.get_slice(key).get_shape()
-        if shape and shape[0] == self.num_members:
-            return self.file.get_slice(key)[self._block.start : self._block.stop]
-        return self.file.get_tensor(key)
-
-    def optimizer_state(self) -> dict[str, Any] | None:
-        if "optimizer" not in self.meta:
-            return None
-        return decode(self.meta["optimizer"], self, self._where, self.path, "optimizer")
 
 
 def _agree(problem: str | None, shard: Shard, where: str) -> str | None:
@@ -486,8 +288,8 @@ def load(
 
     where = "phalanx.distributed.load()"
     location = Path(path)
-    source: _Sharded | _SingleFile = (
-        _SingleFile(location, where) if location.is_file() else _Sharded(location)
+    source: Sharded | SingleFile = (
+        SingleFile(location, where) if location.is_file() else Sharded(location)
     )
     n = source.num_members
     if shard is None:
@@ -544,5 +346,5 @@ def load(
         check_optimizer(where, str(location), optimizer, optimizer_state, source.optimizer_type)
     # Every check passed: only now is anything written.
     stack.load_state_dict(state)
-    if optimizer is not None:
+    if optimizer is not None and optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
