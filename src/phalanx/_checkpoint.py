@@ -180,6 +180,10 @@ def load(
 ) -> dict[str, Any]:
     """Restores a training run saved by `phalanx.save`; the next step is bit-identical.
 
+    Bit-identical on the same backend: pass `backend=` to `phalanx.stack` when that matters,
+    since under "auto" a resumed stack may pick another backend, which agrees to float
+    rounding.
+
     Everything is checked before anything is changed: the file's integrity, the stack's keys,
     shapes and dtypes, the optimizer's type, structure and hyperparameters (judged by its own
     constructor), the scheduler's and loader's settings. On any error the stack, optimizer,

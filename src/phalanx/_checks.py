@@ -189,7 +189,10 @@ def _kind(v: Any) -> str:
 
 def check_like(current: Any, saved: Any, at: str) -> list[str]:
     """Every way ``saved`` differs in structure from ``current``: keys, lengths, kinds,
-    tensor shapes and dtypes. Values may differ; a number may be an int or a float."""
+    tensor shapes and dtypes. Values may differ; a number may be an int or a float, and where
+    ``current`` is None (not set yet in a fresh object) the saved value may be anything."""
+    if current is None:
+        return []
     kc, ks = _kind(current), _kind(saved)
     if kc != ks:
         shown = repr(saved) if ks in {"str", "number", "bool", "None"} else ks
