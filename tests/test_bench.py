@@ -215,7 +215,7 @@ def test_bad_options_fail_clearly(capsys, argv, message):
 
 
 def test_procs_hands_over_to_the_sharded_bench(capsys, monkeypatch):
-    import phalanx.distributed as distributed
+    from phalanx._bench import sharded
 
     seen = {}
 
@@ -223,12 +223,12 @@ def test_procs_hands_over_to_the_sharded_bench(capsys, monkeypatch):
         seen.update(kwargs)
         return [{"workload": "W1", "phase": "forward", "procs": 2, "ratio": 1.5}]
 
-    monkeypatch.setattr(distributed, "bench_sharded", fake, raising=False)
+    monkeypatch.setattr(sharded, "bench_sharded", fake, raising=False)
     assert main(["bench", "--procs", "2", "--device", "cpu", "--workloads", "W1", "--quick"]) == 0
     assert seen == {"workloads": ["W1"], "procs": 2, "quick": True, "device": "cpu"}
     assert "W1        forward  2      1.5" in capsys.readouterr().out
 
-    monkeypatch.delattr(distributed, "bench_sharded")
+    monkeypatch.delattr(sharded, "bench_sharded")
     assert main(["bench", "--procs", "2", "--device", "cpu", "--workloads", "W1"]) == 2
     assert "--procs needs phalanx.distributed.bench_sharded" in capsys.readouterr().err
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -10,10 +11,13 @@ import safetensors
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import phalanx
 from conftest import ARCHS, make_members
+from phalanx._checkpoint import CheckpointError
 
 N = 6
 
@@ -24,7 +28,9 @@ def build(seed: int, n: int = N, hidden: int = 20):
     members = [
         nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 2)) for _ in range(n)
     ]
-    stack = phalanx.stack(members)
+    # A fixed backend: under "auto" the original and the resumed stack may each race to a
+    # different backend, whose results agree to float rounding but not bit for bit.
+    stack = phalanx.stack(members, backend="vmap")
     opt = phalanx.optim.Adam(stack.parameters(), lr=torch.logspace(-3, -1, n), skip_nonfinite=True)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     g = torch.Generator().manual_seed(0)
@@ -202,3 +208,242 @@ def test_export_members_gives_ordinary_state_dicts() -> None:
         match=r"export_members\(\): member indices \[6\] are out of range for a stack of 6 members",
     ):
         phalanx.export_members(stack, [6])
+
+
+# ------------------------------------------------------ all or nothing; hostile and corrupt files
+
+
+def _snapshot(stack, opt, sched, loader) -> list:
+    import copy
+
+    return [
+        {k: v.clone() for k, v in stack.state_dict().items()},
+        copy.deepcopy(opt.state_dict()),
+        copy.deepcopy(sched.state_dict()),
+        dict(loader.state_dict()),
+    ]
+
+
+def _same(a, b) -> bool:
+    from torch.utils import _pytree as pytree
+
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    return sa == sb and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
+    )
+
+
+def test_a_load_that_fails_late_changes_nothing(tmp_path) -> None:
+    path = tmp_path / "run.safetensors"
+    stack, opt, sched, loader = build(seed=0)
+    train(stack, opt, sched, loader, steps=3)
+    phalanx.save(path, stack, optimizer=opt, scheduler=sched, loader=loader)
+    stack2, opt2, sched2, _ = build(seed=1)
+    train(stack2, opt2, sched2, _, steps=1)
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(40, 10, generator=g), torch.randint(0, 2, (40,), generator=g)
+    other_batch = phalanx.data.MemberLoader(X, Y, num_members=N, batch_size=4, bootstrap=True)
+    before = _snapshot(stack2, opt2, sched2, other_batch)
+    with pytest.raises(
+        CheckpointError,
+        match=r"phalanx.load\(\): the loader state in '.*run.safetensors' does not fit this "
+        r"loader: .*batch_size is 4 in this loader but 8 in the saved state",
+    ):
+        phalanx.load(path, stack2, optimizer=opt2, scheduler=sched2, loader=other_batch)
+    after = _snapshot(stack2, opt2, sched2, other_batch)
+    assert all(_same(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_an_optimizer_checkpoint_loads_only_into_the_same_optimizer_type(tmp_path) -> None:
+    path = tmp_path / "run.safetensors"
+    stack, opt, *_ = build(seed=0)
+    phalanx.save(path, stack, optimizer=opt)
+    for other, name in [
+        (phalanx.optim.SGD(stack.parameters()), "phalanx.optim.SGD"),
+        (torch.optim.Adam(stack.parameters()), "torch.optim.Adam"),
+    ]:
+        lr = other.param_groups[0]["lr"]
+        with pytest.raises(
+            CheckpointError,
+            match=rf"'.*run.safetensors' holds the state of a phalanx.optim.Adam optimizer, "
+            rf"but a {name} was given",
+        ):
+            phalanx.load(path, stack, optimizer=other)
+        assert other.param_groups[0]["lr"] == lr and not other.state
+
+
+class _Raw(str):
+    """Metadata text to write as it is, instead of the edited JSON."""
+
+
+def _rewrite(path, edit) -> None:
+    """Edits a saved checkpoint's metadata and tensors in place, as a hostile writer could."""
+    tensors = safetensors.torch.load_file(str(path))
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["phalanx"])
+    raw = edit(meta, tensors)
+    text = raw if isinstance(raw, _Raw) else json.dumps(meta)
+    safetensors.torch.save_file(tensors, str(path), metadata={"phalanx": text})
+
+
+def _group(meta, key, value):
+    meta["optimizer"]["param_groups"][0][key] = value
+
+
+def _retype(tensors, key, dtype):
+    tensors[key] = tensors[key].to(dtype)
+
+
+HOSTILE_VALUES = {
+    "lr as a string": (
+        lambda m, t: _group(m, "lr", "0.1"),
+        r"param group 0 hyperparameter 'lr' is '0.1', expected a number",
+    ),
+    "betas (2, -5)": (
+        lambda m, t: _group(m, "betas", {"__tuple__": [2, -5]}),
+        r"param group 0 hyperparameters are refused by phalanx.optim.Adam\(\): .*betas\[0\] is "
+        r"2.0 for every member; expected in \[0, 1\)",
+    ),
+    "eps negative": (
+        lambda m, t: _group(m, "eps", -1.0),
+        r"refused by phalanx.optim.Adam\(\): .*eps is -1.0 for every member; expected >= 0",
+    ),
+    "int64 weights": (
+        lambda m, t: _retype(t, "stack/module.0.weight", torch.int64),
+        r"key 'module.0.weight' expected dtype torch.float32 \(this stack\), got torch.int64",
+    ),
+    "int64 moments": (
+        lambda m, t: _retype(t, "optimizer.state.0.exp_avg", torch.int64),
+        r"key 'optimizer.state.0.exp_avg' expected dtype torch.float32, got torch.int64",
+    ),
+    "int64 step": (
+        lambda m, t: _retype(t, "optimizer.state.0.step", torch.int64),
+        r"key 'optimizer.state.0.step' has dtype torch.int64, expected a float dtype",
+    ),
+    "float frozen flags": (
+        lambda m, t: _retype(t, "optimizer.members.frozen", torch.float32),
+        r"state\['members'\]\['frozen'\] is a torch.float32 tensor of shape \(6,\), expected "
+        r"torch.bool \(6,\)",
+    ),
+    "scheduler epoch as a string": (
+        lambda m, t: m["scheduler"].update(last_epoch="3"),
+        r"the scheduler state in .* does not fit this scheduler: the scheduler "
+        r"state\['last_epoch'\] is '3', expected a number",
+    ),
+    "another scheduler type": (
+        lambda m, t: m["types"].update(scheduler="torch.optim.lr_scheduler.ExponentialLR"),
+        r"holds the state of a torch.optim.lr_scheduler.ExponentialLR scheduler, but a "
+        r"torch.optim.lr_scheduler.StepLR was given",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_VALUES))
+def test_values_read_from_a_checkpoint_are_validated_like_the_constructors_do(
+    tmp_path, case
+) -> None:
+    path = tmp_path / "run.safetensors"
+    stack, opt, sched, loader = build(seed=0)
+    train(stack, opt, sched, loader, steps=1)
+    phalanx.save(path, stack, optimizer=opt, scheduler=sched, loader=loader)
+    edit, message = HOSTILE_VALUES[case]
+    _rewrite(path, edit)
+    before = _snapshot(stack, opt, sched, loader)
+    with pytest.raises(CheckpointError, match=message):
+        phalanx.load(path, stack, optimizer=opt, scheduler=sched, loader=loader)
+    assert all(_same(a, b) for a, b in zip(before, _snapshot(stack, opt, sched, loader)))
+
+
+CORRUPT = {
+    "bad JSON": (lambda m, t: _Raw("{not json"), r"its metadata is not valid JSON"),
+    "100,000 brackets": (lambda m, t: _Raw("[" * 100_000 + "]" * 100_000), r"nests too deeply"),
+    "deep but parsable": (
+        lambda m, t: m["extra"].update(deep=json.loads("[" * 200 + "]" * 200)),
+        r"extra.deep\[0\]\[0\].* nests more than 64 levels deep",
+    ),
+    "a JSON list": (
+        lambda m, t: _Raw("[1, 2]"),
+        r"its metadata is a JSON list, expected an object",
+    ),
+    "no format": (lambda m, t: m.pop("format"), r"is not a phalanx checkpoint: format None"),
+    "optimizer is a list": (
+        lambda m, t: m.update(optimizer=[]),
+        r"its optimizer entry is a list, expected an object",
+    ),
+    "optimizer without param_groups": (
+        lambda m, t: m["optimizer"].pop("param_groups"),
+        r"its optimizer state lacks 'state' \(a mapping\) or 'param_groups'",
+    ),
+    "a tensor that is not there": (
+        lambda m, t: m["optimizer"]["state"]["__items__"][0][1].update(
+            exp_avg={"__tensor__": "nope"}
+        ),
+        r"optimizer.*exp_avg.* names a tensor 'nope' that the file does not hold",
+    ),
+    "num_members a string": (lambda m, t: m.update(num_members="6"), r"num_members is '6'"),
+    "a bad float": (
+        lambda m, t: m["extra"].update(x={"__float__": "1e999999"}),
+        r"extra.x holds a non-finite float written as '1e999999'",
+    ),
+    "a malformed mapping": (
+        lambda m, t: m["extra"].update(x={"__items__": [[1]]}),
+        r"extra.x holds a mapping that is not a list of \[key, value\] pairs",
+    ),
+    "a missing stack key": (
+        lambda m, t: t.pop("stack/module.0.bias"),
+        r"key 'module.0.bias' is missing from the checkpoint",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_corrupt_metadata_gives_one_error_naming_the_file(tmp_path, case) -> None:
+    path = tmp_path / "run.safetensors"
+    stack, opt, sched, loader = build(seed=0)
+    train(stack, opt, sched, loader, steps=1)
+    phalanx.save(path, stack, optimizer=opt, scheduler=sched, loader=loader, note=1)
+    edit, message = CORRUPT[case]
+    _rewrite(path, edit)
+    before = _snapshot(stack, opt, sched, loader)
+    with pytest.raises(
+        CheckpointError, match=r"phalanx.load\(\): .*'.*run.safetensors'.*" + message
+    ):
+        phalanx.load(path, stack, optimizer=opt, scheduler=sched, loader=loader)
+    assert all(_same(a, b) for a, b in zip(before, _snapshot(stack, opt, sched, loader)))
+
+
+def test_truncated_empty_and_foreign_files_give_one_error_naming_the_file(tmp_path) -> None:
+    path = tmp_path / "run.safetensors"
+    stack, opt, *_ = build(seed=0)
+    phalanx.save(path, stack, optimizer=opt)
+    data = path.read_bytes()
+    for name, content in [("truncated", data[:-100]), ("empty", b""), ("noise", b"\x00" * 64)]:
+        bad = tmp_path / f"{name}.safetensors"
+        bad.write_bytes(content)
+        with pytest.raises(
+            CheckpointError,
+            match=rf"'.*{name}.safetensors' is not a readable safetensors file; it may be truncated",
+        ):
+            phalanx.load(bad, stack, optimizer=opt)
+    with pytest.raises(FileNotFoundError, match=r"'.*nothing.safetensors' does not exist"):
+        phalanx.load(tmp_path / "nothing.safetensors", stack)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(cut=st.integers(0, 10_000), flips=st.lists(st.integers(0, 10_000), max_size=3))
+def test_any_damage_loads_or_raises_checkpoint_error_never_anything_else(
+    tmp_path, cut, flips
+) -> None:
+    path = tmp_path / "run.safetensors"
+    stack, opt, sched, loader = build(seed=0, n=2, hidden=3)
+    phalanx.save(path, stack, optimizer=opt, scheduler=sched, loader=loader)
+    data = bytearray(path.read_bytes())
+    for k in flips:
+        data[k % len(data)] ^= 0xA5
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data[: len(data) - cut % len(data)] if cut % 2 else data))
+    with contextlib.suppress(CheckpointError):  # anything else fails the test
+        phalanx.load(bad, stack, optimizer=opt, scheduler=sched, loader=loader)

@@ -25,6 +25,8 @@ from torch import nn
 import phalanx
 import phalanx.distributed as pdist
 from conftest import assert_close
+from phalanx._bench.sharded import bench_sharded
+from phalanx._checkpoint import CheckpointError
 from phalanx.distributed import DistributedError, Shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,10 +188,12 @@ def test_example_under_torchrun_matches_a_plain_process(tmp_path, monkeypatch, c
     assert "members per rank: [3, 2]" in ranks.stdout
     losses = [line for line in plain.splitlines() if line.startswith("validation")]
     assert losses and losses[0] in ranks.stdout
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+    ckpt = tmp_path / "ckpt"
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == [
+        "gen-000001",
+        "gen-000001/members-000000-000003.safetensors",
+        "gen-000001/members-000003-000005.safetensors",
         "index.json",
-        "members-000000-000003.safetensors",
-        "members-000003-000005.safetensors",
     ]
 
 
@@ -254,7 +258,7 @@ def test_errors_name_what_is_wrong_and_the_fix():
     with pytest.raises(TypeError, match=r"pass a module-level function, not a lambda"):
         pdist.launch(lambda: None, 2)
     with pytest.raises(ValueError, match=r"unknown workloads \[.W9.\]; choose from"):
-        pdist.bench_sharded(["W9"], 2, True, "cpu")
+        bench_sharded(["W9"], 2, True, "cpu")
     with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds"):
         pdist.init(timeout=-1)
 
@@ -280,9 +284,25 @@ def _assert_holds(part, opt, shard: Shard, full, full_opt) -> None:
     assert torch.equal(opt.param_groups[0]["member_lr"], shard.local(member_lr))
 
 
-def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch):
-    """Resharding, with the ranks played in turn by this process (barriers are no-ops)."""
+def _play_ranks_in_turn(monkeypatch) -> None:
+    """Lets this process play the ranks of a save in turn, rank 0 last: the collectives of
+    the save become a shared generation and a list that collects every rank's file entry."""
+    from phalanx.distributed import _checkpoint
+
+    entries: list = []
     monkeypatch.setattr(Shard, "barrier", lambda self: None)
+    monkeypatch.setattr(_checkpoint, "_agree_generation", lambda directory, shard: 1)
+
+    def all_entries(entry, shard, where):
+        entries.append(entry)
+        return sorted(entries, key=lambda e: e["start"]) if shard.rank == 0 else None
+
+    monkeypatch.setattr(_checkpoint, "_all_entries", all_entries)
+
+
+def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch):
+    """Resharding, with the ranks played in turn by this process."""
+    _play_ranks_in_turn(monkeypatch)
     full, full_opt = _trained_stack(8)
     for rank in (2, 1, 0):  # rank 0 last: it writes the index once every file exists
         shard = Shard(8, rank, 3)
@@ -290,7 +310,7 @@ def test_checkpoint_written_by_3_ranks_loads_on_1_2_and_4(tmp_path, monkeypatch)
         opt = phalanx.optim.Adam(part.parameters(), lr=shard.local(torch.ones(8, dtype=F64)))
         opt.load_state_dict(_sliced_state(full_opt.state_dict(), shard))
         pdist.save(tmp_path, part, optimizer=opt, shard=shard)
-    assert len(list(tmp_path.glob("members-*.safetensors"))) == 3
+    assert len(list(tmp_path.glob("gen-000001/members-*.safetensors"))) == 3
     for k in (1, 2, 4):
         for rank in range(k):
             shard = Shard(8, rank, k)
@@ -311,7 +331,7 @@ def test_a_file_from_phalanx_save_loads_on_any_number_of_ranks(tmp_path):
 
 
 def test_torch_optim_state_with_a_0d_step_reshards(tmp_path, monkeypatch):
-    monkeypatch.setattr(Shard, "barrier", lambda self: None)
+    _play_ranks_in_turn(monkeypatch)
     full = phalanx.stack([_member() for _ in range(5)], backend="vmap")
     full_opt = torch.optim.Adam(full.parameters(), lr=0.1, foreach=True)
     full(_data()[0]).sum().backward()
@@ -359,7 +379,9 @@ def test_load_errors_name_what_is_wrong_and_the_fix(tmp_path):
         [nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3)) for _ in range(4)]
     )
     with pytest.raises(
-        ValueError, match=r"'module.0.weight': checkpoint \(4, 8, 6\), stack \(4, 9, 6\)"
+        CheckpointError,
+        match=r"'module.0.weight': checkpoint \(4, 8, 6\) torch.float64, stack \(4, 9, 6\) "
+        r"torch.float32",
     ):
         pdist.load(tmp_path, other)
     with pytest.raises(ValueError, match=r"the stack holds 4 members but rank 0 of 1 holds 5"):
@@ -367,7 +389,7 @@ def test_load_errors_name_what_is_wrong_and_the_fix(tmp_path):
 
 
 def test_bench_sharded_times_a_workload_on_2_ranks_against_one_process():
-    rows = pdist.bench_sharded(["W2"], procs=2, quick=True, device="cpu")
+    rows = bench_sharded(["W2"], procs=2, quick=True, device="cpu")
     assert [(r["workload"], r["phase"], r["procs"]) for r in rows] == [
         ("W2", "forward", 2),
         ("W2", "train", 2),
@@ -377,3 +399,136 @@ def test_bench_sharded_times_a_workload_on_2_ranks_against_one_process():
         assert r["ratio"] == pytest.approx(r["time_1proc_ms"] / r["time_kprocs_ms"])
         assert r["same_outputs"] is True
         assert r["threads_1proc"] == torch.get_num_threads()
+
+
+# ------------------------------------------------- ranks that die or hang, checkpoints that break
+
+
+def _rank_1_killed_while_saving(tmp: str) -> None:
+    import signal
+
+    from phalanx.distributed import _checkpoint
+
+    stack, shard = pdist.shard(_member, num_members=8)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.fill_(1.0)
+    pdist.save(tmp, stack)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.fill_(2.0)
+    if shard.rank == 1:  # dies before its file of the new generation is complete
+        monkey = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        _checkpoint.save_atomic = monkey
+    pdist.save(tmp, stack)
+
+
+def test_a_rank_killed_while_saving_is_named_and_the_previous_checkpoint_loads(tmp_path):
+    with pytest.raises(
+        DistributedError,
+        match=r"launch\(\): rank 1 was killed by SIGKILL without raising an exception(.|\n)*"
+        r"Ranks \[0\] then failed too \(after rank 1\)",
+    ):
+        pdist.launch(_rank_1_killed_while_saving, 2, str(tmp_path), timeout=TIMEOUT)
+    stack = phalanx.stack([_member() for _ in range(8)])
+    pdist.load(tmp_path, stack)
+    for name, value in stack.state_dict().items():  # every member from the same, old save
+        assert bool((value == 1.0).all()), name
+
+
+def _rank_1_exits(code: int) -> None:
+    stack, shard = pdist.shard(_member, num_members=4)
+    if shard.rank == 1:
+        os._exit(code)
+    shard.gather(stack(torch.randn(2, 6, dtype=F64)))  # rank 0 fails here, second
+
+
+def test_a_rank_that_exits_hard_is_named_not_the_survivor():
+    with pytest.raises(
+        DistributedError,
+        match=r"rank 1 exited with code 3 without raising an exception \(os._exit, (.|\n)*"
+        r"Ranks \[0\] then failed too",
+    ):
+        pdist.launch(_rank_1_exits, 2, 3, timeout=TIMEOUT)
+
+
+def _hangs_after_its_last_collective() -> int:
+    stack, shard = pdist.shard(_member, num_members=4)
+    shard.gather(stack(torch.randn(2, 6, dtype=F64)))
+    if shard.rank == 1:
+        time.sleep(120)
+    return shard.rank
+
+
+def test_a_rank_that_hangs_after_its_last_collective_is_stopped_after_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(
+        DistributedError,
+        match=r"rank 1 had not finished 3 s after rank 0 finished; it was terminated",
+    ):
+        pdist.launch(_hangs_after_its_last_collective, 2, timeout=3.0)
+    assert time.monotonic() - start < 40  # not 3 x timeout + 60 s
+
+
+def _damage(directory: Path, how: str) -> None:
+    index = json.loads((directory / "index.json").read_text())
+    shard = directory / index["shards"][0]["file"]
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif how == "flipped":
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif how == "missing":
+        shard.unlink()
+    else:
+        (directory / "index.json").write_text(how)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        (
+            "truncated",
+            r"is damaged: .*members-000000-000008.safetensors has \d+ bytes, the index says",
+        ),
+        ("flipped", r"is damaged: .*does not match the SHA-256 the index recorded"),
+        ("missing", r"is damaged: .*members-000000-000008.safetensors is missing"),
+        ("{not json", r"index.json' is corrupt: its metadata is not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, r"index.json' is corrupt: its metadata nests too deeply"),
+        ("[1, 2]", r"index.json' is corrupt: its metadata is a JSON list, expected an object"),
+        (
+            '{"format": "phalanx.distributed.checkpoint", "version": 1}',
+            r"not a phalanx.distributed checkpoint index of this version",
+        ),
+    ],
+)
+def test_a_damaged_sharded_checkpoint_is_refused_and_nothing_changes(tmp_path, how, message):
+    pdist.save(tmp_path, phalanx.stack([_member() for _ in range(8)]))
+    _damage(tmp_path, how)
+    stack = phalanx.stack([_member() for _ in range(8)])
+    before = {k: v.clone() for k, v in stack.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message):
+        pdist.load(tmp_path, stack)
+    assert all(torch.equal(v, before[k]) for k, v in stack.state_dict().items())
+
+
+def test_an_index_naming_files_outside_the_checkpoint_is_refused(tmp_path):
+    pdist.save(tmp_path, phalanx.stack([_member() for _ in range(8)]))
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["shards"][0]["file"] = "../../etc/passwd"
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"is corrupt: shard 0 is not \{file: 'gen-NNNNNN/"):
+        pdist.load(tmp_path, phalanx.stack([_member() for _ in range(8)]))
+
+
+def test_an_optimizer_of_another_type_is_refused_with_both_types_named(tmp_path):
+    stack, opt = _trained_stack(4)
+    pdist.save(tmp_path, stack, optimizer=opt)
+    for other in (phalanx.optim.SGD(stack.parameters()), torch.optim.Adam(stack.parameters())):
+        with pytest.raises(
+            CheckpointError,
+            match=r"holds the state of a phalanx.optim.Adam optimizer, but a "
+            r"(phalanx.optim.SGD|torch.optim.Adam) was given",
+        ):
+            pdist.load(tmp_path, stack, optimizer=other)

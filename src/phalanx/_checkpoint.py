@@ -3,6 +3,11 @@
 One file holds every tensor (keys "stack/...", "optimizer/...", "scheduler/...",
 "extra/...") and, in its string metadata, JSON for everything else, with tensors replaced by
 {"__tensor__": key}. Loading a file reads numbers and strings only: it cannot run code.
+
+What survives a crash: a save writes a new file beside the old one and renames it over the
+old one only when complete (``_files.save_atomic``), so at every instant the path holds the
+previous checkpoint or the new one, whole. A load checks everything before it writes
+anything (``_checks``), so a failing load changes nothing.
 """
 
 from __future__ import annotations
@@ -10,19 +15,32 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import safetensors
 import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-__all__ = ["export_members", "load", "save"]
+from phalanx._checks import (
+    CheckpointError,
+    check_like,
+    check_optimizer,
+    check_stack,
+    decode,
+    parse_meta,
+    probe_load,
+    type_name,
+)
+from phalanx._files import save_atomic
+
+__all__ = ["CheckpointError", "export_members", "load", "save"]
 
 _FORMAT = "phalanx.checkpoint/1"
-_SECTIONS = ("optimizer", "scheduler", "loader", "extra")
+_PARTS = ("optimizer", "scheduler", "loader")
 
 
 def _encode(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
@@ -53,23 +71,6 @@ def _encode(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
     )
 
 
-def _decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
-    """The inverse of `_encode`."""
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__float__" in obj:
-            return float(obj["__float__"])
-        if "__tuple__" in obj:
-            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
-        if "__items__" in obj:
-            return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__items__"]}
-        return {k: _decode(v, tensors) for k, v in obj.items()}
-    return obj
-
-
 def _num_members(stack: nn.Module) -> int | None:
     n = getattr(stack, "num_members", None)
     return int(n) if n is not None else None
@@ -85,8 +86,10 @@ def save(
 ) -> None:
     """Saves a training run in one safetensors file, atomically.
 
-    The file is written to a temporary file in the same directory and renamed over `path`
-    only when complete, so a crash while saving leaves the previous checkpoint intact.
+    The file is written inside a temporary folder ``.NAME.XXXXXXXX.tmp`` beside `path`,
+    flushed to disk and renamed over `path` only when complete: a kill at any instant leaves
+    `path` holding the previous checkpoint or the new one, whole. Temporaries that killed
+    saves of this same `path` left behind are removed by the next save.
 
     Args:
         path: the file to write, conventionally ending in ".safetensors".
@@ -106,11 +109,12 @@ def save(
     tensors: dict[str, Tensor] = {}
     for key, value in stack.state_dict().items():
         tensors[f"stack/{key}"] = value.detach()
-    meta: dict[str, Any] = {"format": _FORMAT, "num_members": _num_members(stack)}
+    meta: dict[str, Any] = {"format": _FORMAT, "num_members": _num_members(stack), "types": {}}
     parts = {"optimizer": optimizer, "scheduler": scheduler, "loader": loader}
     for name, obj in parts.items():
         if obj is not None:
             meta[name] = _encode(obj.state_dict(), name, tensors)
+            meta["types"][name] = type_name(obj)
     meta["extra"] = _encode(extra, "extra", tensors)
 
     # safetensors wants contiguous CPU tensors that share no memory: copy views and repeats.
@@ -124,90 +128,47 @@ def save(
             seen.add(t.untyped_storage().data_ptr())
         tensors[key] = t
     metadata = {"phalanx": json.dumps(meta)}
+    save_atomic(tensors, Path(os.path.abspath(os.fspath(path))), metadata)
 
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+
+def _read(path: str, where: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The metadata and tensors of a phalanx checkpoint file, or a CheckpointError."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{where}: '{path}' does not exist or is not a file; pass a file written by "
+            f"phalanx.save() (a directory from phalanx.distributed.save() loads with "
+            f"phalanx.distributed.load())."
+        )
     try:
-        safetensors.torch.save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:  # make the rename itself durable; not possible on every platform
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
-
-
-def _check_stack(path: str, stack: nn.Module, saved: dict[str, Tensor], n_saved: Any) -> None:
-    """Raises one error listing every key whose presence or shape differs."""
-    expected = stack.state_dict()
-    problems = []
-    for key, value in expected.items():
-        if key not in saved:
-            problems.append(f"key '{key}' is missing from the checkpoint")
-        elif tuple(saved[key].shape) != tuple(value.shape):
-            problems.append(
-                f"key '{key}' expected shape {tuple(value.shape)} (this stack), "
-                f"got {tuple(saved[key].shape)} (checkpoint)"
-            )
-    problems += [
-        f"key '{k}' is in the checkpoint but not in this stack" for k in saved if k not in expected
-    ]
-    if problems:
-        n = _num_members(stack)
-        sizes = f" The checkpoint holds {n_saved} members, this stack {n}." if n != n_saved else ""
-        raise ValueError(
-            f"phalanx.load(): checkpoint '{path}' does not fit this stack: "
-            + "; ".join(problems)
-            + f".{sizes} Build the stack with the architecture and number of members it was "
-            "saved with."
+        with safetensors.safe_open(path, framework="pt") as f:
+            raw = (f.metadata() or {}).get("phalanx")
+        tensors = safetensors.torch.load_file(path)
+    except Exception as e:  # safetensors' own error type, OSError, ...: all mean unreadable
+        raise CheckpointError(
+            f"{where}: '{path}' is not a readable safetensors file; it may be truncated or "
+            f"corrupt ({type(e).__name__}: {e})."
+        ) from None
+    if raw is None:
+        raise CheckpointError(
+            f"{where}: '{path}' is not a phalanx checkpoint (no 'phalanx' metadata); "
+            "write checkpoints with phalanx.save()."
         )
-
-
-def _check_optimizer(path: str, optimizer: Any, saved: dict[str, Any]) -> None:
-    """Raises one error listing every optimizer group or state tensor that does not fit."""
-    groups = optimizer.param_groups
-    saved_groups = saved["param_groups"]
-    problems = []
-    if len(groups) != len(saved_groups):
-        problems.append(f"{len(saved_groups)} param groups saved, {len(groups)} in the optimizer")
-    params = [p for g in groups for p in g["params"]]
-    for g, (group, saved_group) in enumerate(zip(groups, saved_groups, strict=False)):
-        if len(group["params"]) != len(saved_group["params"]):
-            problems.append(
-                f"param group {g} has {len(group['params'])} parameters, "
-                f"{len(saved_group['params'])} saved"
-            )
-    for index, state in saved["state"].items():
-        if not 0 <= index < len(params):
-            problems.append(f"state of parameter {index}, which the optimizer does not have")
-            continue
-        shape = tuple(params[index].shape)
-        for key, value in state.items():
-            if not isinstance(value, Tensor) or value.dim() == 0:
-                continue
-            want = shape if value.dim() == len(shape) else shape[:1]
-            if tuple(value.shape) != want:
-                problems.append(
-                    f"key 'optimizer.state.{index}.{key}' expected shape {want}, "
-                    f"got {tuple(value.shape)}"
-                )
-    if problems:
-        raise ValueError(
-            f"phalanx.load(): the optimizer state in '{path}' does not fit this optimizer: "
-            + "; ".join(problems)
-            + ". Build the optimizer over the same stack and parameter groups it was saved with."
+    meta = parse_meta(raw, where, path)
+    if meta.get("format") != _FORMAT:
+        raise CheckpointError(
+            f"{where}: '{path}' is not a phalanx checkpoint: format {meta.get('format')!r}, "
+            f"expected {_FORMAT!r}."
         )
+    n = meta.get("num_members")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise CheckpointError(f"{where}: '{path}' is corrupt: num_members is {n!r}.")
+    for name in (*_PARTS, "extra", "types"):
+        if name in meta and not isinstance(meta[name], dict):
+            raise CheckpointError(
+                f"{where}: '{path}' is corrupt: its {name} entry is a "
+                f"{type(meta[name]).__name__}, expected an object."
+            )
+    return meta, tensors
 
 
 def load(
@@ -219,56 +180,80 @@ def load(
 ) -> dict[str, Any]:
     """Restores a training run saved by `phalanx.save`; the next step is bit-identical.
 
-    Everything is checked before anything is changed: on an error the stack, optimizer,
+    Bit-identical on the same backend: pass `backend=` to `phalanx.stack` when that matters,
+    since under "auto" a resumed stack may pick another backend, which agrees to float
+    rounding.
+
+    Everything is checked before anything is changed: the file's integrity, the stack's keys,
+    shapes and dtypes, the optimizer's type, structure and hyperparameters (judged by its own
+    constructor), the scheduler's and loader's settings. On any error the stack, optimizer,
     scheduler and loader are untouched.
 
     Args:
         path: a file written by `phalanx.save`.
         stack: the stack to load into, built like the saved one.
-        optimizer, scheduler, loader: objects to restore, built like the saved ones; each
-            must have been saved.
+        optimizer, scheduler, loader: objects to restore, built like the saved ones (the
+            same types); each must have been saved.
 
     Returns:
         The `**extra` values given to `save`, tensors on the CPU.
 
     Raises:
-        ValueError: the file is not a phalanx checkpoint, lacks a requested part, or does not
-            fit the stack or optimizer (the message names every key, expected and got).
+        FileNotFoundError: `path` is not a file.
+        CheckpointError: (a ValueError) the file is truncated, corrupt or not a phalanx
+            checkpoint, lacks a requested part, holds another optimizer or scheduler type, or
+            does not fit the stack, optimizer, scheduler or loader. The message names the
+            file and every key, expected and got.
 
     Example:
         >>> extra = phalanx.load("run.safetensors", stack, optimizer=opt, loader=loader)
         >>> extra["epoch"]
         3
     """
+    where = "phalanx.load()"
     path = os.fspath(path)
-    with safetensors.safe_open(path, framework="pt") as f:
-        raw = (f.metadata() or {}).get("phalanx")
-    if raw is None:
-        raise ValueError(
-            f"phalanx.load(): '{path}' is not a phalanx checkpoint (no 'phalanx' metadata); "
-            "write checkpoints with phalanx.save()."
-        )
-    meta = json.loads(raw)
-    tensors = safetensors.torch.load_file(path)
+    meta, tensors = _read(path, where)
     stack_state = {k[len("stack/") :]: v for k, v in tensors.items() if k.startswith("stack/")}
-    _check_stack(path, stack, stack_state, meta.get("num_members"))
+    check_stack(where, path, stack, stack_state, meta.get("num_members"))
     parts = {"optimizer": optimizer, "scheduler": scheduler, "loader": loader}
+    types = meta.get("types", {})
     states = {}
     for name, obj in parts.items():
         if obj is None:
             continue
         if name not in meta:
-            raise ValueError(
-                f"phalanx.load(): '{path}' holds no {name} state; save it with "
+            raise CheckpointError(
+                f"{where}: '{path}' holds no {name} state; save it with "
                 f"phalanx.save(..., {name}={name}) or do not pass {name}= to load."
             )
-        states[name] = _decode(meta[name], tensors)
-    if optimizer is not None:
-        _check_optimizer(path, optimizer, states["optimizer"])
+        state = decode(meta[name], tensors, where, path, name)
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{where}: '{path}' is corrupt: its {name} state is not a mapping."
+            )
+        if name == "optimizer":
+            check_optimizer(where, path, obj, state, types.get(name))
+        else:
+            if types.get(name) != type_name(obj):
+                raise CheckpointError(
+                    f"{where}: '{path}' holds the state of a {types.get(name)} {name}, but a "
+                    f"{type_name(obj)} was given; build the {name} as it was when saved."
+                )
+            problems = check_like(obj.state_dict(), state, f"the {name} state")
+            if problems:
+                raise CheckpointError(
+                    f"{where}: the {name} state in '{path}' does not fit this {name}: "
+                    + "; ".join(problems)
+                    + f". Build the {name} as it was built when saved."
+                )
+            probe_load(where, path, name, obj, state)
+        states[name] = state
+    extra = decode(meta.get("extra", {}), tensors, where, path, "extra")
+    # Every check passed: only now is anything written.
     stack.load_state_dict(stack_state)
     for name, state in states.items():
         parts[name].load_state_dict(state)
-    return _decode(meta.get("extra", {}), tensors)
+    return extra
 
 
 def export_members(stack: nn.Module, indices: Sequence[int] | Tensor) -> list[dict[str, Tensor]]:

@@ -112,7 +112,7 @@ def _command(args: argparse.Namespace, workloads: list[str], phases: list[str]) 
 
 def _sharded(args: argparse.Namespace, workloads: list[str], device: torch.device) -> int:
     try:
-        from phalanx.distributed import bench_sharded
+        from phalanx._bench.sharded import bench_sharded
     except ImportError as e:
         print(
             f"phalanx bench: --procs needs phalanx.distributed.bench_sharded, which this "

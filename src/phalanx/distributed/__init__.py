@@ -16,7 +16,6 @@ Everything random is keyed by the global member index, so results do not depend 
 number of ranks.
 """
 
-from phalanx.distributed._bench import bench_sharded
 from phalanx.distributed._checkpoint import load, save
 from phalanx.distributed._gather import broadcast, gather
 from phalanx.distributed._launch import launch
@@ -34,7 +33,6 @@ from phalanx.distributed._shard import shard
 __all__ = [
     "DistributedError",
     "Shard",
-    "bench_sharded",
     "broadcast",
     "gather",
     "init",

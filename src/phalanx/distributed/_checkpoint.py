@@ -1,11 +1,20 @@
-"""Sharded checkpoints: one safetensors file per rank plus a JSON index of member ranges.
+"""Sharded checkpoints: one safetensors file per rank plus a JSON index, saved as a transaction.
 
 A checkpoint is a directory::
 
-    index.json                      N, the files and the global members each holds, the
-                                    optimizer state's structure and its non-tensor values
-    members-000000-000004.safetensors   global members 0..3: stack and optimizer tensors
-    members-000004-000007.safetensors   global members 4..6
+    index.json                          the committed generation: N, each file with the
+                                        global members it holds, its size and SHA-256, the
+                                        optimizer's type, structure and non-tensor values
+    gen-000007/members-000000-000004.safetensors   global members 0..3 of generation 7
+    gen-000007/members-000004-000007.safetensors   global members 4..6
+
+A save writes generation g+1 beside generation g (each file atomically), gathers every
+rank's file sizes and checksums (which waits until every rank has finished), and then rank 0
+commits by replacing ``index.json`` in one atomic rename; only after that is generation g
+removed. A save killed at any instant, on any rank, leaves ``index.json`` naming a
+generation whose files are all complete: the previous one or the new one. A load checks the
+size and SHA-256 of every file it reads against the index and refuses on every rank if one
+differs.
 
 Every per-member tensor is stored under its name with its block of rows, so a loader on any
 number of ranks reads, for each of its members, the rows it needs (safetensors reads slices
@@ -17,30 +26,41 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from phalanx._checks import CheckpointError, check_optimizer, type_name
+from phalanx._files import atomic_write_text, fsync_directory, save_atomic
 from phalanx._stack import Stack
-from phalanx.distributed._mesh import Shard, layout
+from phalanx.distributed._mesh import Shard, collective, layout
 from phalanx.distributed._shard import shard_of
+from phalanx.distributed._sources import (
+    FORMAT,
+    GENERATION,
+    INDEX,
+    MEMBER,
+    OLD_SHARD_FILE,
+    REPLICA,
+    STACK,
+    VERSION,
+    Sharded,
+    SingleFile,
+)
 
 __all__ = ["load", "save"]
-
-FORMAT = "phalanx.distributed.checkpoint"
-VERSION = 1
-INDEX = "index.json"
-_SHARD_FILE = re.compile(r"members-\d{6,}-\d{6,}\.safetensors")
-_STACK, _MEMBER, _REPLICA = "stack/", "optim/", "optim-replicated/"
 
 
 def _file_name(block: range) -> str:
     return f"members-{block.start:06d}-{block.stop:06d}.safetensors"
+
+
+def _generation_name(generation: int) -> str:
+    return f"gen-{generation:06d}"
 
 
 def _flatten_optimizer(
@@ -84,6 +104,38 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
 
 
+def _next_generation(directory: Path) -> int:
+    """One past every generation present, committed or left by a killed save: a new save
+    never writes into a generation that an index may name."""
+    numbers = [0]
+    for entry in directory.iterdir():
+        match = GENERATION.fullmatch(entry.name)
+        if match:
+            numbers.append(int(match.group(1)))
+    try:
+        committed = json.loads((directory / INDEX).read_text()).get("generation", 0)
+        numbers.append(int(committed))
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+        pass
+    return max(numbers) + 1
+
+
+def _agree_generation(directory: Path, shard: Shard) -> int:
+    """The generation this save writes, chosen by rank 0 and sent to every rank."""
+    mine = _next_generation(directory) if shard.rank == 0 else 0
+    return int(shard.broadcast(torch.tensor([mine]))[0])
+
+
+def _all_entries(entry: dict[str, Any], shard: Shard, where: str) -> list[dict[str, Any]]:
+    """Every rank's shard entry, by rank; waits until every rank has written its file."""
+    if shard.world_size == 1:
+        return [entry]
+    table: list[Any] = [None] * shard.world_size
+    with collective(where, shard, "all_gather of the written files"):
+        dist.all_gather_object(table, entry)
+    return table
+
+
 def save(
     path: str | os.PathLike[str],
     stack: Stack,
@@ -93,14 +145,17 @@ def save(
 ) -> None:
     """Saves this rank's members (and optimizer state) into a sharded checkpoint directory.
 
-    Call it on every rank at the same point. Each rank writes one safetensors file of its
-    members; rank 0 writes ``index.json`` last, once every file is complete. The directory
-    must be on a file system every rank sees. The checkpoint loads with
-    :func:`phalanx.distributed.load` on any number of ranks, a plain process included.
+    Call it on every rank at the same point. The save is a transaction: each rank writes its
+    members into a new generation beside the committed one; once every rank has finished,
+    rank 0 commits it by atomically replacing ``index.json`` (which names every file with its
+    size and SHA-256), and only then removes the previous generation. If any rank is killed
+    at any instant, the directory still loads as the previous checkpoint (or, once committed,
+    the new one). The directory must be on a file system every rank sees. The checkpoint
+    loads with :func:`phalanx.distributed.load` on any number of ranks, a plain process
+    included.
 
     Args:
-        path: the checkpoint directory; created if missing. Shard files of an earlier save
-            that the new index does not list are removed.
+        path: the checkpoint directory; created if missing.
         stack: this rank's stack.
         optimizer: an optimizer over ``stack.parameters()`` whose state tensors are
             per-member ``(n_local, ...)`` or 0-d, as phalanx.optim's and torch.optim's are.
@@ -110,7 +165,7 @@ def save(
     Raises:
         ValueError: the stack does not hold the shard's members, or optimizer state that is
             neither per-member nor 0-d.
-        DistributedError: another rank failed, or the timeout passed.
+        DistributedError: another rank failed, or the timeout passed; nothing was committed.
 
     Example:
         >>> phalanx.distributed.save("ckpt", stack, optimizer=opt)
@@ -119,45 +174,55 @@ def save(
     mine = shard if shard is not None else shard_of(stack, where)
     _check_stack(stack, mine, where)
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {_STACK + k: v for k, v in stack.state_dict().items()}
+    tensors = {STACK + k: v for k, v in stack.state_dict().items()}
     optim_entry = None
     if optimizer is not None:
         members, replicas, plain, spec = _flatten_optimizer(
             optimizer.state_dict(), mine.num_local, where
         )
-        tensors.update({_MEMBER + k: v for k, v in members.items()})
-        tensors.update({_REPLICA + k: v for k, v in replicas.items()})
+        tensors.update({MEMBER + k: v for k, v in members.items()})
+        tensors.update({REPLICA + k: v for k, v in replicas.items()})
         optim_entry = {
-            "type": type(optimizer).__qualname__,
+            "type": type_name(optimizer),
             "treespec": spec,
             "leaves": plain,
             "member_keys": sorted(members),
         }
-    name = _file_name(mine.global_indices)
-    partial = directory / f".{name}.rank{mine.rank}.tmp"
-    save_file(_contiguous(tensors), str(partial), metadata={"format": FORMAT})
-    os.replace(partial, directory / name)
-    mine.barrier()  # every shard file is complete before the index names it
     if mine.rank == 0:
-        shards = [{"file": _file_name(r), "start": r.start, "stop": r.stop} for r in mine.ranges]
+        directory.mkdir(parents=True, exist_ok=True)
+    generation = _agree_generation(directory, mine)
+    name = f"{_generation_name(generation)}/{_file_name(mine.global_indices)}"
+    size, digest = save_atomic(_contiguous(tensors), directory / name, {"format": FORMAT})
+    entry = {"file": name, "start": mine.start, "stop": mine.stop, "size": size, "sha256": digest}
+    shards = _all_entries(entry, mine, where)  # every file is complete before the index names it
+    if mine.rank == 0:
         index = {
             "format": FORMAT,
             "version": VERSION,
+            "generation": generation,
             "num_members": mine.num_members,
             "saved_by_ranks": mine.world_size,
             "shards": shards,
             "stack_keys": sorted(stack.state_dict()),
             "optimizer": optim_entry,
         }
-        partial_index = directory / f".{INDEX}.tmp"
-        partial_index.write_text(json.dumps(index, indent=1))
-        os.replace(partial_index, directory / INDEX)
-        listed = {s["file"] for s in shards}
-        for stale in directory.iterdir():
-            if _SHARD_FILE.fullmatch(stale.name) and stale.name not in listed:
-                stale.unlink()
+        atomic_write_text(directory / INDEX, json.dumps(index, indent=1))  # the commit
+        _remove_superseded(directory, generation, {s["file"] for s in shards})
     mine.barrier()  # no rank returns (and perhaps loads) before the index exists
+
+
+def _remove_superseded(directory: Path, generation: int, listed: set[str]) -> None:
+    """After a commit: earlier generations, and files in this one that the index does not name."""
+    current = _generation_name(generation)
+    for entry in directory.iterdir():
+        if GENERATION.fullmatch(entry.name) and entry.name != current and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif OLD_SHARD_FILE.fullmatch(entry.name):
+            entry.unlink(missing_ok=True)
+    for entry in (directory / current).iterdir():
+        if f"{current}/{entry.name}" not in listed and not entry.name.startswith("."):
+            entry.unlink(missing_ok=True)
+    fsync_directory(directory)
 
 
 def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
@@ -170,113 +235,14 @@ def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
         )
 
 
-def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The index of the sharded checkpoint in directory ``path``."""
-    where = "phalanx.distributed.load()"
-    file = Path(path) / INDEX
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{where}: {file} does not exist; pass the directory that "
-            f"phalanx.distributed.save() wrote (a save that was interrupted has no index), or "
-            f"a file that phalanx.save() wrote."
-        )
-    index = json.loads(file.read_text())
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise ValueError(
-            f"{where}: {file} is not a phalanx.distributed checkpoint index (format "
-            f"{index.get('format')!r}, version {index.get('version')!r}); expected {FORMAT!r} "
-            f"version {VERSION}."
-        )
-    return index
-
-
-class _Sharded:
-    """A directory written by :func:`save`: rows of a block read across the shard files."""
-
-    def __init__(self, directory: Path) -> None:
-        self.index = read_index(directory)
-        self.directory = directory
-        self.num_members = int(self.index["num_members"])
-        self.stack_keys = set(self.index["stack_keys"])
-        self._files: list[tuple[range, Any]] = []
-        self._block = range(0)
-
-    def select(self, block: range) -> None:
-        for entry in self.index["shards"]:
-            stored = range(entry["start"], entry["stop"])
-            if max(stored.start, block.start) < min(stored.stop, block.stop):
-                handle = safe_open(str(self.directory / entry["file"]), framework="pt")
-                self._files.append((stored, handle))
-        self._block = block
-
-    def rows(self, key: str) -> torch.Tensor:
-        pieces = []
-        for stored, handle in self._files:
-            lo = max(stored.start, self._block.start) - stored.start
-            hi = min(stored.stop, self._block.stop) - stored.start
-            pieces.append(handle.get_slice(key)[lo:hi])
-        return torch.cat(pieces)
-
-    def stack_rows(self, key: str) -> torch.Tensor:
-        return self.rows(_STACK + key)
-
-    def optimizer_state(self) -> dict[str, Any] | None:
-        entry = self.index["optimizer"]
-        if entry is None:
-            return None
-        members = set(entry["member_keys"])
-        leaves = []
-        for leaf in entry["leaves"]:
-            if isinstance(leaf, dict):
-                key = leaf["tensor"]
-                # Replicated tensors are the same in every file: read the first one's.
-                leaf = self.rows(_MEMBER + key) if key in members else self._replica(key)
-            leaves.append(leaf)
-        return pytree.tree_unflatten(leaves, pytree.treespec_loads(entry["treespec"]))
-
-    def _replica(self, key: str) -> torch.Tensor:
-        return self._files[0][1].get_tensor(_REPLICA + key)
-
-
-class _SingleFile:
-    """A file written by :func:`phalanx.save` in one process: every member's rows in one file."""
-
-    def __init__(self, file: Path, where: str) -> None:
-        self.file = safe_open(str(file), framework="pt")
-        raw = (self.file.metadata() or {}).get("phalanx")
-        if raw is None:
-            raise ValueError(
-                f"{where}: {file} is not a phalanx checkpoint (no 'phalanx' metadata); pass a "
-                f"directory written by phalanx.distributed.save() or a file by phalanx.save()."
-            )
-        self.meta = json.loads(raw)
-        keys = self.file.keys()  # a safetensors handle is not iterable
-        self.stack_keys = {k[len(_STACK) :] for k in keys if k.startswith(_STACK)}
-        n = self.meta.get("num_members")
-        if n is None and self.stack_keys:
-            n = self.file.get_slice(_STACK + min(self.stack_keys)).get_shape()[0]
-        self.num_members = int(n or 0)
-        self._block = range(0)
-
-    def select(self, block: range) -> None:
-        self._block = block
-
-    def stack_rows(self, key: str) -> torch.Tensor:
-        return self.file.get_slice(_STACK + key)[self._block.start : self._block.stop]
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        """A tensor of the optimizer state: this block's rows when it carries the members."""
-        shape = self.file.get_slice(key).get_shape()
-        if shape and shape[0] == self.num_members:
-            return self.file.get_slice(key)[self._block.start : self._block.stop]
-        return self.file.get_tensor(key)
-
-    def optimizer_state(self) -> dict[str, Any] | None:
-        from phalanx._checkpoint import _decode
-
-        if "optimizer" not in self.meta:
-            return None
-        return _decode(self.meta["optimizer"], self)  # type: ignore[arg-type]
+def _agree(problem: str | None, shard: Shard, where: str) -> str | None:
+    """The first rank's problem on every rank, so that all refuse together or none does."""
+    if shard.world_size == 1 or not dist.is_initialized():
+        return problem
+    table: list[Any] = [None] * shard.world_size
+    with collective(where, shard, "all_gather of the file checks"):
+        dist.all_gather_object(table, problem)
+    return next((f"(found by rank {r}) {p}" for r, p in enumerate(table) if p is not None), None)
 
 
 def load(
@@ -288,10 +254,13 @@ def load(
 ) -> None:
     """Loads this rank's members (and optimizer state) from a checkpoint of all N members.
 
-    The checkpoint may have been written by any number of ranks (a directory from
-    :func:`phalanx.distributed.save`) or by one process (a file from :func:`phalanx.save`):
-    each rank reads only the rows of its own global members. In a plain process, a stack of
-    all N members loads everything, e.g. to write it again with :func:`phalanx.save`.
+    Call it on every rank at the same point. The checkpoint may have been written by any
+    number of ranks (a directory from :func:`phalanx.distributed.save`) or by one process (a
+    file from :func:`phalanx.save`): each rank reads only the rows of its own global members.
+    In a plain process, a stack of all N members loads everything, e.g. to write it again
+    with :func:`phalanx.save`. Every file read is checked against the size and SHA-256 the
+    index committed, and everything is checked before the stack or optimizer is written: on
+    any error nothing is changed, on any rank.
 
     Args:
         path: a directory written by :func:`phalanx.distributed.save`, or a file written by
@@ -299,16 +268,17 @@ def load(
         stack: this rank's stack, built with the checkpoint's N (e.g. by
             ``phalanx.distributed.shard(factory, num_members=N)``); its tensors are
             overwritten in place.
-        optimizer: an optimizer over ``stack.parameters()`` to restore; the checkpoint must
-            hold optimizer state then.
+        optimizer: an optimizer over ``stack.parameters()`` of the saved type, to restore;
+            the checkpoint must hold optimizer state then.
         shard: this rank's :class:`Shard`; None for a stack built by
             :func:`phalanx.distributed.shard` or in a plain process.
 
     Raises:
         FileNotFoundError: ``path`` is neither a checkpoint file nor a directory with an
             index.
-        ValueError: the checkpoint has another N, other parameter names or shapes, or no
-            optimizer state when one is asked for. Nothing is changed then.
+        CheckpointError: (a ValueError) a file is missing, truncated, corrupt or not a phalanx
+            checkpoint; or the checkpoint has another N, other parameter names, shapes or
+            dtypes, another optimizer type, or no optimizer state when one is asked for.
 
     Example:
         >>> stack, shard = phalanx.distributed.shard(make_member, num_members=8)
@@ -318,15 +288,15 @@ def load(
 
     where = "phalanx.distributed.load()"
     location = Path(path)
-    source: _Sharded | _SingleFile = (
-        _SingleFile(location, where) if location.is_file() else _Sharded(location)
+    source: Sharded | SingleFile = (
+        SingleFile(location, where) if location.is_file() else Sharded(location)
     )
     n = source.num_members
     if shard is None:
         known = _shards.get(stack)
         shard = known if known is not None else layout(n)
     if shard.num_members != n:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: the checkpoint {location} holds {n} members but this run has "
             f"{shard.num_members}; build the stack with num_members={n}."
         )
@@ -334,29 +304,47 @@ def load(
     own = stack.state_dict()
     missing, unexpected = sorted(set(own) - source.stack_keys), sorted(source.stack_keys - set(own))
     if missing or unexpected:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: the checkpoint's members have other parameters and buffers than the "
             f"stack's: missing from the checkpoint {missing}, not in the stack {unexpected}. "
             f"Build the members with the architecture that was saved."
         )
-    source.select(shard.global_indices)
-    state = {key: source.stack_rows(key) for key in own}
+    problem = _agree(source.select(shard.global_indices), shard, where)
+    if problem is not None:
+        raise CheckpointError(
+            f"{where}: the checkpoint {location} is damaged: {problem}. A killed save never "
+            f"does this (it leaves the previous generation whole); the files were changed or "
+            f"lost after the save. Restore the directory from a copy."
+        )
+    try:
+        state = {key: source.stack_rows(key) for key in own}
+        optimizer_state = source.optimizer_state() if optimizer is not None else None
+    except CheckpointError:
+        raise
+    except Exception as e:  # a committed file or index whose contents disagree
+        raise CheckpointError(
+            f"{where}: the checkpoint {location} is corrupt: reading it failed with "
+            f"{type(e).__name__}: {e}."
+        ) from None
     wrong = [
-        f"{key!r}: checkpoint {tuple(state[key].shape)}, stack {tuple(value.shape)}"
+        f"{key!r}: checkpoint {tuple(state[key].shape)} {state[key].dtype}, stack "
+        f"{tuple(value.shape)} {value.dtype}"
         for key, value in own.items()
-        if state[key].shape != value.shape
+        if state[key].shape != value.shape or state[key].dtype != value.dtype
     ]
     if wrong:
-        raise ValueError(
-            f"{where}: shapes differ between the checkpoint and the stack (this rank's "
-            f"{shard.num_local} members):\n  - " + "\n  - ".join(wrong)
+        raise CheckpointError(
+            f"{where}: shapes or dtypes differ between the checkpoint and the stack (this "
+            f"rank's {shard.num_local} members):\n  - " + "\n  - ".join(wrong)
         )
     if optimizer is not None:
-        optimizer_state = source.optimizer_state()
         if optimizer_state is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: the checkpoint {location} holds no optimizer state; load without "
                 f"optimizer=, or save with optimizer=opt."
             )
-        optimizer.load_state_dict(optimizer_state)
+        check_optimizer(where, str(location), optimizer, optimizer_state, source.optimizer_type)
+    # Every check passed: only now is anything written.
     stack.load_state_dict(state)
+    if optimizer is not None and optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)

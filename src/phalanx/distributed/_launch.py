@@ -4,13 +4,22 @@ Ranks are fresh processes (the ``spawn`` start method) that meet through a file 
 temporary directory, so no port is chosen or contended, and gloo talks over loopback only.
 Each rank gets ``threads`` intra-op threads: ``torch.multiprocessing`` does not limit them,
 and K ranks each using every core ran 10x slower than one thread each.
+
+When the run fails, the rank to blame is the one that failed first on its own: a rank that
+raised, else one that died without a word (``os._exit``, a signal, the OOM killer), never a
+rank that only failed waiting for it in a collective, and never the survivor. Exit codes are
+read before any rank is terminated, so a rank this launcher stopped is not mistaken for one
+that died. Every wait is bounded by the ``timeout`` the user gave: a rank still running
+``timeout`` seconds after another finished or failed is terminated and named.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -18,12 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
 from phalanx.distributed._mesh import DEFAULT_TIMEOUT, DistributedError, init, shutdown
 
 __all__ = ["launch"]
+
+_POLL_S = 0.05
+_GRACE_S = 5.0  # after a failure, how long the other ranks get to report theirs
 
 
 def _entry(
@@ -52,7 +62,7 @@ def _entry(
         # the ranks that then failed waiting for it.
         secondary = isinstance(e, DistributedError)
         results.put((rank, False, pickle.dumps((secondary, traceback.format_exc()))))
-        raise
+        raise SystemExit(1) from None
     else:
         results.put((rank, True, pickle.dumps(value)))
     finally:
@@ -76,8 +86,9 @@ def launch(
         fn: a module-level function (ranks are fresh processes that import it by name).
         nprocs: the number of ranks, K.
         *args: passed to ``fn`` on every rank; must be picklable.
-        timeout: seconds; a collective waiting longer fails, and so does the launch if the
-            ranks have not finished after three times this.
+        timeout: seconds. A collective waiting longer fails; once one rank has finished or
+            failed, the others get this long to finish too, then are terminated and named.
+            While every rank is running, the launch waits as long as the work takes.
         threads: intra-op threads per rank.
 
     Returns:
@@ -85,8 +96,9 @@ def launch(
 
     Raises:
         TypeError: ``fn`` or ``args`` cannot be pickled (a lambda, a nested function).
-        DistributedError: a rank raised or died (its traceback is in the message), or the
-            ranks did not finish in time.
+        DistributedError: a rank raised, died or hung. The message names the rank that
+            failed first (with its traceback, or its exit code or signal if it died without
+            one) and the ranks that failed after it.
 
     Example:
         >>> def work():
@@ -98,6 +110,8 @@ def launch(
     where = "phalanx.distributed.launch()"
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"{where}: nprocs must be a positive int; got {nprocs!r}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        raise ValueError(f"{where}: timeout must be a positive number of seconds; got {timeout!r}.")
     try:
         pickle.dumps((fn, args))
     except Exception as e:
@@ -108,56 +122,143 @@ def launch(
         ) from e
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
+    run = _Run(nprocs, float(timeout))
     with tempfile.TemporaryDirectory(prefix="phalanx-launch-") as tmp:
         store = os.path.join(tmp, "store")
-        processes = mp.start_processes(
-            _entry,
-            args=(fn, args, nprocs, store, float(timeout), threads, results),
-            nprocs=nprocs,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + 3 * timeout + 60
-        out: list[Any] = [None] * nprocs
-        errors: dict[int, tuple[bool, str]] = {}
+        processes = [
+            ctx.Process(
+                target=_entry,
+                args=(r, fn, args, nprocs, store, float(timeout), threads, results),
+                daemon=True,
+            )
+            for r in range(nprocs)
+        ]
         try:
-            # Read results while waiting: a rank blocks on a full pipe until they are read.
-            while not processes.join(timeout=0.2):
-                _drain(results, out, errors)
-                if time.monotonic() > deadline:
-                    raise DistributedError(
-                        f"{where}: the {nprocs} ranks did not finish within "
-                        f"{3 * timeout + 60:g} s; they were terminated. Pass a larger "
-                        f"timeout= if the work is simply long."
-                    )
-        except ProcessException as e:
-            _drain(results, out, errors)
-            raise DistributedError(_failure(where, e, errors)) from e
+            for p in processes:
+                p.start()
+            run.watch(processes, results)
         finally:
-            for p in processes.processes:
+            for p in processes:
                 if p.is_alive():
-                    p.terminate()
+                    p.kill()
                 p.join()
-    _drain(results, out, errors)
-    return out
+            results.close()
+    if run.failed():
+        raise DistributedError(run.report(where))
+    return run.out
 
 
-def _drain(results: Any, out: list[Any], errors: dict[int, tuple[bool, str]]) -> None:
-    while not results.empty():
-        rank, ok, payload = results.get()
-        if ok:
-            out[rank] = pickle.loads(payload)
+class _Run:
+    """What the ranks reported and how they ended, read while waiting for them."""
+
+    def __init__(self, nprocs: int, timeout: float) -> None:
+        self.nprocs = nprocs
+        self.timeout = timeout
+        self.out: list[Any] = [None] * nprocs
+        self.ok: set[int] = set()
+        self.errors: dict[int, tuple[bool, str]] = {}
+        self.codes: dict[int, int] = {}  # exit codes of ranks that ended by themselves
+        self.hung: list[int] = []
+        self.first_end: float | None = None
+        self.first_failure: float | None = None
+
+    def watch(self, processes: list[Any], results: Any) -> None:
+        """Waits until every rank has ended, or terminates the ranks ``timeout`` s late."""
+        while True:
+            self._drain(results)  # a rank blocks on a full pipe until its result is read
+            now = time.monotonic()
+            for r, p in enumerate(processes):
+                if r not in self.codes and p.exitcode is not None:
+                    self.codes[r] = p.exitcode
+                    self.first_end = self.first_end or now
+            if len(self.codes) == self.nprocs:
+                self._drain(results)
+                return
+            if self.first_failure is None and any(c != 0 for c in self.codes.values()):
+                self.first_failure = now
+            if self._stuck(now):
+                self._drain(results)
+                silent = set(self.codes) | set(self.errors) | self.ok
+                self.hung = [r for r in range(self.nprocs) if r not in silent]
+                for p in processes:
+                    if p.exitcode is None:
+                        p.kill()
+                return
+            time.sleep(_POLL_S)
+
+    def _stuck(self, now: float) -> bool:
+        """Whether to stop waiting for the ranks still running."""
+        if self.first_failure is not None:
+            # A rank that raised or died breaks the others' collectives at once; they report
+            # their own errors within moments. One still silent after that hangs outside
+            # any collective, or works on without one: the run has failed either way.
+            accounted = self.ok | set(self.errors) | set(self.codes)
+            grace = min(self.timeout, _GRACE_S)
+            return len(accounted) == self.nprocs or now - self.first_failure > grace
+        # Every rank that ended so far succeeded: the others get `timeout` more seconds (a
+        # rank that hangs after its last collective makes no collective time out).
+        return self.first_end is not None and now - self.first_end > self.timeout
+
+    def _drain(self, results: Any) -> None:
+        while not results.empty():
+            rank, ok, payload = results.get()
+            if ok:
+                self.out[rank] = pickle.loads(payload)
+                self.ok.add(rank)
+            else:
+                self.errors[rank] = pickle.loads(payload)
+
+    def failed(self) -> bool:
+        return bool(self.hung) or len(self.ok) < self.nprocs
+
+    def _death(self, rank: int) -> str:
+        code = self.codes.get(rank)
+        if code is None:
+            return "did not finish"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"was killed by {name}"
+        return f"exited with code {code}"
+
+    def report(self, where: str) -> str:
+        """Names the rank that failed first on its own, then the others."""
+        raised = sorted(r for r, (secondary, _) in self.errors.items() if not secondary)
+        died = sorted(r for r, c in self.codes.items() if r not in self.errors and r not in self.ok)
+        waited = sorted(r for r, (secondary, _) in self.errors.items() if secondary)
+        if raised:
+            first = raised[0]
+            message = f"{where}: rank {first} failed:\n{self.errors[first][1]}"
+        elif died:
+            first = died[0]
+            message = (
+                f"{where}: rank {first} {self._death(first)} without raising an exception "
+                f"(os._exit, a crash in native code, a signal or the out-of-memory killer), so "
+                f"it left no traceback."
+            )
+        elif self.hung and not waited:
+            first = self.hung[0]
+            finished = sorted(self.ok)
+            message = (
+                f"{where}: rank {first} had not finished {self.timeout:g} s after rank "
+                f"{finished[0] if finished else '?'} finished; it was terminated. A rank "
+                f"that hangs after its last collective is stopped after timeout= seconds; "
+                f"pass a larger timeout= if its work is simply long."
+            )
+        elif self.hung:
+            first = self.hung[0]
+            message = (
+                f"{where}: rank {first} was still running when the other ranks failed waiting "
+                f"for it in a collective (it hangs, or works longer than the timeout, "
+                f"{self.timeout:g} s); it was terminated. The first error of the others:\n"
+                f"{self.errors[waited[0]][1]}"
+            )
         else:
-            errors[rank] = pickle.loads(payload)
-
-
-def _failure(where: str, e: ProcessException, errors: dict[int, tuple[bool, str]]) -> str:
-    """Names the rank that failed first: one that raised on its own, not a collective's victim."""
-    if not errors:
-        return f"{where}: rank {e.error_index} failed:\n{e}"
-    first = min(errors, key=lambda r: (errors[r][0], r))
-    message = f"{where}: rank {first} failed:\n{errors[first][1]}"
-    others = sorted(set(errors) - {first})
-    if others:
-        message += f"\nRanks {others} then failed too (their collectives lost rank {first})."
-    return message
+            first = waited[0]
+            message = f"{where}: rank {first} failed:\n{self.errors[first][1]}"
+        others = sorted((set(raised) | set(died) | set(waited) | set(self.hung)) - {first})
+        if others:
+            message += f"\nRanks {others} then failed too (after rank {first})."
+        return message

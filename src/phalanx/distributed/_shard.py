@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from phalanx._build import build_members
 from phalanx._stack import Stack
 from phalanx.distributed._mesh import Shard, init, layout
 
@@ -18,19 +18,6 @@ __all__ = ["shard", "shard_of"]
 _shards: weakref.WeakKeyDictionary[Stack, Shard] = weakref.WeakKeyDictionary()
 
 Factory = Callable[..., nn.Module]
-
-
-def _call(factory: Factory, i: int) -> nn.Module:
-    """Calls a factory of the global member index, or of nothing."""
-    try:
-        takes_index = bool(inspect.signature(factory).parameters)
-    except (TypeError, ValueError):  # builtins without a signature: try the index
-        takes_index = True
-    return factory(i) if takes_index else factory()
-
-
-def _cuda_devices() -> list[int]:
-    return [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
 
 
 def shard(
@@ -55,7 +42,9 @@ def shard(
         seed: with a factory, member ``i`` is built right after ``torch.manual_seed(seed + i)``
             (the caller's random state is left as it was), so its initial weights are those of
             ``torch.manual_seed(seed + i); factory(i)`` in one process. None leaves seeding to
-            the factory.
+            the factory. Members are built one at a time straight into the stacked tensors
+            (see :func:`phalanx._build.stack_from_factory`): memory peaks at this rank's
+            stack plus one member.
         backend: the stack's backend, as for :func:`phalanx.stack`.
         device: where to put this rank's members; None: its GPU under nccl, else the CPU.
 
@@ -87,14 +76,15 @@ def shard(
                 f"ranks."
             )
         mine = layout(num_members, device=device)
-        local = []
-        for i in mine.global_indices:
-            if seed is None:
-                local.append(_call(members, i))
-                continue
-            with torch.random.fork_rng(devices=_cuda_devices()):
-                torch.manual_seed(seed + i)
-                local.append(_call(members, i))
+        # One member at a time into the stacked tensors: never two copies of the weights.
+        stack = build_members(
+            members,
+            mine.global_indices,
+            seed=seed,
+            backend=backend,
+            device=mine.device,
+            where=where,
+        )
     else:
         modules = list(members)
         if num_members is not None and num_members != len(modules):
@@ -103,8 +93,7 @@ def shard(
                 f"pass all N modules (each rank keeps its block) and drop num_members."
             )
         mine = layout(len(modules), device=device)
-        local = modules[mine.start : mine.stop]
-    stack = Stack(local, backend=backend).to(mine.device)
+        stack = Stack(modules[mine.start : mine.stop], backend=backend).to(mine.device)
     _shards[stack] = mine
     return stack, mine
 

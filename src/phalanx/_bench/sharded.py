@@ -151,12 +151,12 @@ def bench_sharded(
         ValueError: an unknown workload or fewer than 1 process.
 
     Example:
-        >>> rows = phalanx.distributed.bench_sharded(["W1", "W6"], procs=2, quick=True, device="cpu")
+        >>> rows = bench_sharded(["W1", "W6"], procs=2, quick=True, device="cpu")
     """
     from phalanx._bench.workloads import WORKLOADS
     from phalanx.distributed._launch import launch
 
-    where = "phalanx.distributed.bench_sharded()"
+    where = "phalanx._bench.sharded.bench_sharded()"
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"{where}: unknown workloads {unknown}; choose from {sorted(WORKLOADS)}.")

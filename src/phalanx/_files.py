@@ -1,0 +1,115 @@
+"""Files that a kill at any instant leaves either complete or absent, and tidying after kills.
+
+A file is written inside a private temporary directory next to its destination, named
+``.NAME.XXXXXXXX.tmp`` (NAME is the destination's name, X are ``tempfile`` characters), then
+flushed to disk and renamed over the destination in one atomic step. safetensors writes
+through a temporary file of its own (``.tmpXXXXXX``, whose name says nothing about the
+checkpoint); putting it inside our directory means the one name proves what every leftover
+belongs to, so a later save of the same checkpoint can remove what killed saves left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import safetensors.torch
+from torch import Tensor
+
+__all__ = ["atomic_write_text", "checksum", "fsync_directory", "remove_litter", "save_atomic"]
+
+_CHUNK = 1 << 22
+
+
+def _litter(name: str) -> re.Pattern[str]:
+    """Names of temporaries of the file ``name``: exactly what ``tempfile`` makes for it."""
+    return re.compile(re.escape(f".{name}.") + r"[a-z0-9_]{8}\.tmp")
+
+
+def remove_litter(directory: Path, name: str) -> list[str]:
+    """Removes what killed saves of ``directory / name`` left behind; returns their names.
+
+    Only entries whose names are ``.NAME.XXXXXXXX.tmp`` are touched: files and folders made by
+    this module for that one destination. Two processes must not save to one path at once.
+    """
+    pattern = _litter(name)
+    removed = []
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        if not pattern.fullmatch(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry.name)
+    return removed
+
+
+def fsync_directory(directory: Path) -> None:
+    """Makes renames and deletions in ``directory`` durable; not possible on every platform."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def checksum(path: Path) -> tuple[int, str]:
+    """The size in bytes and the SHA-256 (hex) of a file."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def save_atomic(
+    tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]
+) -> tuple[int, str]:
+    """Writes a safetensors file at ``path`` atomically; returns its size and SHA-256.
+
+    Leftovers of earlier killed saves of ``path`` are removed first. On any error (a
+    KeyboardInterrupt included) the temporary directory is removed and ``path`` is as before.
+    """
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_litter(directory, path.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory))
+    try:
+        part = tmp / "data"
+        safetensors.torch.save_file(tensors, str(part), metadata=metadata)
+        with open(part, "rb") as f:
+            os.fsync(f.fileno())
+        size, digest = checksum(part)
+        os.replace(part, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_directory(directory)
+    return size, digest
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Writes a small text file atomically (temporary file, fsync, rename, fsync directory)."""
+    remove_litter(path.parent, path.name)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
