@@ -131,3 +131,23 @@ def test_a_stack_built_from_a_factory_trains_like_one_built_from_modules() -> No
         opt.step()
     for a, b in zip(built.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_phalanx_stack_takes_a_factory():
+    stack = phalanx.stack(lambda i: nn.Linear(4, 3), num_members=5, seed=7)
+    torch.manual_seed(7 + 3)
+    assert torch.equal(stack.module.weight[3], nn.Linear(4, 3).weight)
+    with pytest.raises(TypeError, match=r"a factory needs num_members=N"):
+        phalanx.stack(lambda i: nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"num_members=3 but 2 modules were given"):
+        phalanx.stack([nn.Linear(4, 3), nn.Linear(4, 3)], num_members=3)
+
+
+def test_a_factory_whose_members_differ_in_settings_is_refused():
+    with pytest.raises(
+        ValueError, match=r"member 1 submodule '1' is Dropout\(p=0.5, inplace=False\), member 0 has"
+    ):
+        phalanx.stack(
+            lambda i: nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1 if i == 0 else 0.5)),
+            num_members=2,
+        )

@@ -3,7 +3,7 @@
 from typing import Any
 
 from phalanx import data, metrics, optim
-from phalanx._checkpoint import export_members, load, save
+from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
 from phalanx._split import merge, split
@@ -22,6 +22,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointError",
     "Stack",
     "clip_grad_norm_",
     "clip_grad_value_",

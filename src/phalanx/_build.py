@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from phalanx._stack import Stack, meta_copy
-from phalanx._validate import architecture_differences
+from phalanx._validate import architecture_differences, behaviour_differences, tie_differences
 
 __all__ = ["build_members", "call_factory", "stack_from_factory"]
 
@@ -100,9 +100,14 @@ def build_members(
     for row, i in enumerate(indices):
         if member is None:
             member = _build_one(factory, i, seed, where)
-            found = architecture_differences(
-                reference, member, i, ref_name=f"member {indices[0]}", check_device=False
-            )
+            ref_name = f"member {indices[0]}"
+            found = [
+                *architecture_differences(
+                    reference, member, i, ref_name=ref_name, check_device=False
+                ),
+                *behaviour_differences(reference, member, i, ref_name=ref_name),
+                *tie_differences([reference, member], labels=[indices[0], i]),
+            ]
             if found:
                 diffs.extend(found)
                 member = None

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -341,7 +341,14 @@ def _slot(module: nn.Module, name: str) -> tuple[str, nn.Module, str]:
     return name, module.get_submodule(owner_path), leaf
 
 
-def stack(models: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto") -> Stack:
+def stack(
+    models: Sequence[nn.Module] | nn.ModuleList | Callable[..., nn.Module],
+    *,
+    backend: str = "auto",
+    num_members: int | None = None,
+    seed: int | None = 0,
+    device: torch.device | str | None = None,
+) -> Stack:
     """Stacks N modules of one architecture into one :class:`Stack`.
 
     The members' parameters and buffers are copied into stacked tensors ``(N, *shape)``; the
@@ -349,10 +356,18 @@ def stack(models: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto")
 
     Args:
         models: N >= 1 modules (a list, tuple or ``nn.ModuleList``) with the same module types,
-            parameter and buffer names, shapes, dtypes, devices and train/eval mode.
+            parameter and buffer names, shapes, dtypes, devices, train/eval mode, settings,
+            hooks and ties; or a factory that builds one member (``lambda i: MLP()``), called
+            N times, each member copied into the stack and dropped before the next is built,
+            so that memory never holds two copies of the weights.
         backend: "auto" (the fastest backend that runs the architecture exactly, announced
             when it has to fall back), "fused", "vmap" or "loop" (member by member: the
             reference).
+        num_members: with a factory, N.
+        seed: with a factory, member i is built right after ``torch.manual_seed(seed + i)``,
+            so its weights are those of ``torch.manual_seed(seed + i); factory(i)``; None
+            leaves seeding to the factory.
+        device: with a factory, where the stacked tensors live.
 
     Returns:
         The stack, an ``nn.Module``.
@@ -368,4 +383,21 @@ def stack(models: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto")
         >>> stack(torch.randn(32, 10)).shape
         torch.Size([8, 32, 2])
     """
+    if callable(models) and not isinstance(models, nn.Module):
+        from phalanx._build import stack_from_factory
+
+        if num_members is None:
+            raise TypeError(
+                "phalanx.stack(): a factory needs num_members=N, the number of members to "
+                "build, e.g. phalanx.stack(lambda i: MLP(), num_members=8)."
+            )
+        return stack_from_factory(
+            models, num_members=num_members, seed=seed, backend=backend, device=device
+        )
+    models = cast("Sequence[nn.Module] | nn.ModuleList", models)
+    if num_members is not None and num_members != len(models):
+        raise ValueError(
+            f"phalanx.stack(): num_members={num_members} but {len(models)} modules were given; "
+            f"drop num_members when passing modules."
+        )
     return Stack(models, backend=backend)

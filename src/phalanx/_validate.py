@@ -259,7 +259,13 @@ def behaviour_differences(
         # A forward pre-hook may keep a tensor attribute it recomputes on every call (old-style
         # spectral_norm's 'weight'): that is derived from the member's tensors, not a setting.
         derived = ref._forward_pre_hooks and oth._forward_pre_hooks
-        for key in sorted((ref.__dict__.keys() | oth.__dict__.keys()) - _MODULE_INTERNALS):
+        # Settings that extra_repr shows differ are reported by architecture_differences.
+        keys = (
+            set()
+            if ref.extra_repr() != oth.extra_repr()
+            else ref.__dict__.keys() | oth.__dict__.keys()
+        )
+        for key in sorted(keys - _MODULE_INTERNALS):
             a, b = ref.__dict__.get(key), oth.__dict__.get(key)
             if derived and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
                 continue
@@ -289,8 +295,12 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def tie_differences(members: Sequence[nn.Module]) -> list[str]:
-    """Tensors shared between members, and ties within a member unlike member 0's."""
+def tie_differences(members: Sequence[nn.Module], labels: Sequence[int] | None = None) -> list[str]:
+    """Tensors shared between members, and ties within a member unlike member 0's.
+
+    ``labels`` are the members' indices in messages (default: their positions).
+    """
+    label = list(labels) if labels is not None else list(range(len(members)))
     diffs: list[str] = []
     owner: dict[int, tuple[int, str]] = {}
     patterns: list[set[frozenset[str]]] = []
@@ -305,7 +315,8 @@ def tie_differences(members: Sequence[nn.Module]) -> list[str]:
             first = owner.setdefault(id(t), (i, name))
             if first[0] != i:
                 diffs.append(
-                    f"member {i} '{name}' is the same tensor as member {first[0]} '{first[1]}': "
+                    f"member {label[i]} '{name}' is the same tensor as member {label[first[0]]} "
+                    f"'{first[1]}': "
                     f"members share it, and a stack would silently untie it; give each member "
                     f"its own copy (copy.deepcopy(model))"
                 )
@@ -317,8 +328,8 @@ def tie_differences(members: Sequence[nn.Module]) -> list[str]:
                 return "; ".join(" = ".join(sorted(g)) for g in sorted(p, key=sorted)) or "none"
 
             diffs.append(
-                f"member {i} ties {fmt(pattern)}, member 0 ties {fmt(patterns[0])}; every "
-                f"member must tie the same tensors"
+                f"member {label[i]} ties {fmt(pattern)}, member {label[0]} ties "
+                f"{fmt(patterns[0])}; every member must tie the same tensors"
             )
     return diffs
 
