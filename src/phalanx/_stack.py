@@ -74,7 +74,7 @@ class Stack(nn.Module):
                 name: torch.stack([m.get_buffer(name) for m in members])
                 for name, _ in members[0].named_buffers()
             }
-        self._setup(members[0], params, buffers, len(members), backend, where)
+        self._setup(members[0], params, buffers, len(members), backend)
 
     @classmethod
     def _from_stacked(
@@ -100,7 +100,7 @@ class Stack(nn.Module):
             )
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(member, params, buffers, num_members, backend, "phalanx.stack()")
+        self._setup(member, params, buffers, num_members, backend)
         return self
 
     def _setup(
@@ -110,7 +110,6 @@ class Stack(nn.Module):
         buffers: dict[str, torch.Tensor],
         num_members: int,
         backend: str,
-        where: str,
     ) -> None:
         self.num_members = num_members
         template = meta_copy(member)
@@ -124,22 +123,10 @@ class Stack(nn.Module):
             self, "_view", StackView(num_members, self.module, template, self._stacked_state)
         )
         self._set_backend(backend)
-        if backend == "fused":
-            self._require_fused(where)
 
     def _set_backend(self, name: str) -> None:
         self._requested = name
         self._view.cache.clear()  # what backends learnt about the old choice
-
-    def _require_fused(self, where: str) -> None:
-        from phalanx._backends._fused import unsupported_reason
-
-        reason = unsupported_reason(self._view)
-        if reason is not None:
-            raise ValueError(
-                f"{where}: backend 'fused' cannot run this architecture: {reason}. Use "
-                f"backend='vmap' for any architecture torch.func can batch, or backend='auto'."
-            )
 
     # ----------------------------------------------------------------------------------- state
 
@@ -174,8 +161,6 @@ class Stack(nn.Module):
                 + "."
             )
         self._set_backend(name)
-        if name == "fused":
-            self._require_fused("Stack.backend")
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, backend={self._requested!r}"

@@ -59,15 +59,6 @@ def build_tree(view: StackView) -> nn.Module:
     return tree
 
 
-def unsupported_reason(view: StackView) -> str | None:
-    """Why the fused tree cannot be built for this architecture, or None."""
-    try:
-        fused_tree(view)
-    except BackendRefusal as e:
-        return str(e)
-    return None
-
-
 def fused_tree(view: StackView) -> nn.Module:
     cache = view.cache_of("fused")
     if "tree" not in cache:
