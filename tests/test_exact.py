@@ -118,7 +118,7 @@ def test_a_case_never_checked_is_checked_before_it_is_trusted(layer):
         auto.train()
         for m in members:
             m.train()
-    with pytest.warns(UserWarning, match="backend 'fused' cannot run this model exactly"):
+    with pytest.warns(UserWarning, match=r"backend 'fused' \(.*\) cannot run this model exactly"):
         out = auto(x)
     assert_close(out, torch.stack([m(x) for m in members]))
 
@@ -364,3 +364,27 @@ def test_functional_idioms_of_real_models_run_fused():
     x, a = torch.randn(5, 1, 8, 8), torch.randn(5, 2)
     out = stack(x, a)
     assert_close(out, torch.stack([m(x, a) for m in members]))
+
+
+class PaddedEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4, padding_idx=0)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(idx).mean(-2))
+
+
+def test_vmap_refuses_what_it_gets_silently_wrong_and_auto_hands_over():
+    """torch.func gives an Embedding's padding row a gradient under per-member indices."""
+    torch.manual_seed(0)
+    members = [PaddedEmbedding() for _ in range(3)]
+    idx = torch.randint(0, 11, (3, 5, 6))
+    idx[:, :, 0] = 0
+    with pytest.raises(BackendRefusal, match="padding_idx on per-member indices"):
+        phalanx.stack(copy.deepcopy(members), backend="vmap")(idx, in_dims=0)
+    for backend in ["auto", "fused", "loop"]:
+        stack = phalanx.stack(copy.deepcopy(members), backend=backend)
+        stack(idx, in_dims=0).square().sum().backward()
+        assert stack.module.embed.weight.grad[:, 0].abs().max() == 0, backend

@@ -171,8 +171,8 @@ def test_vmap_refusal_is_explained_and_auto_falls_back_loudly():
     stack = phalanx.stack(copy.deepcopy(members))
     with pytest.warns(
         UserWarning,
-        match=r"backend 'vmap' cannot run this architecture .*falling "
-        r"back to the slower 'loop' backend",
+        match=r"backend 'vmap' \(.*vmap raised RuntimeError.*\) cannot run this model "
+        r"exactly; backend 'auto' runs 'loop' instead",
     ):
         out = stack(x)
     assert stack.backend == "loop"
@@ -255,8 +255,10 @@ def test_copy_to_writes_back_in_place_and_checks_shapes():
 
 
 def test_state_dict_round_trip():
-    a = phalanx.stack(make_members(ARCHS[3], 3, seed=0))
-    b = phalanx.stack(make_members(ARCHS[3], 3, seed=10))
+    # One backend for both: under auto each stack races on its own, and two backends agree
+    # to float rounding, not bit for bit.
+    a = phalanx.stack(make_members(ARCHS[3], 3, seed=0), backend="fused")
+    b = phalanx.stack(make_members(ARCHS[3], 3, seed=10), backend="fused")
     a(torch.randn(4, 2, 8, 8))
     state = a.state_dict()
     assert state["module.0.weight"].shape == (3, 4, 2, 3, 3)

@@ -106,24 +106,27 @@ class AutoBackend:
             # Only faster backends were left and every one failed: the loop decides.
             runnable = ["loop"]
         choice = self._race(view, runnable, args, kwargs, in_dims)
-        for name, reason in failed.items():
-            self._drop(state, name, reason, choice)
+        self._drop(state, failed, choice)
         state["picks"] = {m: p for m, p in state["picks"].items() if p not in failed}
         state["picks"][mode] = choice
         logger.info("phalanx: backend 'auto' runs %r when grad mode is %s", choice, mode)
         return choice
 
     @staticmethod
-    def _drop(state: dict[str, Any], name: str, reason: str, runs: str) -> None:
-        if name not in state["candidates"]:
+    def _drop(state: dict[str, Any], failed: dict[str, str], runs: str) -> None:
+        """Takes the backends that failed out of the choice for good, in one warning."""
+        dropped = {n: r for n, r in failed.items() if n in state["candidates"]}
+        if not dropped:
             return
-        state["candidates"].remove(name)
+        for name in dropped:
+            state["candidates"].remove(name)
         if "loop" not in state["candidates"]:
             state["candidates"].append("loop")
+        which = " and ".join(f"backend {n!r} ({r})" for n, r in dropped.items())
         warnings.warn(
-            f"phalanx: backend {name!r} cannot run this model exactly ({reason}); backend "
-            f"'auto' runs {runs!r} instead. Pass backend={runs!r} to phalanx.stack() to choose "
-            f"it directly and silence this warning.",
+            f"phalanx: {which} cannot run this model exactly; backend 'auto' runs {runs!r} "
+            f"instead. Pass backend={runs!r} to phalanx.stack() to choose it directly and "
+            f"silence this warning.",
             stacklevel=6,
         )
 

@@ -31,6 +31,7 @@ from phalanx._backends._fused_layers import (
     Batched,
     BatchedLinear,
     broadcast,
+    folding,
     has_hooks,
     is_folded,
 )
@@ -255,8 +256,9 @@ class BatchedMLP(Batched):
         if torch.is_autocast_enabled(x.device.type):
             first, *rest = self.per_layer[self.lead :]
             y = first.forward_shared(x).flatten(0, 1)  # type: ignore[operator]
-            for m in rest:
-                y = m(y)
+            with folding(n, [x.shape[0]]):
+                for m in rest:
+                    y = m(y)
             return y.view(n, *x.shape[:-1], y.shape[-1])
         y = self._chain(x.reshape(-1, x.shape[-1]), shared=True)
         return y.view(n, *x.shape[:-1], y.shape[-1])
