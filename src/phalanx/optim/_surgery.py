@@ -220,7 +220,10 @@ class MemberSurgery:
         else:
             device = group["params"][0].device
             full = torch.full((n,), bool(current) if boolean else float(current), dtype=dtype)
-        new = torch.as_tensor(value).detach().cpu()
+        if isinstance(value, Tensor):
+            new = value.detach().cpu()
+        else:  # a Python number keeps its double value, as torch.optim would use it
+            new = torch.tensor(value, dtype=dtype)
         if new.shape not in {(), (len(index),)}:
             raise ValueError(
                 f"{where}: {label} has shape {tuple(new.shape)}; expected a number or one value "
