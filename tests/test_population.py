@@ -31,6 +31,7 @@ from phalanx.population import (
     SuccessiveHalving,
     copy_members,
     keep_members,
+    lineage,
     plot_population,
     rungs,
 )
@@ -385,8 +386,14 @@ def test_plot_population_draws_schedules_and_exploits(tmp_path):
     fig = plot_population(pbt.history, pbt.log, path=str(tmp_path / "pbt.png"))
     lr_axis, momentum_axis, metric_axis = fig.axes
     assert lr_axis.get_ylabel() == "lr" and momentum_axis.get_ylabel() == "momentum"
-    assert len(lr_axis.lines) == 8  # one schedule per member
-    assert len(metric_axis.lines) == 8 + len(pbt.log)  # one metric line each, one per exploit
+    assert len(lr_axis.lines) == 8 + 1  # one schedule per member, and the best's lineage
+    assert len(metric_axis.lines) == 8 + 1 + len(pbt.log)  # and one segment per exploit
+    best = 7  # the largest metric at the last round
+    line = lineage(pbt.log, best)
+    drawn = lr_axis.lines[8].get_ydata()
+    for k, h in enumerate(pbt.history):  # the slot that held the lineage from that step on
+        owner = [slot for start, slot in line if start <= h["step"]][-1]
+        assert drawn[k] == h["hyperparameters"]["lr"][owner]
     assert (tmp_path / "pbt.png").stat().st_size > 0
 
 
@@ -445,3 +452,16 @@ def test_exploits_across_two_ranks_match_one_process():
             assert_close(
                 got[key], reference[key], dtype=F64, trajectory=True, msg=f"rank {rank} {key}"
             )
+
+
+def test_lineage_follows_the_log_back():
+    log = [
+        {"step": 2, "member": 5, "source": 1},
+        {"step": 4, "member": 1, "source": 3},
+        {"step": 6, "member": 0, "source": 5},
+        {"step": 6, "member": 7, "source": 2},
+    ]
+    # 0's weights: copied from 5 at step 6; 5's from 1 at step 2 (1 was overwritten later,
+    # at step 4, which is after the copy and so not in 0's past).
+    assert lineage(log, 0) == [(0, 1), (2, 5), (6, 0)]
+    assert lineage(log, 3) == [(0, 3)]

@@ -9,6 +9,7 @@ A stack already holds N experiments side by side. Here members copy each other a
   with the optimizer and loader compacted to follow it;
 - `PBT`: population-based training (exploit the top quantile, explore hyperparameters);
 - `SuccessiveHalving` with ASHA's `rungs`: stop the worse half at each milestone;
+- `lineage`: where a member's weights came from, following the PBT log back;
 - `plot_population`: each member's hyperparameter schedule and the metric with exploits.
 
 Example:
@@ -20,7 +21,7 @@ Example:
 from phalanx.population._halving import SuccessiveHalving, rungs
 from phalanx.population._mutations import Factors, LogUniform, Uniform
 from phalanx.population._pbt import PBT
-from phalanx.population._plot import plot_population
+from phalanx.population._plot import lineage, plot_population
 from phalanx.population._surgery import copy_members, keep_members
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "Uniform",
     "copy_members",
     "keep_members",
+    "lineage",
     "plot_population",
     "rungs",
 ]

@@ -8,7 +8,34 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["plot_population"]
+__all__ = ["lineage", "plot_population"]
+
+
+def lineage(log: Sequence[Mapping[str, Any]], member: int) -> list[tuple[int, int]]:
+    """Where member `member`'s weights came from: (step, slot) pairs, oldest first.
+
+    Slot k held the lineage from that step on (until the next pair): following the PBT log
+    backwards, each exploit into the lineage's slot hands it over to the source's slot.
+
+    Example:
+        >>> lineage(pbt.log, best)  # e.g. [(0, 12), (40, 3), (120, best)]
+    """
+    out, current, until = [], member, float("inf")
+    for event in reversed(log):
+        if event["member"] == current and event["step"] < until:
+            out.append((int(event["step"]), current))
+            current, until = int(event["source"]), event["step"]
+    out.append((0, current))
+    return out[::-1]
+
+
+def _owner(line: list[tuple[int, int]], step: int, *, strictly_before: bool = False) -> int:
+    """The slot that held the lineage at `step` (just before an exploit at it, if asked)."""
+    slot = line[0][1]
+    for start, k in line:
+        if start < step or (start == step and not strictly_before):
+            slot = k
+    return slot
 
 
 def plot_population(
@@ -21,7 +48,8 @@ def plot_population(
     """One panel per hyperparameter (each member's schedule) and one of the metric.
 
     Members are coloured by their final metric (bright: best); the final best member is
-    drawn thick and black. In the metric panel each exploit is a red segment from the
+    drawn thick and black along its lineage (`lineage`): the schedule its weights actually
+    trained with, switching to a source's history before each exploit. In the metric panel each exploit is a red segment from the
     copied member's metric to its source's, at the step it happened.
 
     Args:
@@ -47,6 +75,7 @@ def plot_population(
     order = sorted(range(n), key=lambda i: _key(final[i]))  # worst first, drawn underneath
     best = order[-1]
     cmap = colormaps["viridis"]
+    line = lineage(log, best)
 
     fig = Figure(figsize=(9, 3.2 * (len(names) + 1)), layout="constrained")
     axes = fig.subplots(len(names) + 1, 1, sharex=True, squeeze=False)[:, 0]
@@ -54,29 +83,29 @@ def plot_population(
     for ax, name in zip(axes, names):
         for rank, i in enumerate(order):
             values = [h["hyperparameters"][name][i] for h in history]
-            thick = i == best
             ax.step(
                 [*steps, end], [*values, values[-1]], where="post",
-                color="black" if thick else cmap(rank / max(n - 1, 1)),
-                lw=2.2 if thick else 0.8, alpha=1 if thick else 0.6, zorder=3 if thick else 2,
+                color=cmap(rank / max(n - 1, 1)), lw=0.8, alpha=0.6,
             )  # fmt: skip
+        values = [h["hyperparameters"][name][_owner(line, h["step"])] for h in history]
+        ax.step([*steps, end], [*values, values[-1]], where="post", color="black", lw=2.2)
         flat = [v for h in history for v in h["hyperparameters"][name]]
         if min(flat) > 0 and max(flat) > 10 * min(flat):
             ax.set_yscale("log")
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
-    axes[0].set_title(f"{title}: each member's schedule (black: the best member at the end)")
+    axes[0].set_title(f"{title}: each member's schedule (black: the best member's lineage)")
 
     ax = axes[-1]
     if rounds:
         x = [int(h["step"]) for h in rounds]
         for rank, i in enumerate(order):
-            thick = i == best
             ax.plot(
-                x, [h["metric"][i] for h in rounds],
-                color="black" if thick else cmap(rank / max(n - 1, 1)),
-                lw=2.2 if thick else 0.7, alpha=1 if thick else 0.5, marker=".", ms=3,
+                x, [h["metric"][i] for h in rounds], color=cmap(rank / max(n - 1, 1)),
+                lw=0.7, alpha=0.5, marker=".", ms=3,
             )  # fmt: skip
+        best_line = [h["metric"][_owner(line, h["step"], strictly_before=True)] for h in rounds]
+        ax.plot(x, best_line, color="black", lw=2.2)
     for k, event in enumerate(log):
         ax.plot(
             [event["step"]] * 2, [event["metric"], event["source_metric"]], color="red",
