@@ -9,6 +9,7 @@ stack run on: the kept members' rows must match it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -465,3 +466,50 @@ def test_lineage_follows_the_log_back():
     # at step 4, which is after the copy and so not in 0's past).
     assert lineage(log, 0) == [(0, 1), (2, 5), (6, 0)]
     assert lineage(log, 3) == [(0, 3)]
+
+
+# ------------------------------------------------------------------------------------ demo
+
+
+def test_demo_pbt_compares_the_three_at_equal_compute(capsys, tmp_path):
+    from phalanx._cli import main
+
+    plot = tmp_path / "pbt.png"
+    argv = ["demo", "--pbt", "--members", "8", "--seeds", "2", "--epochs", "1", "--hidden", "16"]
+    argv += ["--pbt-interval", "1", "--threads", "1"]
+    assert main([*argv, "--pbt-plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    steps = 1078 // 32  # one epoch of full batches of the training split
+    budget = 8 * steps
+    for name in ("grid \\(fixed lr\\)", "PBT", "successive halving, equal compute"):
+        row = re.search(rf"\n  {name} +([0-9.]+) +([0-9.]+) +[0-9.e+-]+ +(\d+) ", out)
+        assert row, f"no row for {name}: {out}"
+        assert int(row[3]) == budget and 0.1 < float(row[1]) <= 1 and 0.1 < float(row[2]) <= 1
+    assert re.search(r"stopped at the grid's steps .* (\d+) ", out)
+    assert re.search(r"One PBT exploit \(2 of 8 members copied.*\n +[0-9.]+ ms \(median of 1\)", out)
+    assert re.search(r"torch\.save \+ torch\.load .*\n +[0-9.]+ ms, x 2 members", out), out
+    assert re.search(r"8 members: +\d+ steps, +[0-9.]+ ms/step", out), out
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_buffers_follow_copies_and_compaction():
+    members = []
+    for i in range(4):
+        torch.manual_seed(i)
+        members.append(nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)))
+    stack = phalanx.stack(members, backend="vmap")
+    opt = phalanx.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data()
+    loader = phalanx.data.MemberLoader(x, y, num_members=4, batch_size=8, seed=1)
+    _train(stack, opt, loader, 3)  # train mode: running statistics move, per member
+    running_mean = stack.module[1].running_mean
+    assert not torch.equal(running_mean[0], running_mean[2])
+    copy_members(stack, [0], [2], optimizer=opt, loader=loader)
+    assert torch.equal(running_mean[2], running_mean[0])
+    assert stack.module[1].num_batches_tracked.tolist() == [3, 3, 3, 3]
+    before = {k: v.clone() for k, v in stack.state_dict().items()}
+    small = keep_members(stack, [3, 2], optimizer=opt, loader=loader)
+    for key, value in small.state_dict().items():
+        assert torch.equal(value, before[key][[3, 2]]), key
+    _train(small, opt, loader, 2)  # and it trains on
+    assert small.module[1].num_batches_tracked.tolist() == [5, 5]
