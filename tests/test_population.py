@@ -489,7 +489,10 @@ def test_demo_pbt_compares_the_three_at_equal_compute(capsys, tmp_path):
     assert re.search(
         r"One PBT exploit \(2 of 8 members copied.*\n +[0-9.]+ ms \(median of 1\)", out
     )
-    assert re.search(r"torch\.save \+ torch\.load .*\n +[0-9.]+ ms, x 2 members", out), out
+    assert re.search(
+        r"torch\.save \+ torch\.load.*\n +in memory [0-9.]+ ms, x 2 members.*\n +through a file",
+        out,
+    ), out
     assert re.search(r"8 members: +\d+ steps, +[0-9.]+ ms/step", out), out
     assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 

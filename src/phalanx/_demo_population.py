@@ -21,6 +21,7 @@ import io
 import math
 import os
 import statistics
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -169,23 +170,29 @@ def _halving(data: Digits, args: argparse.Namespace, steps: int) -> tuple[Result
     return early, final, phases
 
 
-def _round_trip_seconds(args: argparse.Namespace) -> float:
-    """Median time to torch.save and torch.load one member's model and optimizer state."""
+def _round_trip_seconds(args: argparse.Namespace) -> tuple[float, float]:
+    """Median times to torch.save and torch.load one member's model and optimizer state, in
+    memory and through a file (what a process-per-trial tool does between trials)."""
     model = _mlp(args.hidden, 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM)
     model(torch.zeros(1, 64)).sum().backward()
     opt.step()
-    times = []
-    for _ in range(7):
-        tick = time.perf_counter()
-        buffer = io.BytesIO()
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
-        buffer.seek(0)
-        state = torch.load(buffer)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        times.append(time.perf_counter() - tick)
-    return statistics.median(times)
+    medians = []
+    with tempfile.TemporaryDirectory(prefix="phalanx-demo-") as tmp:
+        for target in (None, os.path.join(tmp, "member.pt")):
+            times = []
+            for _ in range(7):
+                tick = time.perf_counter()
+                where: str | io.BytesIO = io.BytesIO() if target is None else target
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, where)
+                if isinstance(where, io.BytesIO):
+                    where.seek(0)
+                state = torch.load(where)
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
+                times.append(time.perf_counter() - tick)
+            medians.append(statistics.median(times))
+    return medians[0], medians[1]
 
 
 def run_population(data: Digits, args: argparse.Namespace) -> int:
@@ -227,7 +234,11 @@ def run_population(data: Digits, args: argparse.Namespace) -> int:
     )
 
     print("\n  Successive halving, time per step as the stack shrinks:")
+    merged: dict[int, tuple[int, float]] = {}  # a milestone that stops no one is no phase
     for members, count, seconds in phases:
+        done, spent = merged.get(members, (0, 0.0))
+        merged[members] = (done + count, spent + seconds)
+    for members, (count, seconds) in merged.items():
         if count:
             print(
                 f"    {members:3d} members: {count:6d} steps, {1e3 * seconds / count:6.2f} ms/step"
@@ -235,13 +246,15 @@ def run_population(data: Digits, args: argparse.Namespace) -> int:
 
     copied = len(pbt.log) // max(len(exploit_seconds), 1)
     exploit = statistics.median(exploit_seconds)
-    trip = _round_trip_seconds(args)
+    memory, disk = _round_trip_seconds(args)
     print(
-        f"\n  One PBT exploit ({copied} of {n} members copied: weights, SGD momentum, step counts, "
-        f"learning rates):\n    {1e3 * exploit:.2f} ms (median of {len(exploit_seconds)})\n"
-        f"  One member through torch.save + torch.load (in memory, model + optimizer), what a "
-        f"process-per-trial tool pays at least per copied member:\n    {1e3 * trip:.2f} ms, "
-        f"x {copied} members = {1e3 * trip * copied:.2f} ms"
+        f"\n  One PBT exploit ({copied} of {n} members copied: weights, SGD momentum, step "
+        f"counts, learning rates):\n    {1e3 * exploit:.2f} ms (median of {len(exploit_seconds)})"
+        f"\n  One member's model + optimizer through torch.save + torch.load, what a "
+        f"process-per-trial tool pays at least per copied member:\n"
+        f"    in memory {1e3 * memory:.2f} ms, x {copied} members = {1e3 * memory * copied:.2f} ms"
+        f"\n    through a file {1e3 * disk:.2f} ms, x {copied} members = "
+        f"{1e3 * disk * copied:.2f} ms"
     )
     if args.pbt_plot:
         population.plot_population(
