@@ -209,7 +209,7 @@ def run_population(data: Digits, args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", phalanx.optim.NonFiniteWarning)
         grid = _grid(data, args, steps)
-        pbt_result, pbt, exploit_seconds, _, _ = _pbt(data, args, steps, interval)
+        pbt_result, pbt, exploit_seconds, stack, opt = _pbt(data, args, steps, interval)
         early, halved, phases = _halving(data, args, steps)
 
     print(
@@ -246,10 +246,16 @@ def run_population(data: Digits, args: argparse.Namespace) -> int:
 
     copied = len(pbt.log) // max(len(exploit_seconds), 1)
     exploit = statistics.median(exploit_seconds)
+    copy_seconds = []  # the copy alone, on the trained population (it is done with)
+    for _ in range(30):
+        tick = time.perf_counter()
+        population.copy_members(stack, range(copied), range(n - copied, n), optimizer=opt)
+        copy_seconds.append(time.perf_counter() - tick)
     memory, disk = _round_trip_seconds(args)
     print(
         f"\n  One PBT exploit ({copied} of {n} members copied: weights, SGD momentum, step "
-        f"counts, learning rates):\n    {1e3 * exploit:.2f} ms (median of {len(exploit_seconds)})"
+        f"counts, learning rates):\n    {1e3 * exploit:.2f} ms (median of {len(exploit_seconds)}), of which "
+        f"the copy itself (copy_members) {1e3 * statistics.median(copy_seconds):.2f} ms"
         f"\n  One member's model + optimizer through torch.save + torch.load, what a "
         f"process-per-trial tool pays at least per copied member:\n"
         f"    in memory {1e3 * memory:.2f} ms, x {copied} members = {1e3 * memory * copied:.2f} ms"
