@@ -141,6 +141,15 @@ def test_copy_without_loader_or_hyperparameters_keeps_them():
     assert loader.streams.tolist() == [0, 1, 2, 3]
 
 
+def test_copying_no_members_changes_nothing():
+    stack, opt, loader = _run(3, "sgd")
+    before = [_rows(stack, opt, i) for i in range(3)]
+    copy_members(stack, [], [], optimizer=opt, loader=loader)
+    opt.set_hyperparameters([], lr=0.5)
+    for i in range(3):
+        _assert_rows_equal(_rows(stack, opt, i), before[i], f"member {i}")
+
+
 def test_copy_revives_a_frozen_member():
     stack, opt, _ = _run(3, "sgd")
     opt.frozen[2], opt.bad_steps[2] = True, 4
