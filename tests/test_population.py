@@ -527,3 +527,52 @@ def test_buffers_follow_copies_and_compaction():
         assert torch.equal(value, before[key][[3, 2]]), key
     _train(small, opt, loader, 2)  # and it trains on
     assert small.module[1].num_batches_tracked.tolist() == [5, 5]
+
+
+def test_mutations_resample_perturb_and_stay_in_range():
+    from phalanx.population._mutations import mutate
+
+    g = torch.Generator().manual_seed(0)
+    bounded = LogUniform(1e-3, 1e-1)
+    perturbed = {
+        mutate(0.09, bounded, resample_probability=0.0, factors=(1.2, 0.8), generator=g)
+        for _ in range(40)
+    }
+    assert perturbed == {0.1, 0.09 * 0.8}  # 0.108 is clamped to the range's top
+    drawn = [
+        mutate(0.09, bounded, resample_probability=1.0, factors=(1.2,), generator=g)
+        for _ in range(40)
+    ]
+    assert all(1e-3 <= v <= 1e-1 for v in drawn) and len(set(drawn)) == 40
+    options = [1, 2, 3]
+    moved = {
+        mutate(3, options, resample_probability=0.0, factors=(), generator=g) for _ in range(40)
+    }
+    assert moved == {2, 3}  # a neighbour, clamped at the list's end
+    assert {
+        mutate(7, options, resample_probability=0.0, factors=(), generator=g) for _ in range(40)
+    } <= set(options)
+    assert {
+        mutate(1.0, Factors(0.5, 4.0), resample_probability=1.0, factors=(), generator=g)
+        for _ in range(40)
+    } == {0.5, 4.0}
+
+
+def test_successive_halving_errors_name_what_is_wrong(tmp_path):
+    stack, opt, loader = _run(4, "sgd")
+    with pytest.raises(
+        ValueError, match=r"milestones must be increasing positive steps; got \[4, 2\]"
+    ):
+        SuccessiveHalving(stack, opt, [4, 2])
+    with pytest.raises(ValueError, match=r"reduction_factor must be > 1; got 1"):
+        SuccessiveHalving(stack, opt, [2], reduction_factor=1)
+    halving = SuccessiveHalving(stack, opt, [2], loader=loader)
+    with pytest.raises(
+        ValueError, match=r"stop\(\): metric must hold one value per current member, shape \(4,\)"
+    ):
+        halving.stop(torch.zeros(5), step=2)
+    phalanx.save(tmp_path / "plain.safetensors", stack, optimizer=opt)
+    with pytest.raises(
+        ValueError, match=r"holds no successive halving state; write it with SuccessiveHalving.save"
+    ):
+        halving.load(str(tmp_path / "plain.safetensors"))
