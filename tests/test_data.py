@@ -165,3 +165,44 @@ def test_errors_are_named() -> None:
         match=r"from_dataset\(\): items must be tensors, numbers or tuples of them; they collate to dict",
     ):
         MemberLoader.from_dataset(Dicts(), num_members=2, batch_size=1)
+
+
+# ---------------------------------------------------------------------------- member surgery
+
+
+def test_copy_members_gives_the_target_its_sources_batches_from_the_next_batch() -> None:
+    loader = make(n=30, num_members=4, batch_size=4, bootstrap=True)
+    reference = make(n=30, num_members=4, batch_size=4, bootstrap=True)
+    batches, expected = iter(loader), iter(reference)
+    for _ in range(2):
+        assert torch.equal(next(batches)[0], next(expected)[0])
+    loader.copy_members([2], [0])  # mid-epoch
+    assert loader.streams.tolist() == [2, 1, 2, 3]
+    for (got,), (want,) in zip(batches, expected):  # the rest of the epoch
+        assert torch.equal(got[0], want[2]) and torch.equal(got[1:], want[1:])
+    (got,), (want,) = next(iter(loader)), next(iter(reference))  # and the next epoch
+    assert torch.equal(got[0], want[2]) and torch.equal(got[1:], want[1:])
+
+
+def test_keep_members_keeps_each_members_stream_and_resumes() -> None:
+    loader = make(n=30, num_members=5, batch_size=4, bootstrap=True)
+    reference = make(n=30, num_members=5, batch_size=4, bootstrap=True)
+    next(iter(loader)), next(iter(reference))
+    loader.keep_members([4, 1])
+    assert loader.num_members == 2 and loader.streams.tolist() == [4, 1]
+    state = loader.state_dict()
+    resumed = make(n=30, num_members=5, batch_size=4, bootstrap=True)
+    resumed.keep_members([0, 1])  # the saved streams, not these, are restored
+    resumed.load_state_dict(state)
+    for (a,), (b,), (c,) in zip(loader, reference, resumed):
+        assert torch.equal(a, b[[4, 1]]) and torch.equal(c, a)
+
+
+def test_surgery_errors_are_named() -> None:
+    loader = make()
+    with pytest.raises(ValueError, match=r"copy_members\(\): 1 source members but 2 target"):
+        loader.copy_members([0], [1, 2])
+    with pytest.raises(IndexError, match=r"keep_members\(\): members \[4\] out of range"):
+        loader.keep_members([4])
+    with pytest.raises(ValueError, match=r"set_streams\(\): expected one non-negative stream"):
+        loader.set_streams([0, 1], [3])

@@ -478,3 +478,97 @@ def test_fused_kernel_path_matches_torch_and_steps_aside_for_masks(monkeypatch, 
     for i in range(n):
         for p, q in zip(params, refs[i]):
             assert_close(p[i], q, msg=f"member {i}")
+
+
+# ---------------------------------------------------------------------------- member surgery
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_hyperparameters_set_in_place_equal_those_given_at_construction(case: Case) -> None:
+    """An optimizer built with shared defaults, then given every member's hyperparameters by
+    set_hyperparameters, steps as one built with them. Not always bit for bit: a number made
+    an (N,) tensor takes the per-member kernels (addcmul instead of add with alpha), which
+    round the last bit differently; the tolerance is the one used against torch.optim."""
+    params, other = make_params(torch.float64), make_params(torch.float64)
+    built = case.ours(params, **case.kwargs)
+    plain = {k: v for k, v in case.kwargs.items() if k == "amsgrad"}
+    later = case.ours(other, **plain)
+    later.set_hyperparameters(**{k: v for k, v in case.kwargs.items() if k != "amsgrad"})
+    noise = [torch.randn_like(p) for p in params]
+    for _ in range(3):
+        for ps, opt in ((params, built), (other, later)):
+            for p, g in zip(ps, grads_from(ps, noise)):
+                p.grad = g
+            opt.step()
+    for p, q in zip(params, other):
+        torch.testing.assert_close(q, p, **TIGHT[torch.float64])
+    for name, value in built.hyperparameters().items():
+        assert_close(later.hyperparameters()[name], value, dtype=torch.float64, msg=name)
+
+
+def test_set_copy_keep_member_rows() -> None:
+    params = make_params(torch.float32)
+    opt = phalanx.optim.Adam(params, lr=1e-2, betas=(0.9, per_member([0.9, 0.99, 0.999, 0.5])))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step(mask=torch.tensor([True, True, False, True]))
+    opt.set_hyperparameters([1, 3], lr=per_member([0.5, 0.25]), eps=1e-6)
+    assert opt.hyperparameters()["lr"].tolist() == [1e-2, 0.5, 1e-2, 0.25]
+    assert opt.hyperparameters()["eps"].tolist() == [1e-8, 1e-6, 1e-8, 1e-6]
+    opt.copy_members([1], [2])
+    assert opt.state[params[0]]["step"].tolist() == [1, 1, 1, 1]
+    rows_1, rows_2 = opt.member_rows(1), opt.member_rows(2)
+    assert len(rows_1) == len(rows_2) > 0
+    assert all(torch.equal(a, b) for a, b in zip(rows_1, rows_2))
+    new = [nn.Parameter(p.detach()[[2, 0]].clone()) for p in params]
+    opt.keep_members([2, 0], new)
+    assert opt.num_members == 2 and opt.hyperparameters()["lr"].tolist() == [0.5, 1e-2]
+    assert opt.hyperparameters()["betas"][1].tolist() == pytest.approx([0.99, 0.9])
+    assert opt.state[new[0]]["exp_avg"].shape == (2, 5, 3) and params[0] not in opt.state
+
+
+def test_surgery_does_not_write_the_callers_tensors() -> None:
+    lrs = per_member([0.1, 0.2, 0.3, 0.4])
+    opt = phalanx.optim.SGD(make_params(torch.float32), lr=lrs)
+    opt.set_hyperparameters([0], lr=1.0)
+    opt.copy_members([0], [1])
+    assert lrs.tolist() == [0.1, 0.2, 0.3, 0.4]
+
+
+def test_surgery_errors_are_named() -> None:
+    params = make_params(torch.float32)
+    opt = phalanx.optim.SGD(params, lr=0.1, momentum=0.9)
+    with pytest.raises(
+        ValueError,
+        match=r"SGD.set_hyperparameters\(\): 'betas' is not a per-member hyperparameter of phalanx.optim.SGD; choose from lr, momentum",
+    ):
+        opt.set_hyperparameters(betas=(0.9, 0.9))
+    with pytest.raises(ValueError, match=r"lr is -1.0 for member 2; expected >= 0"):
+        opt.set_hyperparameters([2], lr=-1.0)
+    with pytest.raises(
+        ValueError,
+        match=r"lr has shape \(3,\); expected a number or one value per chosen member, shape \(2,\)",
+    ):
+        opt.set_hyperparameters([0, 1], lr=torch.ones(3))
+    with pytest.raises(ValueError, match=r"member 1 uses Nesterov momentum with momentum=0.0"):
+        opt.set_hyperparameters([1], nesterov=True, momentum=0.0)
+    with pytest.raises(IndexError, match=r"copy_members\(\): source members \[9\] out of range"):
+        opt.copy_members([9], [0])
+    with pytest.raises(
+        ValueError, match=r"keep_members\(\): members \[1, 1\] lists a member more than once"
+    ):
+        opt.keep_members([1, 1], params)
+    with pytest.raises(
+        ValueError, match=r"parameter 0 expected shape \(2, 5, 3\).*got \(4, 5, 3\)"
+    ):
+        opt.keep_members([0, 1], params)
+    adam = phalanx.optim.Adam(make_params(torch.float32), lr=0.1)
+    with pytest.raises(ValueError, match=r"'amsgrad' is not a per-member hyperparameter"):
+        adam.set_hyperparameters(amsgrad=True)
+    scheduled = phalanx.optim.SGD(make_params(torch.float32), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(scheduled, step_size=1)
+    with pytest.raises(
+        ValueError,
+        match=r"param group 0 has one learning rate for all members, driven by a torch LR scheduler",
+    ):
+        scheduled.set_hyperparameters([0], lr=0.5)

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from phalanx import data, metrics, optim
+from phalanx import data, metrics, optim, population
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
@@ -34,6 +34,7 @@ __all__ = [
     "merge",
     "metrics",
     "optim",
+    "population",
     "save",
     "split",
     "stack",

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="seed of the data split, resamples and inits")
     add("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     add("--backend", default="auto", choices=["auto", "fused", "vmap", "loop"])
+    add("--pbt", action="store_true", help="instead: grid vs PBT vs successive halving")
+    add("--pbt-interval", type=int, default=2, help="epochs between PBT exploits (default 2)")
+    add("--pbt-plot", default="phalanx-pbt.png", help="PNG of PBT's schedules (with --pbt)")
 
 
 @dataclass
@@ -117,7 +120,7 @@ def _loader(
     )
 
 
-def _bar(total: int, desc: str) -> tqdm:
+def _bar(total: int | None, desc: str) -> tqdm:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -287,6 +290,7 @@ def _plot(path: str, sweep: Sweep, test_acc: Tensor, ensemble: float, k: int, ti
 def _check(args: argparse.Namespace) -> str | None:
     """A usage error in the options, or None."""
     names = ("members", "seeds", "epochs", "batch_size", "hidden", "top_k", "freeze_after")
+    names += ("pbt_interval",)  # type: ignore[assignment]
     for name in (*names, "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}."
@@ -404,6 +408,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"phalanx demo: {problem}", file=sys.stderr)
         return 2
     data = load_digits(args.seed)
+    if args.pbt:
+        from phalanx._demo_population import run_population
+
+        with intra_op_threads(args.threads):
+            return run_population(data, args)
     n, s = args.members, args.seeds
     print(
         f"phalanx demo: a learning-rate sweep of {n} networks 64-{args.hidden}-10 "

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from phalanx.optim._surgery import member_index, pairs
+
 __all__ = ["MemberLoader"]
 
 _MASK32 = 0xFFFFFFFF
@@ -155,11 +157,16 @@ class MemberLoader:
         self.batch = 0  # batches of the current epoch already yielded
         self.num_samples = n
         device = tensors[0].device
+        # The data stream each member reads, by global member index: its order and resample
+        # are functions of this number only (member surgery copies or drops entries).
         self._members = torch.arange(first_member, first_member + num_members, device=device)
-        self._resample = None
-        if bootstrap:
-            keys = _keys(self.seed, _STREAM_BOOTSTRAP, 0, self._members, n)
-            self._resample = keys % n  # (N, n) samples drawn with replacement
+        self._resample: Tensor | None = None
+        self._draw_resample()
+
+    def _draw_resample(self) -> None:
+        if self.bootstrap:
+            keys = _keys(self.seed, _STREAM_BOOTSTRAP, 0, self._members, self.num_samples)
+            self._resample = keys % self.num_samples  # (N, n) samples drawn with replacement
 
     @classmethod
     def from_dataset(
@@ -212,16 +219,82 @@ class MemberLoader:
         """Yields the rest of the current epoch, then moves to the next one."""
         if self.batch >= len(self):
             self.epoch, self.batch = self.epoch + 1, 0
-        order = self.order(self.epoch)
+        streams, order = self._members, self.order(self.epoch)
         while self.batch < len(self):
+            if streams is not self._members:  # member surgery mid-epoch: new streams now
+                streams, order = self._members, self.order(self.epoch)
             start = self.batch * self.batch_size
             index = order[:, start : start + self.batch_size]  # (N, B)
             self.batch += 1
             yield tuple(t[index.to(t.device)] for t in self.tensors)
         self.epoch, self.batch = self.epoch + 1, 0
 
-    def state_dict(self) -> dict[str, int]:
-        """The position in the data: seed, epoch and batches already yielded this epoch."""
+    # ------------------------------------------------------------------------ member surgery
+
+    @property
+    def streams(self) -> Tensor:
+        """(N,) int64: the global member index whose data stream each member reads.
+
+        Member i reads stream `first_member + i` until member surgery changes it: the order
+        and bootstrap resample of a stream depend only on the seed and this number.
+        """
+        return self._members.clone()
+
+    def set_streams(self, members: Any, streams: Any) -> None:
+        """Makes `members` read the data streams `streams` from the next batch on.
+
+        Args:
+            members: member indices (or an (N,) bool mask).
+            streams: one global stream index (a non-negative int) per chosen member, e.g.
+                another member's entry of `streams`.
+
+        Raises:
+            ValueError: a different number of streams than members, or a negative stream.
+        """
+        where = "phalanx.data.MemberLoader.set_streams()"
+        index = member_index(members, self.num_members, where)
+        values = torch.as_tensor(streams).reshape(-1).long()
+        if len(values) != len(index) or bool((values < 0).any()):
+            raise ValueError(
+                f"{where}: expected one non-negative stream index per chosen member "
+                f"({len(index)}); got {values.tolist()}."
+            )
+        members_ = self._members.clone()
+        members_[index.to(members_.device)] = values.to(members_.device)
+        self._members = members_
+        self._draw_resample()
+
+    def copy_members(self, source: Any, target: Any) -> None:
+        """Makes each target member read its source member's data stream from now on.
+
+        After `copy_members([i], [j])`, member j's next batches equal member i's: with its
+        weights and optimizer state copied too, member j then steps exactly as member i.
+
+        Raises:
+            ValueError: source and target differ in length, or a target appears twice.
+        """
+        where = "phalanx.data.MemberLoader.copy_members()"
+        src, dst = pairs(source, target, self.num_members, where)
+        self.set_streams(dst, self._members[src.to(self._members.device)])
+
+    def keep_members(self, members: Any) -> None:
+        """Keeps only `members`, in that order; each goes on reading its own data stream.
+
+        Raises:
+            ValueError: no member kept.
+        """
+        where = "phalanx.data.MemberLoader.keep_members()"
+        index = member_index(members, self.num_members, where)
+        if not len(index):
+            raise ValueError(f"{where}: keep at least one member.")
+        self._members = self._members[index.to(self._members.device)]
+        self.num_members = len(index)
+        self._draw_resample()
+
+    # --------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the data: seed, epoch, batches yielded this epoch, and streams."""
         return {
             "seed": self.seed,
             "epoch": self.epoch,
@@ -230,9 +303,10 @@ class MemberLoader:
             "num_samples": self.num_samples,
             "batch_size": self.batch_size,
             "first_member": self.first_member,
+            "streams": self._members.tolist(),
         }
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resumes at the position saved by `state_dict`: the next batch is the one due then.
 
         Raises:
@@ -249,6 +323,7 @@ class MemberLoader:
         self.seed = int(state_dict["seed"])
         self.epoch = int(state_dict["epoch"])
         self.batch = int(state_dict["batch"])
-        if self.bootstrap:
-            keys = _keys(self.seed, _STREAM_BOOTSTRAP, 0, self._members, self.num_samples)
-            self._resample = keys % self.num_samples
+        if "streams" in state_dict:  # absent in checkpoints older than member surgery
+            device = self._members.device
+            self._members = torch.as_tensor(state_dict["streams"], device=device).long()
+        self._draw_resample()

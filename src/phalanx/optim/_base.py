@@ -16,6 +16,8 @@ from typing import Any, TypeAlias, overload
 import torch
 from torch import Tensor
 
+from ._surgery import MemberSurgery
+
 __all__ = ["MemberOptimizer", "NonFiniteWarning"]
 
 # A hyperparameter as the update rules see it: a Python number shared by all members, or
@@ -113,7 +115,7 @@ def finite_members(tensors: Sequence[Tensor], n: int, device: torch.device) -> T
     return finite
 
 
-class MemberOptimizer(torch.optim.Optimizer):
+class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     """A torch optimizer over stacked parameters whose members are independent experiments.
 
     Subclasses list their hyperparameters in `_HYPER` and implement `_init_state` and
@@ -126,6 +128,10 @@ class MemberOptimizer(torch.optim.Optimizer):
     `group["lr"] * group["member_lr"][i]`. A torch scheduler therefore scales every member's
     rate by one factor; `phalanx.optim.MemberLambdaLR`, or a write to `group["member_lr"]`,
     schedules members separately.
+
+    Member surgery, between steps (see `phalanx.population`): `copy_members(source, target)`
+    copies members' optimizer state and hyperparameters, `set_hyperparameters(members, ...)`
+    changes some members' hyperparameters, `keep_members(members, params)` drops the others.
 
     Attributes:
         num_members: N, the size of dim 0 of every parameter.
@@ -210,6 +216,7 @@ class MemberOptimizer(torch.optim.Optimizer):
                 group[name] = self._check_hyper(value, name, kind)
         if params:
             _hypers_to(group, params[0].device)
+        self._check_group(group)
 
     def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
         """Checks one hyperparameter: a number (or bool), or a tensor of shape (N,)."""

@@ -80,13 +80,11 @@ class SGD(MemberOptimizer):
             warn_skipped=warn_skipped,
         )
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a parameter group; Nesterov members need momentum and zero dampening."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        nesterov = torch.as_tensor(group["nesterov"]).expand(self.num_members)
-        momentum = torch.as_tensor(group["momentum"]).expand(self.num_members)
-        dampening = torch.as_tensor(group["dampening"]).expand(self.num_members)
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Nesterov members need momentum and zero dampening."""
+        nesterov = torch.as_tensor(group["nesterov"]).cpu().expand(self.num_members)
+        momentum = torch.as_tensor(group["momentum"]).cpu().expand(self.num_members)
+        dampening = torch.as_tensor(group["dampening"]).cpu().expand(self.num_members)
         bad = nesterov & ((momentum <= 0) | (dampening != 0))
         if bool(bad.any()):
             k = int(bad.nonzero()[0, 0])

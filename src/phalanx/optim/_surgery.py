@@ -1,0 +1,402 @@
+"""Member surgery on an optimizer: copy member i into member j, set hyperparameters, keep some.
+
+These are what population-based training and early stopping do between steps. Every
+operation indexes whole stacked tensors along the member axis: no Python loop over members.
+Hyperparameter tensors are replaced, never written in place, since they may share memory
+with the tensors the caller passed to the constructor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["MemberSurgery", "member_index", "pairs"]
+
+
+def member_index(members: Any, n: int, where: str, what: str = "members") -> Tensor:
+    """`members` (ints, an int tensor or an (N,) bool mask) as a 1-d int64 index in [0, N)."""
+    index = torch.as_tensor(members if members is not None else range(n)).cpu()
+    if index.numel() == 0:  # [] is a float tensor to torch; no members is a valid choice
+        return torch.zeros(0, dtype=torch.long)
+    if index.dtype == torch.bool:
+        if index.shape != (n,):
+            raise ValueError(
+                f"{where}: a bool mask for {what} must have shape ({n},), one flag per member; "
+                f"got {tuple(index.shape)}."
+            )
+        index = index.nonzero().flatten()
+    if index.is_floating_point() or index.dim() > 1:
+        raise ValueError(
+            f"{where}: {what} must be member indices (ints) or an ({n},) bool mask; got a "
+            f"{index.dtype} tensor of shape {tuple(index.shape)}."
+        )
+    index = index.reshape(-1).long()
+    bad = index[(index < 0) | (index >= n)]
+    if len(bad):
+        raise IndexError(
+            f"{where}: {what} {bad.tolist()} out of range; the optimizer has {n} members, "
+            f"0..{n - 1}."
+        )
+    return index
+
+
+def _hyper_slots(group: dict[str, Any], names: Iterable[str]) -> list[tuple[str, int | None]]:
+    """(key, position) of every hyperparameter of a group; position indexes a tuple (betas)."""
+    slots: list[tuple[str, int | None]] = [("member_lr", None)]
+    for name in names:
+        value = group[name]
+        if isinstance(value, tuple | list):
+            slots += [(name, k) for k in range(len(value))]
+        else:
+            slots.append((name, None))
+    return slots
+
+
+def _get(group: dict[str, Any], slot: tuple[str, int | None]) -> Any:
+    key, k = slot
+    return group[key] if k is None else group[key][k]
+
+
+def _put(group: dict[str, Any], slot: tuple[str, int | None], value: Any) -> None:
+    key, k = slot
+    if k is None:
+        group[key] = value
+    else:
+        items = list(group[key])
+        items[k] = value
+        group[key] = tuple(items)
+
+
+class MemberSurgery:
+    """The member surgery methods of `MemberOptimizer` (a mixin; see that class)."""
+
+    # Provided by MemberOptimizer.
+    num_members: int
+    param_groups: list[dict[str, Any]]
+    state: Any
+    last_skipped: Tensor
+    bad_steps: Tensor
+    frozen: Tensor
+    _HYPER: tuple[tuple[str, str], ...]
+    _NAME: str
+
+    def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
+        raise NotImplementedError
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Checks constraints between a group's hyperparameters (SGD's Nesterov rule)."""
+
+    def member_tensors(self) -> list[Tensor]:
+        """Every tensor of the optimizer's state whose dim 0 is the member axis.
+
+        Row i of each is member i's: step counts (N,), moments and momentum buffers
+        (N, *shape), and the isolation counters `last_skipped`, `bad_steps`, `frozen` (N,).
+        Hyperparameters are not included (see `hyperparameters`).
+        """
+        n = self.num_members
+        out = [
+            t
+            for group in self.param_groups
+            for p in group["params"]
+            for t in self.state[p].values()
+            if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == n
+        ]
+        return [*out, self.last_skipped, self.bad_steps, self.frozen]
+
+    def hyperparameters(self, group: int = 0) -> dict[str, Tensor | tuple[Tensor, ...]]:
+        """Each member's hyperparameters in param group `group`, as (N,) tensors.
+
+        "lr" is the rate member i steps with, `group["lr"] * group["member_lr"][i]`; tuples
+        such as Adam's betas come back as tuples of (N,) tensors. Values are copies.
+
+        Example:
+            >>> opt = phalanx.optim.SGD(stack.parameters(), lr=torch.tensor([0.1, 0.2]))
+            >>> opt.hyperparameters()["lr"]
+            tensor([0.1000, 0.2000], dtype=torch.float64)
+        """
+        g = self.param_groups[group]
+        n = self.num_members
+
+        def full(value: Any) -> Tensor:
+            if isinstance(value, Tensor):
+                dtype = torch.bool if value.dtype == torch.bool else torch.float64
+                return value.detach().to("cpu", dtype).expand(n).clone()
+            if isinstance(value, bool):
+                return torch.full((n,), value, dtype=torch.bool)
+            return torch.full((n,), float(value), dtype=torch.float64)
+
+        lr = full(g["lr"]) if g["member_lr"] is None else full(g["member_lr"]) * float(g["lr"])
+        out: dict[str, Tensor | tuple[Tensor, ...]] = {"lr": lr}
+        for name, _ in self._HYPER:
+            value = g[name]
+            out[name] = tuple(map(full, value)) if isinstance(value, tuple | list) else full(value)
+        return out
+
+    @torch.no_grad()
+    def set_hyperparameters(self, members: Any = None, **values: Any) -> None:
+        """Sets hyperparameters of some members in place, in every param group.
+
+        The next `step` uses them; nothing else changes. `lr` sets member i's rate to
+        `group["lr"] * value`, which is `value` itself unless a torch LR scheduler scales
+        `group["lr"]`.
+
+        Args:
+            members: member indices, an (N,) bool mask, or None for every member.
+            **values: hyperparameter name (`lr`, `momentum`, `betas`, `eps`, `weight_decay`,
+                ...) to a number for all chosen members or a tensor with one value per chosen
+                member; `betas` takes a pair of them.
+
+        Raises:
+            ValueError: an unknown name, a value of the wrong shape or out of range (the
+                message names the member), or `lr` of a group whose one rate a torch
+                scheduler drives.
+
+        Example:
+            >>> opt.set_hyperparameters([3, 5], lr=torch.tensor([0.1, 0.02]), momentum=0.9)
+        """
+        where = f"{self._NAME}.set_hyperparameters()"
+        kinds = dict(self._HYPER)
+        unknown = [k for k in values if k != "lr" and (k not in kinds or k == "amsgrad")]
+        if unknown:
+            names = ", ".join(["lr", *(k for k in kinds if k != "amsgrad")])
+            raise ValueError(
+                f"{where}: {', '.join(map(repr, unknown))} is not a per-member hyperparameter "
+                f"of {self._NAME}; choose from {names}."
+            )
+        index = member_index(members, self.num_members, where)
+        for g, group in enumerate(self.param_groups):
+            for name, value in values.items():
+                if name == "lr":
+                    self._lr_to_members(group, g, where)
+                    self._write(group, ("member_lr", None), index, value, "lr", "nonneg", where)
+                elif isinstance(group[name], tuple | list):
+                    if not isinstance(value, tuple | list) or len(value) != len(group[name]):
+                        raise ValueError(
+                            f"{where}: {name} takes a tuple of {len(group[name])} values, each "
+                            f"a number or a tensor with one value per chosen member; got "
+                            f"{value!r}."
+                        )
+                    for k, v in enumerate(value):
+                        self._write(group, (name, k), index, v, f"{name}[{k}]", kinds[name], where)
+                else:
+                    self._write(group, (name, None), index, value, name, kinds[name], where)
+            self._check_group(group)
+
+    def _lr_to_members(self, group: dict[str, Any], g: int, where: str) -> None:
+        """Moves a group's one learning rate into per-member rates, where that is exact."""
+        if group["member_lr"] is not None:
+            return
+        if "initial_lr" in group:  # a torch LR scheduler owns group["lr"]
+            raise ValueError(
+                f"{where}: param group {g} has one learning rate for all members, driven by a "
+                f"torch LR scheduler; build the optimizer with lr=torch.full((N,), lr) so each "
+                f"member has its own rate (the scheduler then scales all of them)."
+            )
+        rate = group["lr"]
+        group["member_lr"] = torch.full((self.num_members,), float(rate), dtype=torch.float64)
+        group["lr"] = 1.0
+
+    def _write(
+        self,
+        group: dict[str, Any],
+        slot: tuple[str, int | None],
+        index: Tensor,
+        value: Any,
+        label: str,
+        kind: str,
+        where: str,
+    ) -> None:
+        """Writes `value` into rows `index` of one hyperparameter, made (N,) if it was not."""
+        n = self.num_members
+        current = _get(group, slot)
+        boolean = kind == "bool"
+        dtype = torch.bool if boolean else torch.float64
+        if isinstance(current, Tensor):
+            device = current.device
+            full = current.detach().to(dtype=dtype).expand(n).clone()
+        else:
+            device = group["params"][0].device
+            full = torch.full((n,), bool(current) if boolean else float(current), dtype=dtype)
+        if isinstance(value, Tensor):
+            new = value.detach().cpu()
+        else:  # a Python number keeps its double value, as torch.optim would use it
+            new = torch.tensor(value, dtype=dtype)
+        if new.shape not in {(), (len(index),)}:
+            raise ValueError(
+                f"{where}: {label} has shape {tuple(new.shape)}; expected a number or one value "
+                f"per chosen member, shape ({len(index)},)."
+            )
+        if boolean and new.dtype != torch.bool:
+            raise ValueError(f"{where}: {label} must be a bool or a bool tensor; got {new.dtype}.")
+        full[index.to(full.device)] = new.to(full.device, dtype)
+        _put(group, slot, self._check_hyper(full, label, kind).to(device))
+
+    @torch.no_grad()
+    def copy_members(self, source: Any, target: Any, *, hyperparameters: bool = True) -> None:
+        """Makes each target member's optimizer state a copy of its source member's.
+
+        Copies step counts, moments, momentum buffers and isolation counters (a frozen
+        target takes its source's flags, so copying a good member over a frozen one revives
+        it), and with `hyperparameters` every per-member hyperparameter. Copy the weights too
+        (`phalanx.population.copy_members` does both): the target then steps exactly as its
+        source would on the same data. Sources are read before any target is written.
+
+        Args:
+            source: member indices to copy from.
+            target: member indices to copy into, one per source.
+            hyperparameters: also copy the per-member hyperparameters.
+
+        Raises:
+            ValueError: source and target differ in length, or a target appears twice.
+            IndexError: an index is out of range.
+        """
+        where = f"{self._NAME}.copy_members()"
+        src, dst = pairs(source, target, self.num_members, where)
+        for t in self.member_tensors():
+            t[dst.to(t.device)] = t[src.to(t.device)]
+        if not hyperparameters:
+            return
+        for group in self.param_groups:
+            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+                value = _get(group, slot)
+                if isinstance(value, Tensor) and value.shape == (self.num_members,):
+                    new = value.clone()
+                    new[dst.to(new.device)] = value[src.to(new.device)]
+                    _put(group, slot, new)
+
+    def member_rows(self, member: int, *, hyperparameters: bool = True) -> list[Tensor]:
+        """Copies of member `member`'s rows of `member_tensors()` and, with
+        `hyperparameters`, of every per-member hyperparameter tensor; see `set_member_rows`.
+
+        The list's layout depends only on the optimizer's structure, so two optimizers built
+        alike (on two ranks) agree on it: what moving one member between processes needs.
+        """
+        rows = [t[member].clone() for t in self.member_tensors()]
+        if hyperparameters:
+            rows += [t[member].clone() for t in self._hyper_tensors()]
+        return rows
+
+    @torch.no_grad()
+    def set_member_rows(
+        self, member: int, rows: list[Tensor], *, hyperparameters: bool = True
+    ) -> None:
+        """Writes rows taken by `member_rows` (of any member, any alike optimizer) into
+        member `member`: its optimizer state, counters and, with `hyperparameters`, its
+        hyperparameters."""
+        tensors = self.member_tensors()
+        if len(rows) != len(tensors) + (len(self._hyper_tensors()) if hyperparameters else 0):
+            raise ValueError(
+                f"{self._NAME}.set_member_rows(): got {len(rows)} rows, which do not fit this "
+                "optimizer; take them with member_rows() from an optimizer built alike, at the "
+                "same point (before or after the first step)."
+            )
+        for t, row in zip(tensors, rows):
+            t[member] = row.to(t.device, t.dtype)
+        if not hyperparameters:
+            return
+        hyper_rows = iter(rows[len(tensors) :])
+        for group in self.param_groups:
+            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+                value = _get(group, slot)
+                if isinstance(value, Tensor) and value.shape == (self.num_members,):
+                    new = value.clone()  # never in place: it may be the caller's tensor
+                    new[member] = next(hyper_rows).to(new.device, new.dtype)
+                    _put(group, slot, new)
+
+    def _hyper_tensors(self) -> list[Tensor]:
+        """The per-member (N,) hyperparameter tensors of every group, in a fixed order."""
+        return [
+            value
+            for group in self.param_groups
+            for slot in _hyper_slots(group, (name for name, _ in self._HYPER))
+            if isinstance(value := _get(group, slot), Tensor) and value.shape == (self.num_members,)
+        ]
+
+    @torch.no_grad()
+    def keep_members(self, members: Any, params: Iterable[Tensor]) -> None:
+        """Keeps only `members`, in that order, now stepping the smaller stacked `params`.
+
+        The optimizer changes in place (so a scheduler attached to it keeps working): every
+        state tensor, per-member hyperparameter and counter keeps the rows of `members`, and
+        the parameters become `params`, e.g. those of the stack that
+        `phalanx.population.keep_members` returns. The kept members then step exactly as
+        they would have in the full optimizer.
+
+        Args:
+            members: member indices (or an (N,) bool mask) to keep, each at most once.
+            params: the new parameters, in the order of the optimizer's parameters over all
+                groups, each of shape (len(members), *shape).
+
+        Raises:
+            ValueError: a member listed twice, or `params` that do not match in number,
+                shape, dtype or device.
+        """
+        where = f"{self._NAME}.keep_members()"
+        index = member_index(members, self.num_members, where)
+        if len(index.unique()) != len(index):
+            raise ValueError(
+                f"{where}: members {index.tolist()} lists a member more than once; keep each "
+                f"member once (copy_members duplicates a member)."
+            )
+        if not len(index):
+            raise ValueError(f"{where}: keep at least one member.")
+        old = [p for group in self.param_groups for p in group["params"]]
+        new = list(params)
+        k = len(index)
+        problems = [] if len(new) == len(old) else [f"{len(new)} parameters given, {len(old)} held"]
+        for j, (o, p) in enumerate(zip(old, new)):
+            want = (k, *o.shape[1:])
+            if tuple(p.shape) != want or p.dtype != o.dtype or p.device != o.device:
+                problems.append(
+                    f"parameter {j} expected shape {want}, {o.dtype} on {o.device}; got "
+                    f"{tuple(p.shape)}, {p.dtype} on {p.device}"
+                )
+        if problems:
+            raise ValueError(
+                f"{where}: the new parameters do not fit: " + "; ".join(problems) + ". Pass the "
+                "parameters of the kept members' stack in the optimizer's order."
+            )
+        n = self.num_members
+        swap = {id(o): p for o, p in zip(old, new)}
+        state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        for o in old:
+            if o in self.state:
+                state[swap[id(o)]] = {key: _rows(v, index, n) for key, v in self.state[o].items()}
+        for group in self.param_groups:
+            group["params"] = [swap[id(p)] for p in group["params"]]
+            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+                _put(group, slot, _rows(_get(group, slot), index, n))
+        self.state = state
+        self.num_members = k
+        self.last_skipped = self.last_skipped[index.to(self.frozen.device)]
+        self.bad_steps = self.bad_steps[index.to(self.frozen.device)]
+        self.frozen = self.frozen[index.to(self.frozen.device)]
+
+
+def _rows(value: Any, index: Tensor, n: int) -> Any:
+    """Rows `index` of a per-member tensor (dim 0 of size N); anything else as it is."""
+    if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
+        return value[index.to(value.device)]
+    return value
+
+
+def pairs(source: Any, target: Any, n: int, where: str) -> tuple[Tensor, Tensor]:
+    """(source, target) index pairs for a copy, checked: equal lengths, distinct targets."""
+    src = member_index(source, n, where, "source members")
+    dst = member_index(target, n, where, "target members")
+    if len(src) != len(dst):
+        raise ValueError(
+            f"{where}: {len(src)} source members but {len(dst)} target members; give one "
+            f"source per target."
+        )
+    if len(dst.unique()) != len(dst):
+        raise ValueError(
+            f"{where}: target members {dst.tolist()} list a member more than once; each target "
+            f"can take one source."
+        )
+    return src, dst

@@ -1,0 +1,204 @@
+"""Successive halving (ASHA-style early stopping) inside one stack.
+
+At each milestone the members are ranked by a metric and only the best 1/`reduction_factor`
+go on; the others are dropped from the stack, optimizer and loader, so the steps after a
+milestone cost what the smaller stack costs. ASHA (Li et al. 2020) promotes trials
+asynchronously as each reaches a rung; in a stack every member reaches a rung at the same
+step, so ASHA's rule (keep the top 1/eta of those at the rung) is exactly this synchronous
+one, with the rungs ASHA uses: grace_period * eta**k.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import safetensors
+import torch
+from torch import Tensor
+
+import phalanx
+from phalanx.data import MemberLoader
+from phalanx.optim import MemberOptimizer
+from phalanx.population._pbt import ranking
+from phalanx.population._surgery import keep_members
+
+if TYPE_CHECKING:
+    from phalanx._stack import Stack
+
+__all__ = ["SuccessiveHalving", "rungs"]
+
+
+def rungs(grace_period: int, reduction_factor: int, max_steps: int) -> list[int]:
+    """ASHA's milestones: grace_period * reduction_factor**k below max_steps.
+
+    Example:
+        >>> rungs(10, 2, 100)
+        [10, 20, 40, 80]
+    """
+    out, step = [], grace_period
+    while step < max_steps:
+        out.append(step)
+        step *= reduction_factor
+    return out
+
+
+class SuccessiveHalving:
+    """Stops the worse members of a stack at milestones, keeping the best 1/eta each time.
+
+    Args:
+        stack: the stack, N members.
+        optimizer: its phalanx optimizer, compacted in place with the stack.
+        milestones: the steps at which to stop members, e.g. `rungs(grace, eta, max_steps)`.
+        loader: its MemberLoader, compacted in place with the stack.
+        reduction_factor: eta: keep ceil(n / eta) of the n members at each milestone.
+        min_members: never keep fewer.
+        mode: "max" if a larger metric is better, "min" for a loss.
+
+    Attributes:
+        stack: the current stack; a new, smaller one after each `stop`.
+        members: the original index of each member of `stack`.
+        log: one dict per milestone: step, members kept and stopped (original indices), and
+            every member's metric there.
+
+    Example:
+        >>> halving = phalanx.population.SuccessiveHalving(
+        ...     stack, opt, rungs(100, 2, 1000), loader=loader)
+        >>> for step in range(1, 1001):
+        ...     train_step(halving.stack)
+        ...     if halving.ready(step):
+        ...         halving.stop(validation_accuracy(halving.stack), step=step)
+    """
+
+    def __init__(
+        self,
+        stack: Stack,
+        optimizer: MemberOptimizer | None,
+        milestones: Sequence[int],
+        *,
+        loader: MemberLoader | None = None,
+        reduction_factor: float = 2,
+        min_members: int = 1,
+        mode: str = "max",
+    ) -> None:
+        where = "phalanx.population.SuccessiveHalving()"
+        if reduction_factor <= 1:
+            raise ValueError(f"{where}: reduction_factor must be > 1; got {reduction_factor!r}.")
+        if isinstance(min_members, bool) or not isinstance(min_members, int) or min_members < 1:
+            raise ValueError(f"{where}: min_members must be a positive int; got {min_members!r}.")
+        if mode not in ("max", "min"):
+            raise ValueError(f"{where}: mode must be 'max' or 'min'; got {mode!r}.")
+        if list(milestones) != sorted(set(milestones)) or any(m < 1 for m in milestones):
+            raise ValueError(
+                f"{where}: milestones must be increasing positive steps; got {list(milestones)}."
+            )
+        self.stack = stack
+        self.optimizer = optimizer
+        self.loader = loader
+        self.milestones = list(milestones)
+        self.reduction_factor = reduction_factor
+        self.min_members = min_members
+        self.mode = mode
+        self.members = list(range(len(stack)))
+        self.log: list[dict[str, Any]] = []
+        self.last_step = 0
+
+    def ready(self, step: int) -> bool:
+        """True when `step` is a milestone not handled yet."""
+        return step > self.last_step and step in self.milestones
+
+    @torch.no_grad()
+    def stop(self, metric: Tensor, *, step: int) -> Stack:
+        """Keeps the best ceil(n / eta) members (at least `min_members`) and drops the rest.
+
+        Args:
+            metric: (n,) one value per current member; NaN ranks last.
+            step: the training step, for the log.
+
+        Returns:
+            The new, smaller stack (also `self.stack`); the optimizer and loader now follow it.
+        """
+        where = "phalanx.population.SuccessiveHalving.stop()"
+        metric = torch.as_tensor(metric).detach().double().cpu()
+        n = len(self.stack)
+        if metric.shape != (n,):
+            raise ValueError(
+                f"{where}: metric must hold one value per current member, shape ({n},); got "
+                f"{tuple(metric.shape)}."
+            )
+        k = min(n, max(self.min_members, math.ceil(n / self.reduction_factor)))
+        keep = sorted(ranking(metric, self.mode)[:k].tolist())  # kept in their old order
+        stopped = sorted(set(range(n)) - set(keep))
+        self.log.append(
+            {
+                "step": step,
+                "kept": [self.members[i] for i in keep],
+                "stopped": [self.members[i] for i in stopped],
+                "metric": dict(zip(map(str, self.members), metric.tolist())),
+            }
+        )
+        self.last_step = step
+        if stopped:
+            self.stack = keep_members(
+                self.stack, keep, optimizer=self.optimizer, loader=self.loader
+            )
+            self.members = [self.members[i] for i in keep]
+        return self.stack
+
+    # ------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The surviving members, the log and the last milestone handled."""
+        return {"members": self.members, "log": self.log, "last_step": self.last_step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what `state_dict` saved; the stack must already hold those members."""
+        self.members = [int(i) for i in state["members"]]
+        self.log = list(state["log"])
+        self.last_step = int(state["last_step"])
+
+    def save(self, path: str, **extra: Any) -> None:
+        """Saves the (compacted) stack, optimizer, loader and this driver with `phalanx.save`."""
+        phalanx.save(
+            path, self.stack, optimizer=self.optimizer, loader=self.loader,
+            population=self.state_dict(), **extra,
+        )  # fmt: skip
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Resumes a run saved by `save`, from a driver built over the full, fresh stack.
+
+        The stack, optimizer and loader are first compacted to the saved survivors, then
+        loaded; use `self.stack` afterwards.
+
+        Returns:
+            The other `extra` values given to `save`.
+        """
+        survivors = _saved_members(path)
+        if survivors != self.members:
+            index = [self.members.index(i) for i in survivors]
+            self.stack = keep_members(
+                self.stack, index, optimizer=self.optimizer, loader=self.loader
+            )
+            self.members = survivors
+        extra = phalanx.load(path, self.stack, optimizer=self.optimizer, loader=self.loader)
+        self.load_state_dict(extra.pop("population"))
+        return extra
+
+
+def _saved_members(path: str) -> list[int]:
+    """The surviving members recorded in a checkpoint, read before the stack is built.
+
+    `phalanx.load` needs a stack of the saved size, so the size is read from the file's
+    JSON metadata first (the list is stored there as plain JSON, not as a tensor).
+    """
+    with safetensors.safe_open(path, framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("phalanx", "{}"))
+    try:
+        return [int(i) for i in meta["extra"]["population"]["members"]]
+    except (KeyError, TypeError) as e:
+        raise ValueError(
+            f"phalanx.population.SuccessiveHalving.load(): '{path}' holds no successive "
+            "halving state; write it with SuccessiveHalving.save()."
+        ) from e

@@ -1,0 +1,306 @@
+"""Population-based training (Jaderberg et al. 2017) inside one stack.
+
+Every `interval` steps the members are ranked by a metric; each member of the bottom
+quantile becomes a copy of a random member of the top quantile (weights, optimizer state,
+hyperparameters: the exploit) and then changes its hyperparameters (the explore). Since all
+members step together, every member is ready at once: this is synchronous PBT, with Ray
+Tune's defaults (quantile 0.25, resample probability 0.25, perturbation factors 1.2 / 0.8).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+import phalanx
+from phalanx.data import MemberLoader
+from phalanx.optim import MemberOptimizer
+from phalanx.population._mutations import Mutation, check_mutation, mutate
+from phalanx.population._surgery import copy_members
+
+if TYPE_CHECKING:
+    from phalanx._stack import Stack
+    from phalanx.distributed import Shard
+
+__all__ = ["PBT", "ranking"]
+
+
+def ranking(metric: Tensor, mode: str) -> Tensor:
+    """Member indices from best to worst; NaN counts as worst, ties keep index order."""
+    worst = -math.inf if mode == "max" else math.inf
+    key = torch.nan_to_num(metric.detach().double().cpu(), nan=worst)
+    return torch.sort(key, descending=mode == "max", stable=True).indices
+
+
+class PBT:
+    """Population-based training of the members of one stack.
+
+    Args:
+        stack: the stack, N members (this rank's block with `shard`).
+        optimizer: its phalanx optimizer; PBT reads and writes its per-member hyperparameters
+            (those of param group 0 are read; writes go to every group).
+        mutations: hyperparameter name (`"lr"`, `"momentum"`, `"weight_decay"`, ...) to how
+            it changes: a list of values, a sampler (`LogUniform`, `Uniform`, or
+            `f(generator) -> float`) or `Factors(...)`; see `phalanx.population`.
+        interval: steps between exploits (the ready interval).
+        loader: the stack's MemberLoader; with `copy_data`, a copied member also takes its
+            source's data stream.
+        copy_data: see `loader`. Off by default: each member keeps its own data.
+        quantile: the fraction of members replaced each time, and of members copied from
+            (at most half the members).
+        resample_probability: chance that explore draws a fresh value instead of perturbing.
+        perturb: the factors a perturbation multiplies by, one chosen at random.
+        mode: "max" if a larger metric is better (accuracy), "min" for a loss.
+        seed: seeds the driver's own generator (the same seed on every rank).
+        shard: with `phalanx.distributed`, this rank's Shard; metrics are gathered and
+            members copied across ranks.
+
+    Attributes:
+        log: one dict per exploit: step, member, source, their metrics, and the member's new
+            hyperparameters.
+        history: one dict per ready step (and one for step 0): step, every member's metric
+            (None at step 0) and every member's hyperparameters from that step on.
+
+    Example:
+        >>> pbt = phalanx.population.PBT(
+        ...     stack, opt, {"lr": phalanx.population.LogUniform(1e-4, 1.0)}, interval=100)
+        >>> for step in range(1, steps + 1):
+        ...     train_step()
+        ...     if pbt.ready(step):
+        ...         pbt.exploit(validation_accuracy(), step=step)
+    """
+
+    def __init__(
+        self,
+        stack: Stack,
+        optimizer: MemberOptimizer,
+        mutations: Mapping[str, Mutation],
+        *,
+        interval: int,
+        loader: MemberLoader | None = None,
+        copy_data: bool = False,
+        quantile: float = 0.25,
+        resample_probability: float = 0.25,
+        perturb: Sequence[float] = (1.2, 0.8),
+        mode: str = "max",
+        seed: int = 0,
+        shard: Shard | None = None,
+    ) -> None:
+        where = "phalanx.population.PBT()"
+        if not isinstance(optimizer, MemberOptimizer):
+            raise TypeError(
+                f"{where}: optimizer must be a phalanx optimizer (phalanx.optim.SGD, Adam, "
+                f"AdamW); got {type(optimizer).__name__}."
+            )
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"{where}: interval must be a positive int (steps); got {interval!r}.")
+        if not 0 < quantile <= 0.5:
+            raise ValueError(f"{where}: quantile must be in (0, 0.5]; got {quantile!r}.")
+        if not 0 <= resample_probability <= 1:
+            raise ValueError(
+                f"{where}: resample_probability must be in [0, 1]; got {resample_probability!r}."
+            )
+        if mode not in ("max", "min"):
+            raise ValueError(f"{where}: mode must be 'max' or 'min'; got {mode!r}.")
+        if copy_data and loader is None:
+            raise ValueError(f"{where}: copy_data=True needs the loader: pass loader=.")
+        if not mutations:
+            raise ValueError(f"{where}: give at least one hyperparameter to mutate.")
+        current = optimizer.hyperparameters()
+        for name, mutation in mutations.items():
+            value = current.get(name)
+            if not isinstance(value, Tensor) or value.dtype == torch.bool:
+                usable = [
+                    k for k, v in current.items() if isinstance(v, Tensor) and v.is_floating_point()
+                ]
+                raise ValueError(
+                    f"{where}: {type(optimizer).__name__} has no per-member number "
+                    f"hyperparameter {name!r} to mutate; choose from {', '.join(usable)}."
+                )
+            check_mutation(name, mutation, where)
+        if "lr" in mutations and any(
+            g["lr"] != 1.0 and g["member_lr"] is not None for g in optimizer.param_groups
+        ):
+            raise ValueError(
+                f"{where}: a torch LR scheduler scales group['lr'] of this optimizer, so PBT's "
+                "learning rates would not be the rates members step with; drop the scheduler "
+                "or leave 'lr' out of the mutations."
+            )
+        self.stack = stack
+        self.optimizer = optimizer
+        self.mutations = dict(mutations)
+        self.interval = interval
+        self.loader = loader
+        self.copy_data = copy_data
+        self.quantile = quantile
+        self.resample_probability = resample_probability
+        self.perturb = tuple(float(f) for f in perturb)
+        self.mode = mode
+        self.shard = shard
+        self.generator = torch.Generator().manual_seed(seed)
+        # Every mutated hyperparameter becomes one value per member, exactly as it was.
+        optimizer.set_hyperparameters(None, **{k: current[k] for k in self.mutations})
+        self.log: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = [
+            {"step": 0, "metric": None, "hyperparameters": self._lists(self._hypers())}
+        ]
+        self.last_step = 0
+
+    @property
+    def num_members(self) -> int:
+        """N, over all ranks."""
+        return self.shard.num_members if self.shard is not None else len(self.stack)
+
+    def ready(self, step: int) -> bool:
+        """True when `step` is a multiple of the interval not exploited yet."""
+        return step > self.last_step and step % self.interval == 0
+
+    def _hypers(self) -> dict[str, Tensor]:
+        """Every member's mutated hyperparameters, (N,) float64 each, over all ranks."""
+        values = self.optimizer.hyperparameters()
+        out = {name: values[name] for name in self.mutations}
+        if self.shard is not None:
+            out = self.shard.gather(out)
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _lists(values: Mapping[str, Tensor]) -> dict[str, list[float]]:
+        return {name: v.tolist() for name, v in values.items()}
+
+    @torch.no_grad()
+    def exploit(self, metric: Tensor, *, step: int) -> list[dict[str, Any]]:
+        """Replaces the bottom quantile by mutated copies of the top quantile.
+
+        Args:
+            metric: (N,) one value per member (this rank's members with `shard`), e.g.
+                validation accuracy; NaN ranks last.
+            step: the training step, for the log.
+
+        Returns:
+            This round's entries of `log`.
+
+        Raises:
+            ValueError: `metric` has another number of members.
+        """
+        where = "phalanx.population.PBT.exploit()"
+        metric = torch.as_tensor(metric).detach()
+        local = len(self.stack)
+        if metric.shape != (local,):
+            raise ValueError(
+                f"{where}: metric must hold one value per member of this stack, shape "
+                f"({local},); got {tuple(metric.shape)}."
+            )
+        if self.shard is not None:
+            metric = self.shard.gather(metric)
+        metric = metric.double().cpu()
+        n = self.num_members
+        count = math.ceil(n * self.quantile)
+        if count > n / 2:
+            count = n // 2
+        order = ranking(metric, self.mode)
+        top, bottom = order[:count].tolist(), sorted(order[n - count :].tolist())
+        hypers = self._hypers()
+        events, sources = [], []
+        for target in bottom:
+            source = top[int(torch.randint(len(top), (), generator=self.generator))]
+            new = {
+                name: float(
+                    mutate(
+                        float(hypers[name][source]),
+                        mutation,
+                        resample_probability=self.resample_probability,
+                        factors=self.perturb,
+                        generator=self.generator,
+                    )
+                )
+                for name, mutation in self.mutations.items()
+            }
+            sources.append(source)
+            events.append(
+                {
+                    "step": step,
+                    "member": target,
+                    "source": source,
+                    "metric": float(metric[target]),
+                    "source_metric": float(metric[source]),
+                    "hyperparameters": new,
+                }
+            )
+        if events:
+            loader = self.loader if self.copy_data else None
+            copy_members(
+                self.stack, sources, bottom, optimizer=self.optimizer, loader=loader,
+                shard=self.shard,
+            )  # fmt: skip
+            self._set(bottom, [e["hyperparameters"] for e in events])
+        self.log += events
+        self.history.append(
+            {
+                "step": step,
+                "metric": metric.tolist(),
+                "hyperparameters": self._lists(self._hypers()),
+            }
+        )
+        self.last_step = step
+        return events
+
+    def _set(self, targets: list[int], values: list[dict[str, float]]) -> None:
+        """Writes each target's new hyperparameters; targets are global indices."""
+        start = self.shard.start if self.shard is not None else 0
+        mine = [(t - start, v) for t, v in zip(targets, values) if 0 <= t - start < len(self.stack)]
+        if not mine:
+            return
+        members = [j for j, _ in mine]
+        self.optimizer.set_hyperparameters(
+            members,
+            **{
+                name: torch.tensor([v[name] for _, v in mine], dtype=torch.float64)
+                for name in self.mutations
+            },
+        )
+
+    # ------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The driver's generator, log, history and last exploit step (no hyperparameters:
+        they live in the optimizer's state)."""
+        return {
+            "generator": self.generator.get_state(),
+            "log": self.log,
+            "history": self.history,
+            "last_step": self.last_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what `state_dict` saved."""
+        self.generator.set_state(state["generator"].to(torch.uint8))
+        self.log = list(state["log"])
+        self.history = list(state["history"])
+        self.last_step = int(state["last_step"])
+
+    def save(self, path: str, **extra: Any) -> None:
+        """Saves the stack, optimizer, loader and this driver in one `phalanx.save` file."""
+        if self.shard is not None and self.shard.world_size > 1:
+            raise NotImplementedError(
+                "phalanx.population.PBT.save(): sharded runs are saved with "
+                "phalanx.distributed.save(), which keeps no driver state yet; save "
+                "pbt.state_dict() from rank 0 beside it."
+            )
+        phalanx.save(
+            path, self.stack, optimizer=self.optimizer, loader=self.loader,
+            population=self.state_dict(), **extra,
+        )  # fmt: skip
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restores a run saved by `save` into this driver's stack, optimizer and loader.
+
+        Returns:
+            The other `extra` values given to `save`.
+        """
+        extra = phalanx.load(path, self.stack, optimizer=self.optimizer, loader=self.loader)
+        self.load_state_dict(extra.pop("population"))
+        return extra

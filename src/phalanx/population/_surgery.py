@@ -1,0 +1,171 @@
+"""Member surgery on a whole training run: stack, optimizer and loader together.
+
+`copy_members` makes members exact copies of others (the exploit of population-based
+training); `keep_members` drops members for good (early stopping), returning a smaller stack
+whose steps cost less. Both index whole stacked tensors: no Python loop over members.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from phalanx._modules import copy_modes
+from phalanx._stack import Stack
+from phalanx.data import MemberLoader
+from phalanx.optim import MemberOptimizer
+from phalanx.optim._surgery import member_index, pairs
+
+if TYPE_CHECKING:
+    from phalanx.distributed import Shard
+
+__all__ = ["copy_members", "keep_members", "member_tensors"]
+
+
+def member_tensors(stack: Stack) -> list[Tensor]:
+    """The stack's stacked parameters and buffers, each (N, *shape), in a fixed order."""
+    params = [p for _, p in stack.module.named_parameters()]
+    return params + [b for _, b in stack.module.named_buffers()]
+
+
+def _check(stack: Stack, optimizer: Any, loader: Any, where: str) -> None:
+    n = len(stack)
+    if optimizer is not None and not isinstance(optimizer, MemberOptimizer):
+        raise TypeError(
+            f"{where}: optimizer must be a phalanx optimizer (phalanx.optim.SGD, Adam, AdamW), "
+            f"whose state has a member axis; got {type(optimizer).__name__}."
+        )
+    if loader is not None and not isinstance(loader, MemberLoader):
+        raise TypeError(
+            f"{where}: loader must be a phalanx.data.MemberLoader; got {type(loader).__name__}."
+        )
+    for name, obj in (("optimizer", optimizer), ("loader", loader)):
+        if obj is not None and obj.num_members != n:
+            raise ValueError(
+                f"{where}: the {name} holds {obj.num_members} members but the stack {n}; pass "
+                f"the {name} that trains this stack."
+            )
+
+
+@torch.no_grad()
+def copy_members(
+    stack: Stack,
+    source: Any,
+    target: Any,
+    *,
+    optimizer: MemberOptimizer | None = None,
+    loader: MemberLoader | None = None,
+    hyperparameters: bool = True,
+    shard: Shard | None = None,
+) -> None:
+    """Makes each target member an exact copy of its source member, in place.
+
+    Copies weights and buffers (not gradients: zero them before the next backward); with `optimizer`, every optimizer state tensor
+    (moments, momentum buffers, per-member step counts), the isolation counters and, with
+    `hyperparameters`, the per-member hyperparameters; with `loader`, the data stream, so the
+    target's next batches equal the source's. A target then steps bit for bit as its source
+    does. All sources are read before any target is written.
+
+    Args:
+        stack: the stack, N members.
+        source: member indices to copy from (global indices with `shard`).
+        target: member indices to overwrite, one per source, each at most once.
+        optimizer: the phalanx optimizer training the stack.
+        loader: give it to make the targets read their sources' data streams.
+        hyperparameters: also copy the optimizer's per-member hyperparameters.
+        shard: with `phalanx.distributed`, this rank's Shard: sources and targets are global
+            indices and may live on other ranks. Every rank must call with the same indices.
+
+    Raises:
+        ValueError: source and target differ in length, a target repeats, or the optimizer
+            or loader holds another number of members.
+        IndexError: an index is out of range.
+
+    Example:
+        >>> best = int(val_acc.argmax())
+        >>> phalanx.population.copy_members(stack, [best], [worst], optimizer=opt)
+    """
+    where = "phalanx.population.copy_members()"
+    _check(stack, optimizer, loader, where)
+    if shard is not None and shard.world_size > 1:
+        from phalanx.population._distributed import copy_across_ranks
+
+        copy_across_ranks(stack, source, target, optimizer, loader, hyperparameters, shard)
+        return
+    src, dst = pairs(source, target, len(stack), where)
+    for t in member_tensors(stack):
+        t[dst.to(t.device)] = t[src.to(t.device)]
+    if optimizer is not None:
+        optimizer.copy_members(src, dst, hyperparameters=hyperparameters)
+    if loader is not None:
+        loader.copy_members(src, dst)
+
+
+@torch.no_grad()
+def keep_members(
+    stack: Stack,
+    members: Any,
+    *,
+    optimizer: MemberOptimizer | None = None,
+    loader: MemberLoader | None = None,
+) -> Stack:
+    """A smaller stack of `members` only; the optimizer and loader follow it in place.
+
+    The new stack holds copies of the kept members' rows, in the order given; the optimizer
+    keeps their state and hyperparameters and steps the new stack's parameters; the loader
+    keeps their data streams. Training then continues exactly as it would have for those
+    members, and each step costs what a stack of that size costs.
+
+    Args:
+        stack: the stack, N members.
+        members: member indices (or an (N,) bool mask) to keep, each at most once.
+        optimizer: the phalanx optimizer training the stack, changed in place.
+        loader: its MemberLoader, changed in place.
+
+    Returns:
+        The new stack, with the same backend choice and train/eval modes.
+
+    Raises:
+        ValueError: no member kept, a member kept twice, or an optimizer or loader with
+            another number of members.
+
+    Example:
+        >>> top = torch.topk(val_acc, k=len(stack) // 2).indices
+        >>> stack = phalanx.population.keep_members(stack, top, optimizer=opt, loader=loader)
+    """
+    where = "phalanx.population.keep_members()"
+    _check(stack, optimizer, loader, where)
+    index = member_index(members, len(stack), where)
+    if not len(index) or len(index.unique()) != len(index):
+        raise ValueError(
+            f"{where}: members must list at least one member and each at most once; got "
+            f"{index.tolist()}."
+        )
+
+    def rows(t: Tensor) -> Tensor:
+        return t.detach()[index.to(t.device)]  # advanced indexing: a new tensor
+
+    params = {name: rows(p) for name, p in stack.module.named_parameters()}
+    buffers = {name: rows(b) for name, b in stack.module.named_buffers()}
+    # The backend the user asked for ("auto" stays "auto"), not the one auto picked: auto
+    # re-races at the new size, where another backend may be faster.
+    backend = getattr(stack, "_requested", stack.backend)
+    smaller = Stack._from_stacked(stack._template, params, buffers, len(index), backend=backend)
+    copy_modes(stack.module, smaller.module)
+    smaller.training = stack.training
+    if optimizer is not None:
+        names = {id(p): name for name, p in stack.module.named_parameters()}
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        stray = [j for j, p in enumerate(held) if id(p) not in names]
+        if stray:
+            raise ValueError(
+                f"{where}: optimizer parameters {stray} are not parameters of this stack; pass "
+                f"the optimizer built over stack.parameters()."
+            )
+        new = dict(smaller.module.named_parameters())
+        optimizer.keep_members(index, [new[names[id(p)]] for p in held])
+    if loader is not None:
+        loader.keep_members(index)
+    return smaller
