@@ -118,9 +118,13 @@ def test_a_case_never_checked_is_checked_before_it_is_trusted(layer):
         auto.train()
         for m in members:
             m.train()
-    with pytest.warns(UserWarning, match=r"backend 'fused' \(.*\) cannot run this model exactly"):
+    with warnings.catch_warnings():
+        # auto announces the hand-over when it ran fused before; its race may have kept a
+        # simpler backend from the start, which needs no hand-over: the answer is what counts.
+        warnings.simplefilter("ignore")
         out = auto(x)
     assert_close(out, torch.stack([m(x) for m in members]))
+    assert auto.backend != "fused"
 
 
 # ------------------------------------------------------------ member 0 does not stand in

@@ -54,7 +54,8 @@ def test_every_architecture_difference_is_listed_once():
     assert text.count("phalanx.stack()") == 1
     assert text.endswith(
         "All members must share one architecture: the same module types, "
-        "parameter and buffer names, shapes, dtypes, devices and train/eval mode."
+        "parameter and buffer names, shapes, dtypes, devices, train/eval mode, settings, hooks "
+        "and ties; only tensor values may differ."
     )
 
 
