@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from phalanx._backends import CHOICES, StackView, get_backend
+from phalanx._memory import reuse_freed_memory
 from phalanx._modules import copy_modes
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
 
@@ -123,6 +124,9 @@ class Stack(nn.Module):
             self, "_view", StackView(num_members, self.module, template, self._stacked_state)
         )
         self._set_backend(backend)
+        cpu = [t for t in [*params.values(), *buffers.values()] if t.device.type == "cpu"]
+        if cpu:  # gradients of this size would be mapped and faulted in afresh every step
+            reuse_freed_memory(max(t.numel() * t.element_size() for t in cpu))
 
     def _set_backend(self, name: str) -> None:
         self._requested = name
