@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import re
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -712,6 +714,7 @@ class ModelTiming:
     median_s: dict[str, float] = field(default_factory=dict)
     iqr_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     gflop: float | None = None
+    outside: float | None = None  # share of phalanx's step spent outside the batched kernels
 
     def speedup(self, baseline: str) -> float | None:
         """The baseline's median time over phalanx's: above 1, phalanx is faster."""
@@ -736,6 +739,38 @@ def step_gflop(model: RealModel, member: nn.Module, batch: Batch, n: int) -> flo
     with counter:
         model.loss(m(*batch.member_args(0)), batch.member_target(0)).backward()
     return counter.get_total_flops() * n / 1e9
+
+
+# The kernels that do the members' arithmetic in one call for all of them: GEMMs,
+# convolutions, embeddings, normalisations, recurrent layers, attention and the fused Adam.
+_BATCHED_KERNELS = re.compile(
+    r"aten::(b?mm|baddbmm|addmm|addbmm|_?convolution.*|mkldnn_convolution.*|.*conv.*d|"
+    r"embedding.*|_embedding_bag.*|native_batch_norm.*|native_layer_norm.*|"
+    r"native_group_norm.*|.*lstm.*|.*gru.*|.*rnn.*|_scaled_dot_product.*|_fused_adam.*|"
+    r"_fused_adamw.*|bmm_backward.*|threshold_backward|tanh_backward|sigmoid_backward)$"
+)
+
+
+def outside_share(step: Callable[[], None], repeats: int = 5) -> float:
+    """The share of a step's wall time spent outside the batched kernels.
+
+    torch.profiler's self CPU time of the kernels that do the members' arithmetic, against
+    the wall time of ``repeats`` steps under the profiler: what is left is Python, the
+    dispatcher, autograd, small elementwise kernels and the profiler's own overhead (so the
+    share is an upper bound).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        wall = time.perf_counter() - start
+    inside = sum(
+        e.self_cpu_time_total for e in prof.key_averages() if _BATCHED_KERNELS.match(e.key)
+    )
+    return max(0.0, 1.0 - inside / 1e6 / wall)
 
 
 def _agree(got: Any, expected: Any) -> str | None:
@@ -805,6 +840,10 @@ def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> Mod
         )
     row.median_s = {k: t.median for k, t in timings.items()}
     row.iqr_s = {k: t.iqr for k, t in timings.items()}
+    if "phalanx" in steps:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row.outside = outside_share(steps["phalanx"])
     return row
 
 
@@ -823,7 +862,7 @@ def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
 
     headers = ["model", "input", "auto ran", "loop", "loop fused-Adam", "torch.func",
                "phalanx", "vs loop", "vs fused-Adam loop", "vs torch.func", "loop % peak",
-               "phalanx % peak"]  # fmt: skip
+               "phalanx % peak", "phalanx outside kernels"]  # fmt: skip
     cells = []
     for r in rows:
         times = [fmt_time(r.median_s.get(k)) if r.status.get(k) == "ok" else
@@ -839,6 +878,7 @@ def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
                 ratio(r.speedup("torch.func")),
                 share(r.share_of_peak("loop", gemm_gflops)),
                 share(r.share_of_peak("phalanx", gemm_gflops)),
+                share(r.outside),
             ]
         )
     geo = [r.speedup("loop fused-Adam") for r in rows]
