@@ -235,16 +235,19 @@ class Stack(nn.Module):
 
     def _check_devices(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Refuses ``meta`` inputs to a stack holding data: no backend computes them truly."""
-        first = next(iter(self._stacked_state()[0].values()), None)
+        meta = [
+            k
+            for k, a in [*enumerate(args), *kwargs.items()]
+            if isinstance(a, torch.Tensor) and a.is_meta
+        ]
+        first = next(iter(self._stacked_state()[0].values()), None) if meta else None
         if first is None or first.is_meta:
             return
-        for k, a in [*enumerate(args), *kwargs.items()]:
-            if isinstance(a, torch.Tensor) and a.is_meta:
-                raise ValueError(
-                    f"Stack.forward(): input {k!r} is on the meta device, the stack's parameters "
-                    f"on {first.device}; move the input with x.to({str(first.device)!r}), or the "
-                    f"stack with stack.to('meta') to trace shapes only."
-                )
+        raise ValueError(
+            f"Stack.forward(): input {meta[0]!r} is on the meta device, the stack's parameters "
+            f"on {first.device}; move the input with x.to({str(first.device)!r}), or the "
+            f"stack with stack.to('meta') to trace shapes only."
+        )
 
     # ---------------------------------------------------------------------------------- export
 

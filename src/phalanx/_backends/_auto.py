@@ -58,9 +58,11 @@ class AutoBackend:
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
     ) -> Any:
-        name = self._choose(view, args, kwargs, in_dims)
         if torch.compiler.is_compiling():
+            name = self._choose_outside_graph(view, args, kwargs, in_dims)
             return get_backend(name).forward(view, args, kwargs, in_dims)
+        pick = self.state(view)["picks"].get(torch.is_grad_enabled())
+        name = pick if pick is not None else self._choose(view, args, kwargs, in_dims)
         try:
             return get_backend(name).forward(view, args, kwargs, in_dims)
         except Exception as e:
@@ -73,6 +75,10 @@ class AutoBackend:
         return get_backend(name).forward(view, args, kwargs, in_dims)
 
     @torch.compiler.disable
+    def _choose_outside_graph(self, *args: Any) -> str:
+        """The choice, kept out of torch.compile's graph (it times backends)."""
+        return self._choose(*args)
+
     def _choose(
         self,
         view: StackView,

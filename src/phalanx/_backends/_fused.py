@@ -68,28 +68,31 @@ def fused_tree(view: StackView) -> nn.Module:
     return cache["tree"]
 
 
-def _modes(module: nn.Module) -> tuple[bool, ...]:
-    return tuple(m.training for m in module.modules())
+def _modes(cache: dict[str, Any], module: nn.Module) -> tuple[bool, ...]:
+    modules = cache.get("modules")
+    if modules is None:  # the tree's structure is fixed; only the modes change
+        modules = cache["modules"] = list(module.modules())
+    return tuple(m.training for m in modules)
+
+
+def _sig(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.dtype, a.device, a.requires_grad)
+    return (type(a), a) if isinstance(a, (bool, int, float, str, type(None))) else type(a)
 
 
 def _case(args: tuple, kwargs: dict, in_dims: tuple, modes: tuple) -> tuple:
     """Everything the member's forward can branch on that phalanx can see."""
-
-    def sig(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return (tuple(a.shape), a.dtype, a.device, a.requires_grad)
-        return (type(a), a) if isinstance(a, (bool, int, float, str, type(None))) else type(a)
-
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    autocast = torch.is_autocast_enabled(device)
     return (
-        tuple(sig(a) for a in args),
+        tuple(map(_sig, args)),
         in_dims,
-        tuple(sorted((k, sig(v)) for k, v in kwargs.items())),
+        tuple(sorted((k, _sig(v)) for k, v in kwargs.items())) if kwargs else (),
         modes,
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled(device),
-        torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None,
+        torch.get_autocast_dtype(device) if autocast else None,
     )
 
 
@@ -266,11 +269,14 @@ class FusedBackend:
     ) -> Any:
         tree = fused_tree(view)
         cache = view.cache_of("fused")
-        modes = _modes(view.module)
+        modes = _modes(cache, view.module)
         if cache["modes"] != modes:
             copy_modes(view.module, tree)
             cache["modes"] = modes
-        self._check(view, tree, args, kwargs, in_dims, modes)
+        if torch.compiler.is_compiling():
+            self._check_outside_graph(view, tree, args, kwargs, in_dims, modes)
+        elif _case(args, kwargs, in_dims, modes) not in cache["checked"]:
+            self._check(view, tree, args, kwargs, in_dims, modes)
         return self._run(view, tree, args, kwargs, in_dims)
 
     @staticmethod
@@ -301,6 +307,10 @@ class FusedBackend:
         return _unfold_outputs(out, n, sizes, scalars)
 
     @torch.compiler.disable
+    def _check_outside_graph(self, *args: Any) -> None:
+        """The check, kept out of torch.compile's graph (it compares values in Python)."""
+        self._check(*args)
+
     def _check(
         self, view: StackView, tree: nn.Module, args: tuple, kwargs: dict, in_dims: tuple, modes
     ) -> None:
