@@ -17,6 +17,7 @@ from torch import nn
 import phalanx
 from conftest import assert_close
 from phalanx._backends import BackendRefusal
+from test_fused import EmbeddingNet
 
 BACKENDS = ["auto", "fused", "vmap", "loop"]
 
@@ -25,8 +26,17 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 2))
 
 
-def _param_grads(stack: phalanx.Stack) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in stack.module.named_parameters()}
+def _matches_the_loop(members: list[nn.Module], backend: str, x: torch.Tensor) -> None:
+    """A stack of copies of ``members`` on a shared ``x``: outputs and parameter gradients
+    against the members run one by one."""
+    stack = phalanx.stack(copy.deepcopy(members), backend=backend)
+    out = stack(x)
+    assert_close(out, torch.stack([m(x) for m in members]))
+    out.sum().backward()
+    for i, m in enumerate(members):
+        m(x).sum().backward()
+        for name, p in m.named_parameters():
+            assert_close(stack.module.get_parameter(name).grad[i], p.grad, msg=f"{i} {name}")
 
 
 # --------------------------------------------------------------------- second derivatives
@@ -235,15 +245,7 @@ class Forecaster(nn.Module):
 def test_recurrent_members_run_exactly(cell, backend):
     torch.manual_seed(0)
     members = [Forecaster(cell) for _ in range(3)]
-    stack = phalanx.stack(copy.deepcopy(members), backend=backend)
-    x = torch.randn(4, 7, 3)
-    out = stack(x)
-    assert_close(out, torch.stack([m(x) for m in members]))
-    out.sum().backward()
-    for i, m in enumerate(members):
-        m(x).sum().backward()
-        for name, p in m.named_parameters():
-            assert_close(stack.module.get_parameter(name).grad[i], p.grad, msg=f"{i} {name}")
+    _matches_the_loop(members, backend, torch.randn(4, 7, 3))
 
 
 def test_vmap_refusal_is_typed_and_auto_hands_over_for_any_failure():
@@ -274,15 +276,7 @@ def test_parametrized_members_run_exactly(backend):
         nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 5)), nn.Tanh())
         for _ in range(3)
     ]
-    stack = phalanx.stack(copy.deepcopy(members), backend=backend)
-    x = torch.randn(6, 4)
-    out = stack(x)
-    assert_close(out, torch.stack([m(x) for m in members]))
-    out.sum().backward()
-    for i, m in enumerate(members):
-        m(x).sum().backward()
-        for name, p in m.named_parameters():
-            assert_close(stack.module.get_parameter(name).grad[i], p.grad, msg=f"{i} {name}")
+    _matches_the_loop(members, backend, torch.randn(6, 4))
 
 
 def test_a_meta_input_is_refused():
@@ -370,20 +364,10 @@ def test_functional_idioms_of_real_models_run_fused():
     assert_close(out, torch.stack([m(x, a) for m in members]))
 
 
-class PaddedEmbedding(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(11, 4, padding_idx=0)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(idx).mean(-2))
-
-
 def test_vmap_refuses_what_it_gets_silently_wrong_and_auto_hands_over():
     """torch.func gives an Embedding's padding row a gradient under per-member indices."""
     torch.manual_seed(0)
-    members = [PaddedEmbedding() for _ in range(3)]
+    members = [EmbeddingNet() for _ in range(3)]  # an Embedding with padding_idx=0
     idx = torch.randint(0, 11, (3, 5, 6))
     idx[:, :, 0] = 0
     with pytest.raises(BackendRefusal, match="padding_idx on per-member indices"):
