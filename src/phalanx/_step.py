@@ -464,7 +464,7 @@ def _set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
-def _member_optimizer() -> type:
+def _member_optimizer() -> Any:
     from phalanx.optim._base import MemberOptimizer
 
     return MemberOptimizer
