@@ -268,7 +268,7 @@ class CompiledStep:
         # Traced on copies (make_fx runs the operations for real), with the RNG put back, so
         # that tracing leaves no trace in the weights, the buffers or the random stream.
         mutable = ("params", "buffers", "state", "bad_steps", "frozen")
-        copies = {k: pytree.tree_map(lambda v: v.clone(), real[k]) for k in mutable}
+        copies = {k: pytree.tree_map(_clone, real[k]) for k in mutable}
         rng = _rng_state()
         try:
             graph = make_fx(step_function(plan))({**real, **copies})
@@ -417,6 +417,10 @@ def decide(eager_s: list[float], captured_s: list[float]) -> Literal["eager", "c
     """
     eager = eager_s[1:] or eager_s
     return "captured" if min(captured_s) < min(eager) else "eager"
+
+
+def _clone(v: Any) -> Any:
+    return v.clone() if isinstance(v, Tensor) else v
 
 
 def _reason(error: BaseException) -> str:
