@@ -343,9 +343,7 @@ def default_contenders(
         build = functools.partial(PhalanxRunner, backend=backend, optimizer=factory)
         return Contender(f"phalanx:{backend}", "phalanx", build)
 
-    compiled = functools.partial(
-        CompiledRunner, optimizer=factory, compile_backend=compile_backend
-    )
+    compiled = functools.partial(CompiledRunner, optimizer=factory, compile_backend=compile_backend)
     return [
         Contender("loop", "baseline", LoopRunner),
         Contender("loop+fused", "baseline", functools.partial(LoopRunner, fused=True)),
