@@ -347,3 +347,48 @@ def test_inductor_compiles_the_step():
         phalanx.member_losses(F.cross_entropy, eager(x), y).sum().backward()
         eager_opt.step()
     assert_close(stack.state_dict(), eager.state_dict(), trajectory=True, msg="inductor")
+
+
+# ------------------------------------------------------ member_losses, the loss of every step
+
+LOSS_CASES = {
+    "cross_entropy_shared": (F.cross_entropy, {}, lambda: torch.randint(0, 5, (6,)), None),
+    "cross_entropy_per_member": (
+        F.cross_entropy, {"label_smoothing": 0.1}, lambda: torch.randint(0, 5, (N, 6)), 0
+    ),
+    # reduction="mean" leaves ignored samples out of the denominator
+    "cross_entropy_ignore_index": (
+        F.cross_entropy, {}, lambda: torch.tensor([[-100, 1, 2, -100, 4, 0]] * N), 0
+    ),
+    "cross_entropy_probabilities": (
+        F.cross_entropy, {}, lambda: torch.rand(N, 6, 5).softmax(-1), 0
+    ),
+    "nll_shared": (F.nll_loss, {}, lambda: torch.randint(0, 5, (6,)), None),
+    "mse_shared": (F.mse_loss, {}, lambda: torch.randn(6, 5), None),
+    "huber_per_member": (F.huber_loss, {"delta": 0.5}, lambda: torch.randn(N, 6, 5), 0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_member_losses_equal_each_members_own_loss(case):
+    loss_fn, kwargs, make_target, target_dim = LOSS_CASES[case]
+    torch.manual_seed(0)
+    # A strided output, as the fused backend's shared-input path returns: (B, N, C) viewed
+    # as (N, B, C).
+    base = torch.randn(6, N, 5, dtype=torch.float64, requires_grad=True)
+    output = base.transpose(0, 1)
+    if loss_fn is F.nll_loss:
+        output = output.log_softmax(-1)
+    target = make_target()
+    target = target.double() if target.is_floating_point() else target
+    losses = phalanx.member_losses(loss_fn, output, target, in_dims=(0, target_dim), **kwargs)
+    (grad,) = torch.autograd.grad(losses.sum(), base, retain_graph=True)
+    expected = torch.stack(
+        [
+            loss_fn(output[i], target if target_dim is None else target[i], **kwargs)
+            for i in range(N)
+        ]
+    )
+    (expected_grad,) = torch.autograd.grad(expected.sum(), base)
+    assert_close(losses, expected, dtype=torch.float64, msg=f"{case} losses")
+    assert_close(grad, expected_grad, dtype=torch.float64, msg=f"{case} gradients")
