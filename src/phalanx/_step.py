@@ -284,10 +284,14 @@ class CompiledStep:
             for state in real["state"]:
                 for x in state.values():
                     torch._dynamo.mark_static_address(x)
-        # Inductor's own random numbers differ from eager's: dropout would not match.
         options: dict[str, Any] | None = None
         if self.backend == "inductor":
-            options = {"fallback_random": True}
+            # Inductor's own random numbers differ from eager's: dropout would not match.
+            # torch.compile takes a mode or options, not both: the mode becomes its options.
+            from torch._inductor import list_mode_options
+
+            options = {**list_mode_options(mode), "fallback_random": True}
+            mode = None
         compiled = torch.compile(
             graph, backend=self.backend, mode=mode, options=options, fullgraph=True, dynamic=False
         )
