@@ -73,7 +73,8 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
     for result in doc["results"]:
         assert result["flops"] > 0 and result["floor_s"] > 0
         rows = {row["name"]: row for row in result["rows"]}
-        assert list(rows) == CONTENDERS
+        train = result["phase"] == "train"
+        assert list(rows) == [c for c in CONTENDERS if train or c != "phalanx:compiled"]
         for name, row in rows.items():
             assert row["status"] in ("ok", "WRONG", "n/a"), name
             if name in WORKING:
@@ -86,13 +87,11 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
                 assert row["median_s"] is None and row["rounds"] == 0 and row["reason"]
         assert rows["loop"]["vs_loop"] == 1.0
         assert rows["phalanx:auto"]["note"].startswith("picked ")
-        compiled = rows["phalanx:compiled"]
-        if result["phase"] == "train":  # checked against the loop, timed, its choice said
+        if train:  # the captured step: checked against the loop, timed, its choice said
+            compiled = rows["phalanx:compiled"]
             assert compiled["status"] == "ok", compiled["reason"]
             assert compiled["compile_s"] > 0
             assert compiled["note"].startswith(("eager: eager step", "captured: eager step"))
-        else:
-            assert compiled["status"] == "n/a" and "training step" in compiled["reason"]
     assert doc["machine"]["gemm_gflops"] > 0 and doc["machine"]["bandwidth_gbs"] > 0
     assert plot_path.stat().st_size > 10_000
     assert printed.startswith("$ phalanx bench --workloads W2,W3 --device cpu --quick --threads 1")

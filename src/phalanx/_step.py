@@ -262,6 +262,7 @@ class CompiledStep:
         """Traces the step into one aten graph and compiles it; returns the compiled graph."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        logger.info("phalanx.compile_step(): tracing and compiling the training step")
         start = time.perf_counter()
         plan = self._plan(args, mask)
         real = self._tensors(plan, args, target, mask)

@@ -60,11 +60,13 @@ class Contender:
         name: shown in the table, e.g. "loop", "torch.func", "phalanx:vmap".
         kind: "baseline" (loop, torch.func) or "phalanx" (counted in phalanx's speed-ups).
         build: makes a runner from the members (not modified) and the data.
+        train_only: runs only in the training phase (a captured training step).
     """
 
     name: str
     kind: Literal["baseline", "phalanx"]
     build: Callable[[list[nn.Module], Data, Workload], Runner]
+    train_only: bool = False
 
 
 def loss_function(workload: Workload) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -291,8 +293,6 @@ class CompiledRunner(PhalanxRunner):
             self.stack, self.loss_fn, self.optimizer, in_dims=self.in_dims,
             backend=compile_backend,
         )  # fmt: skip
-        if not self.stack.training:
-            return  # the forward phase: nothing to capture
         start = {k: v.clone() for k, v in self.stack.state_dict().items()}
         while self.compiled.choice is None:
             self.compiled(self.x, self.t)
@@ -349,5 +349,5 @@ def default_contenders(
         Contender("loop+fused", "baseline", functools.partial(LoopRunner, fused=True)),
         Contender("torch.func", "baseline", TorchFuncRunner),
         *(phalanx_contender(b) for b in (*BACKENDS, "auto")),
-        Contender("phalanx:compiled", "phalanx", compiled),
+        Contender("phalanx:compiled", "phalanx", compiled, train_only=True),
     ]

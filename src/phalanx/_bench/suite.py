@@ -240,6 +240,8 @@ def run_phase(
     runners: dict[str, Runner] = {}
     expected: dict[str, Any] | None = None
     for k, c in enumerate(contenders):
+        if c.train_only and phase != "train":
+            continue
         row = Row(c.name, c.kind, "ok")
         result.rows.append(row)
         try:
