@@ -55,8 +55,8 @@ class CompiledStep:
     """A training step of every member, captured and compiled. Build it with :func:`compile_step`.
 
     Attributes:
-        choice: "captured" or "eager" once the step has decided for the latest input
-            signature, else None (still warming up).
+        choice: "captured" or "eager" once the step has decided for the latest call's input
+            signature, else None (still warming up and measuring).
         compile_seconds: seconds spent tracing and compiling the latest signature's graph (None
             before the capture).
         last_norms: (N,) the members' gradient norms before clipping, when ``max_norm`` is set.
@@ -123,6 +123,7 @@ class CompiledStep:
             return self._eager(args, target, mask)
         key = self._signature(args, target, mask)
         entry = self._entries.setdefault(key, _Entry())
+        self.choice = entry.choice
         if entry.choice == "eager":
             return self._eager(args, target, mask)
         if entry.choice == "captured":
@@ -178,6 +179,8 @@ class CompiledStep:
     def _decide(self, entry: _Entry, choice: Literal["eager", "captured"]) -> None:
         entry.choice = choice
         self.choice = choice
+        if choice == "eager":
+            entry.run = None  # the compiled graph and its buffers are not needed any more
         logger.info("phalanx.compile_step(): runs the %s step (%s)", choice, self.report)
 
     def _fall_back(self, reason: str) -> None:
