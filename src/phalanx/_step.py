@@ -294,7 +294,7 @@ class CompiledStep:
             # torch.compile takes a mode or options, not both: the mode becomes its options.
             from torch._inductor import list_mode_options
 
-            options = {**list_mode_options(mode), "fallback_random": True}
+            options = {**(list_mode_options(mode) if mode else {}), "fallback_random": True}
             mode = None
         compiled = torch.compile(
             graph, backend=self.backend, mode=mode, options=options, fullgraph=True, dynamic=False
