@@ -24,9 +24,12 @@ from phalanx._bench.workloads import WORKLOADS, build, cost
 from phalanx._cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ["loop", "torch.func", *(f"phalanx:{b}" for b in BACKENDS), "phalanx:auto"]
+CONTENDERS = [
+    "loop", "loop+fused", "torch.func", *(f"phalanx:{b}" for b in BACKENDS), "phalanx:auto",
+    "phalanx:compiled",
+]  # fmt: skip
 # The contenders that run W2 and W3 today; "fused" is checked too, but may still be n/a.
-WORKING = ["loop", "torch.func", "phalanx:vmap", "phalanx:loop", "phalanx:auto"]
+WORKING = ["loop", "loop+fused", "torch.func", "phalanx:vmap", "phalanx:loop", "phalanx:auto"]
 FAKE_MACHINE = Machine("cpu", "cpu", "cpu", 1, "", "", "", 1, 1, 10.0, 1, 10.0)
 ONE_ROUND = Settings(rounds=2, min_rounds=2, warmup=0, target_s=0.0, budget_s=0.0)
 
@@ -46,6 +49,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path
     out = tmp_path_factory.mktemp("bench")
     json_path, plot_path = out / "bench.json", out / "bench.png"
     argv = ["bench", "--quick", "--workloads", "W2,W3", "--device", "cpu", "--threads", "1"]
+    argv += ["--compile-backend", "aot_eager"]  # the captured step without inductor's minutes
     with contextlib.redirect_stdout(io.StringIO()) as stdout:
         rc = main([*argv, "--json", str(json_path), "--plot", str(plot_path)])
     return rc, json.loads(json_path.read_text()), plot_path, stdout.getvalue()
@@ -69,7 +73,8 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
     for result in doc["results"]:
         assert result["flops"] > 0 and result["floor_s"] > 0
         rows = {row["name"]: row for row in result["rows"]}
-        assert list(rows) == CONTENDERS
+        train = result["phase"] == "train"
+        assert list(rows) == [c for c in CONTENDERS if train or c != "phalanx:compiled"]
         for name, row in rows.items():
             assert row["status"] in ("ok", "WRONG", "n/a"), name
             if name in WORKING:
@@ -82,6 +87,11 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
                 assert row["median_s"] is None and row["rounds"] == 0 and row["reason"]
         assert rows["loop"]["vs_loop"] == 1.0
         assert rows["phalanx:auto"]["note"].startswith("picked ")
+        if train:  # the captured step: checked against the loop, timed, its choice said
+            compiled = rows["phalanx:compiled"]
+            assert compiled["status"] == "ok", compiled["reason"]
+            assert compiled["compile_s"] > 0
+            assert compiled["note"].startswith(("eager: eager step", "captured: eager step"))
     assert doc["machine"]["gemm_gflops"] > 0 and doc["machine"]["bandwidth_gbs"] > 0
     assert plot_path.stat().st_size > 10_000
     assert printed.startswith("$ phalanx bench --workloads W2,W3 --device cpu --quick --threads 1")
@@ -121,6 +131,18 @@ class _MeanOverMembers(TorchFuncRunner):
         return losses.detach()
 
 
+class _TwoSteps(LoopRunner):
+    """A whole-step contender (no gradients to compare) that steps twice."""
+
+    whole_step = True
+
+    def backward(self) -> torch.Tensor:
+        losses = super().backward()
+        self.optimizer.step()
+        super().backward()
+        return losses
+
+
 class _Raises(LoopRunner):
     def forward(self) -> torch.Tensor:
         raise NotImplementedError("this architecture is not supported")
@@ -134,6 +156,7 @@ class _Raises(LoopRunner):
     [
         ("forward", _ScaledOutput, "forward output"),
         ("train", _MeanOverMembers, "gradient of '0.weight'"),
+        ("train", _TwoSteps, "'0.weight' after one Adam step"),
     ],
 )
 def test_wrong_contender_is_flagged_and_not_timed(phase, wrong, reason):

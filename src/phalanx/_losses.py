@@ -37,16 +37,28 @@ def _batched_loss(
     n = output.shape[0]
     if in_dims[1] is None:
         target = target.expand(n, *target.shape)
+    # A mean over every dim but the member axis, without flattening: the outputs of the fused
+    # backend are often strided views, which flatten(1) would copy (and copy back in backward).
     if loss_fn in _ELEMENTWISE and set(kwargs) <= set(_ELEMENTWISE[loss_fn]):
         if target.shape != output.shape:
             return None  # broadcasting targets: let the loss itself warn or refuse
         per_element = loss_fn(output, target, reduction="none", **kwargs)
-        return per_element.flatten(1).mean(1)
+        return per_element.mean(dim=tuple(range(1, per_element.dim())))
     if loss_fn in _CLASSWISE and set(kwargs) <= set(_CLASSWISE[loss_fn]) and output.dim() >= 3:
         if target.shape[:2] != output.shape[:2]:
             return None
-        per_sample = loss_fn(output.flatten(0, 1), target.flatten(0, 1), reduction="none", **kwargs)
-        return per_sample.view(n, -1).mean(1)
+        # The members become the loss's batch and a member's batch its first "spatial" dim:
+        # (N, B, C, ...) is read as (N, C, B, ...), a view, with no copy of a shared target.
+        if target.is_floating_point():  # class probabilities, shaped like the output
+            if target.shape != output.shape:
+                return None
+            per_sample = loss_fn(output.movedim(2, 1), target.movedim(2, 1), reduction="none",
+                                 **kwargs)  # fmt: skip
+            return per_sample.mean(dim=tuple(range(1, per_sample.dim())))
+        per_sample = loss_fn(output.movedim(2, 1), target, reduction="none", **kwargs)
+        # reduction="mean" divides by the number of samples not equal to ignore_index (-100)
+        counted = (target != -100).sum(dim=tuple(range(1, target.dim())))
+        return per_sample.sum(dim=tuple(range(1, per_sample.dim()))) / counted
     return None
 
 

@@ -59,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "processes share, --threads 1 avoids threads waiting for each other's cores",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        metavar="NAME",
+        help="torch.compile backend of the phalanx:compiled contender (default: inductor; "
+        "aot_eager checks the captured step without generating code, in seconds)",
+    )
 
 
 def _parse_list(text: str, allowed: Sequence[str], option: str) -> list[str]:
@@ -105,6 +112,8 @@ def _command(args: argparse.Namespace, workloads: list[str], phases: list[str]) 
     parts += ["--quick"] if args.quick else []
     parts += [f"--threads {args.threads}"] if args.threads else []
     parts += [f"--seed {args.seed}"] if args.seed else []
+    if args.compile_backend != "inductor":
+        parts.append(f"--compile-backend {args.compile_backend}")
     parts += [f"--json {args.json}"] if args.json else []
     parts += [f"--plot {args.plot}"] if args.plot else []
     return " ".join(parts)
@@ -171,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 device=device,
                 settings=settings,
                 machine=machine,
-                contenders=default_contenders(optimizer),
+                contenders=default_contenders(optimizer, compile_backend=args.compile_backend),
                 progress=bar,
                 seed=args.seed,
             )

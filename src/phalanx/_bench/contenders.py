@@ -28,6 +28,7 @@ from torch.func import functional_call, stack_module_state, vmap
 import phalanx
 from phalanx._backends import BACKENDS
 from phalanx._bench.workloads import Data, Workload
+from phalanx._step import compile_step  # not yet exported as phalanx.compile_step
 
 #: Learning rate of every contender's Adam.
 LR = 1e-3
@@ -59,11 +60,13 @@ class Contender:
         name: shown in the table, e.g. "loop", "torch.func", "phalanx:vmap".
         kind: "baseline" (loop, torch.func) or "phalanx" (counted in phalanx's speed-ups).
         build: makes a runner from the members (not modified) and the data.
+        train_only: runs only in the training phase (a captured training step).
     """
 
     name: str
     kind: Literal["baseline", "phalanx"]
     build: Callable[[list[nn.Module], Data, Workload], Runner]
+    train_only: bool = False
 
 
 def loss_function(workload: Workload) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -95,15 +98,22 @@ class LoopRunner:
 
     This is the reference every other contender is checked against. Its Adam is
     ``torch.optim.Adam`` with its defaults, as a user writes it today (on a CPU that is the
-    per-tensor implementation; on CUDA torch picks foreach by itself).
+    per-tensor implementation; on CUDA torch picks foreach by itself); with ``fused=True``
+    (the "loop+fused" baseline) it is ``torch.optim.Adam(fused=True)``.
     """
 
-    def __init__(self, members: list[nn.Module], data: Data, workload: Workload):
+    def __init__(
+        self, members: list[nn.Module], data: Data, workload: Workload, *, fused: bool = False
+    ):
         self.models = nn.ModuleList(copy.deepcopy(m) for m in members)
         self.data = data
         self.workload = workload
         self.loss_fn = loss_function(workload)
-        self.optimizer = torch.optim.Adam(self.models.parameters(), lr=LR)
+        # fused=True: torch's fused Adam kernel, one call over every member's tensors; the
+        # loop+fused baseline separates the gain from batching from the gain of that kernel.
+        self.optimizer = torch.optim.Adam(
+            self.models.parameters(), lr=LR, fused=True if fused else None
+        )
         n = workload.num_members
         x, t = data.x, data.target
         if workload.input_mode == "shared":
@@ -256,11 +266,73 @@ class PhalanxRunner:
         return f"picked {self.stack.backend}" if self.requested == "auto" else ""
 
 
-def default_contenders(optimizer: OptimizerFactory | None = None) -> list[Contender]:
-    """loop (the reference, first), torch.func, every phalanx backend, and phalanx auto.
+class CompiledRunner(PhalanxRunner):
+    """``phalanx.compile_step``: the whole training step captured and compiled.
+
+    The step decides by timing whether its captured graph beats the eager step, so it is
+    warmed up when built (eager steps, the compilation, timed captured steps), and the weights
+    and optimizer state are then put back, in place, to where they started: the check sees a
+    step from the same state as every other contender's. The captured step keeps no
+    gradients, so ``grads()`` is None and the check compares losses and the state after the
+    step. Training only: its forward is the stack's.
+    """
+
+    whole_step = True
+
+    def __init__(
+        self,
+        members: list[nn.Module],
+        data: Data,
+        workload: Workload,
+        *,
+        optimizer: OptimizerFactory,
+        compile_backend: str = "inductor",
+    ):
+        super().__init__(members, data, workload, backend="auto", optimizer=optimizer)
+        self.compiled = compile_step(
+            self.stack, self.loss_fn, self.optimizer, in_dims=self.in_dims,
+            backend=compile_backend,
+        )  # fmt: skip
+        start = {k: v.clone() for k, v in self.stack.state_dict().items()}
+        while self.compiled.choice is None:
+            self.compiled(self.x, self.t)
+        with torch.no_grad():
+            for k, v in self.stack.state_dict().items():
+                v.copy_(start[k])
+            for state in self.optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        v.zero_()
+
+    def forward(self) -> torch.Tensor:
+        raise NotImplementedError("compile_step captures the training step, not a forward pass")
+
+    def backward(self) -> torch.Tensor:
+        return self.compiled(self.x, self.t)
+
+    def step(self) -> None:
+        pass  # backward() ran the whole step
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        return {}
+
+    def compile_seconds(self) -> float | None:
+        return self.compiled.compile_seconds
+
+    def note(self) -> str:
+        return self.compiled.report
+
+
+def default_contenders(
+    optimizer: OptimizerFactory | None = None, *, compile_backend: str = "inductor"
+) -> list[Contender]:
+    """loop (the reference, first), loop+fused, torch.func, every phalanx backend, phalanx
+    auto, and phalanx:compiled (the captured training step).
 
     Args:
         optimizer: the phalanx contenders' optimizer factory; :func:`phalanx_adam` by default.
+        compile_backend: ``torch.compile``'s backend for phalanx:compiled ("aot_eager"
+            checks the capture without generating code).
 
     Returns:
         The contenders, the loop first.
@@ -271,8 +343,11 @@ def default_contenders(optimizer: OptimizerFactory | None = None) -> list[Conten
         build = functools.partial(PhalanxRunner, backend=backend, optimizer=factory)
         return Contender(f"phalanx:{backend}", "phalanx", build)
 
+    compiled = functools.partial(CompiledRunner, optimizer=factory, compile_backend=compile_backend)
     return [
         Contender("loop", "baseline", LoopRunner),
+        Contender("loop+fused", "baseline", functools.partial(LoopRunner, fused=True)),
         Contender("torch.func", "baseline", TorchFuncRunner),
         *(phalanx_contender(b) for b in (*BACKENDS, "auto")),
+        Contender("phalanx:compiled", "phalanx", compiled, train_only=True),
     ]

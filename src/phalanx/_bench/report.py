@@ -17,17 +17,20 @@ CONVENTIONS = (
     "training step 3x that plus Adam's 7 passes over the parameters). floor = max(FLOPs / "
     "measured GEMM peak, bytes / measured copy bandwidth); x floor = time / floor. "
     "Speed-ups: the loop's (or torch.func's) median time over this contender's; above 1 is "
-    "faster. 'best phalanx' is the fastest phalanx backend that passed the check, auto aside. "
+    "faster. 'best phalanx' is the fastest phalanx contender that passed the check, auto "
+    "aside. loop+fused: the loop with torch.optim.Adam(fused=True). compile: seconds spent "
+    "tracing and compiling the captured step (phalanx:compiled), which times itself against "
+    "the eager step and keeps the faster (its note says which). "
     "Forward runs under torch.no_grad() in eval mode; the training step in train mode."
 )
 
 DETAIL_HEADERS = [
     "phase", "contender", "status", "time/call", "IQR", "GFLOP/s", "% peak", "x floor",
-    "peak mem", "vs loop", "vs torch.func", "note",
+    "peak mem", "compile", "vs loop", "vs torch.func", "note",
 ]  # fmt: skip
 SUMMARY_HEADERS = [
-    "workload", "phase", "loop", "torch.func", "best phalanx", "vs loop", "vs torch.func",
-    "auto", "vs loop", "vs torch.func",
+    "workload", "phase", "loop", "loop+fused", "torch.func", "best phalanx", "vs loop",
+    "vs loop+fused", "vs torch.func", "auto", "vs loop", "vs torch.func",
 ]  # fmt: skip
 
 
@@ -76,6 +79,7 @@ def _detail(r: Result, row: Row, *, width: int | None) -> list[str]:
         _fmt(row.fraction_of_peak and 100 * row.fraction_of_peak, ".2g", "%"),
         _fmt(row.times_floor, ".3g", "x"),
         fmt_bytes(row.peak_memory_bytes) if row.status == "ok" else "-",
+        "-" if row.compile_s is None else f"{row.compile_s:.1f} s",
         _fmt(row.vs_loop, ".2f", "x"),
         _fmt(row.vs_torch_func, ".2f", "x"),
         note,
@@ -83,12 +87,16 @@ def _detail(r: Result, row: Row, *, width: int | None) -> list[str]:
 
 
 def _summary(r: Result) -> list[str]:
-    loop, tf, auto, best = (
+    loop, fused, tf, auto, best = (
         r.row("loop"),
+        r.row("loop+fused"),
         r.row("torch.func"),
         r.row("phalanx:auto"),
         r.best_phalanx(),
     )
+    vs_fused = None
+    if best and best.median_s and fused is not None and fused.median_s:
+        vs_fused = fused.median_s / best.median_s
 
     def time_of(row: Row | None) -> str:
         if row is None:
@@ -102,9 +110,11 @@ def _summary(r: Result) -> list[str]:
         r.workload,
         r.phase,
         time_of(loop),
+        time_of(fused),
         time_of(tf),
         f"{time_of(best)} ({best.name.split(':')[1]})" if best else "none passed",
         _fmt(best.vs_loop if best else None, ".2f", "x"),
+        _fmt(vs_fused, ".2f", "x"),
         _fmt(best.vs_torch_func if best else None, ".2f", "x"),
         auto_name,
         _fmt(auto.vs_loop if auto else None, ".2f", "x"),

@@ -69,7 +69,8 @@ class Row:
 
     ``status`` is "ok" (checked and timed), "WRONG" (disagrees with the loop: not timed) or
     "n/a" (raised: not timed); ``reason`` says why. Speed-ups are this row's time against
-    the loop's and torch.func's (above 1: this row is faster).
+    the loop's and torch.func's (above 1: this row is faster). ``compile_s``: seconds spent
+    tracing and compiling (phalanx:compiled), else None.
     """
 
     name: str
@@ -85,6 +86,7 @@ class Row:
     rounds: int = 0
     calls_per_round: int = 0
     peak_memory_bytes: int | None = None
+    compile_s: float | None = None
     gflops: float | None = None
     fraction_of_peak: float | None = None
     times_floor: float | None = None
@@ -128,7 +130,9 @@ def observe(runner: Runner, phase: str) -> dict[str, Any]:
         with torch.no_grad():
             return {"output": runner.forward()}
     losses = runner.backward()
-    grads = {k: None if g is None else g.clone() for k, g in runner.grads().items()}
+    grads: dict[str, Any] | None = None
+    if not getattr(runner, "whole_step", False):  # a captured step keeps no gradients
+        grads = {k: None if g is None else g.clone() for k, g in runner.grads().items()}
     runner.step()
     return {"losses": losses, "grads": grads, "state": runner.state()}
 
@@ -146,11 +150,13 @@ def mismatch(got: dict[str, Any], expected: dict[str, Any]) -> str | None:
     if "output" in expected:
         return _close(got["output"], expected["output"], "forward output")
     for what in ("grads", "state"):
+        if got[what] is None:
+            continue  # not observable for this contender (the captured step's gradients)
         missing = set(expected[what]) ^ set(got[what])
         if missing:
             return f"{what}: names differ from the loop's: {sorted(missing)}"
     problem = _close(got["losses"], expected["losses"], "per-member losses")
-    for name, g in expected["grads"].items():
+    for name, g in expected["grads"].items() if got["grads"] is not None else ():
         if got["grads"][name] is None:
             problem = problem or f"gradient of {name!r}: missing (None), the loop has one"
         problem = problem or _close(got["grads"][name], g, f"gradient of {name!r}")
@@ -234,6 +240,8 @@ def run_phase(
     runners: dict[str, Runner] = {}
     expected: dict[str, Any] | None = None
     for k, c in enumerate(contenders):
+        if c.train_only and phase != "train":
+            continue
         row = Row(c.name, c.kind, "ok")
         result.rows.append(row)
         try:
@@ -242,6 +250,8 @@ def run_phase(
             row.status, row.reason = "n/a", reason_of(e)
         else:
             got = _checked(runner, phase, row)
+            compile_seconds = getattr(runner, "compile_seconds", None)
+            row.compile_s = compile_seconds() if compile_seconds is not None else None
         if k == 0:  # the reference
             if row.status != "ok":
                 raise RuntimeError(f"phalanx bench: the reference {c.name!r} failed: {row.reason}")

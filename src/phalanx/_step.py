@@ -1,0 +1,630 @@
+"""``phalanx.compile_step``: the whole training step captured as one compiled computation.
+
+Tiny members are launch-bound: a training step of 8 networks 10-20-2 is microseconds of
+arithmetic under Python, the dispatcher, the autograd engine and the optimizer's bookkeeping.
+Here the step (forward through the stack, per-member losses, backward, clipping, isolation
+and the optimizer update) is traced once with ``make_fx`` into one graph of aten operations,
+backward included, and that graph is compiled with ``torch.compile`` (inductor by default;
+on CUDA with ``mode="reduce-overhead"``, i.e. CUDA graphs).
+
+Capture does not pay everywhere (inductor's code for some shapes is slower than the eager
+kernels), so by default the step times itself: its first calls run the eager step and are
+timed, the next ones run the captured step and are timed, and it keeps the faster, saying
+which in ``CompiledStep.report`` and in the ``phalanx`` logger. Where capture is not possible
+(an optimizer it cannot express, a forward it cannot trace, no compiler) it runs the eager
+step and says so with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from phalanx._clip import clip_grad_norm_
+from phalanx._losses import member_losses
+from phalanx._step_graph import ADAM_HYPERS, Plan, step_function
+
+logger = logging.getLogger("phalanx")
+
+__all__ = ["CompiledStep", "compile_step"]
+
+_WHERE = "phalanx.compile_step()"
+Prefer = Literal["fastest", "captured"]
+
+
+@dataclass
+class _Entry:
+    """One input signature: its timings, its compiled graph and the choice made."""
+
+    eager_s: list[float] = field(default_factory=list)
+    captured_s: list[float] = field(default_factory=list)
+    run: Callable[[dict[str, Any]], dict[str, Tensor | None]] | None = None
+    choice: Literal["eager", "captured"] | None = None
+    compile_s: float | None = None
+    calls: int = 0
+
+
+class CompiledStep:
+    """A training step of every member, captured and compiled. Build it with :func:`compile_step`.
+
+    Attributes:
+        choice: "captured" or "eager" once the step has decided for the latest call's input
+            signature, else None (still warming up and measuring).
+        compile_seconds: seconds spent tracing and compiling the latest signature's graph (None
+            before the capture).
+        last_norms: (N,) the members' gradient norms before clipping, when ``max_norm`` is set.
+    """
+
+    def __init__(
+        self,
+        stack: Any,
+        loss_fn: Callable[..., Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        in_dims: int | Sequence[int | None] | None,
+        target_in_dims: int | None,
+        max_norm: float | Tensor | None,
+        norm_type: float,
+        backend: str | Callable[..., Any],
+        mode: str | None,
+        prefer: Prefer,
+        warmup_steps: int,
+    ) -> None:
+        self.stack, self.loss_fn, self.optimizer = stack, loss_fn, optimizer
+        self.in_dims = in_dims
+        self.target_in_dims = target_in_dims
+        self.max_norm, self.norm_type = max_norm, float(norm_type)
+        self.backend, self.mode, self.prefer = backend, mode, prefer
+        self.warmup_steps = warmup_steps
+        self.choice: str | None = None
+        self.compile_seconds: float | None = None
+        self.last_norms: Tensor | None = None
+        self._entries: dict[tuple, _Entry] = {}
+        self._hypers: tuple[tuple, list[dict[str, Tensor]]] | None = None
+        self._why_not = _unsupported_optimizer(optimizer)
+        if self._why_not is not None:
+            self._fall_back(self._why_not)
+
+    # ------------------------------------------------------------------------------- calling
+
+    def __call__(
+        self, inputs: Tensor | tuple[Any, ...], target: Any, *, mask: Tensor | None = None
+    ) -> Tensor:
+        """Runs one training step of every member and returns their losses.
+
+        Args:
+            inputs: the members' input, ``(B, ...)`` shared or ``(N, B, ...)`` per-member as
+                ``in_dims`` says; a tuple for a member with several positional inputs.
+            target: ``(B, ...)`` shared or ``(N, B, ...)`` per-member, as ``target_in_dims``.
+            mask: (N,) bool: members whose flag is False keep their weights and optimizer
+                state, as with ``optimizer.step(mask=...)``.
+
+        Returns:
+            (N,) the members' losses before the update, detached.
+        """
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        n = len(self.stack)
+        if mask is not None:
+            mask = torch.as_tensor(mask, device=next(self.stack.parameters()).device)
+            if mask.dtype != torch.bool or mask.shape != (n,):
+                raise ValueError(
+                    f"CompiledStep(): mask must be a bool tensor of shape ({n},), one flag per "
+                    f"member (True: update it); got dtype {mask.dtype} and shape "
+                    f"{tuple(mask.shape)}."
+                )
+        if self._why_not is not None:
+            return self._eager(args, target, mask)
+        key = self._signature(args, target, mask)
+        entry = self._entries.setdefault(key, _Entry())
+        self.choice = entry.choice
+        if entry.choice == "eager":
+            return self._eager(args, target, mask)
+        if entry.choice == "captured":
+            return self._captured(entry, args, target, mask)
+        if entry.run is None:
+            if len(entry.eager_s) < self.warmup_steps:
+                return self._timed(entry.eager_s, self._eager, args, target, mask)
+            try:
+                entry.run = self._capture(args, target, mask)
+                start = time.perf_counter()
+                # The first call compiles; a compiler's failure is raised before the graph
+                # runs, so nothing has been written when the eager step takes over.
+                loss = self._captured(entry, args, target, mask)
+            except Exception as e:
+                entry.run, entry.choice = None, "eager"
+                reason = _reason(e)
+                self._fall_back(f"capturing the step failed ({reason})")
+                return self._eager(args, target, mask)
+            entry.compile_s = self.compile_seconds = self._trace_s + time.perf_counter() - start
+            if self.prefer == "captured":
+                self._decide(entry, "captured")
+            return loss
+        loss = self._timed(entry.captured_s, self._captured, entry, args, target, mask)
+        if len(entry.captured_s) >= 3:
+            self._decide(entry, decide(entry.eager_s, entry.captured_s))
+        return loss
+
+    @property
+    def report(self) -> str:
+        """One line: what runs, and the timings and compile seconds it was decided on."""
+        if self._why_not is not None:
+            return f"eager step: {self._why_not}"
+        lines = []
+        for entry in self._entries.values():
+            eager = _best(entry.eager_s)
+            captured = _best(entry.captured_s)
+            compile_s = "-" if entry.compile_s is None else f"{entry.compile_s:.1f} s"
+            lines.append(
+                f"{entry.choice or 'deciding'}: eager step {_ms(eager)}, captured step "
+                f"{_ms(captured)}, compile {compile_s}"
+            )
+        return "; ".join(lines) or "no step run yet"
+
+    def _timed(self, into: list[float], fn: Callable[..., Tensor], *args: Any) -> Tensor:
+        sync = _synchronizer(self.stack)
+        sync()
+        start = time.perf_counter()
+        loss = fn(*args)
+        sync()
+        into.append(time.perf_counter() - start)
+        return loss
+
+    def _decide(self, entry: _Entry, choice: Literal["eager", "captured"]) -> None:
+        entry.choice = choice
+        self.choice = choice
+        if choice == "eager":
+            entry.run = None  # the compiled graph and its buffers are not needed any more
+        logger.info("phalanx.compile_step(): runs the %s step (%s)", choice, self.report)
+
+    def _fall_back(self, reason: str) -> None:
+        self.choice = "eager"
+        warnings.warn(
+            f"{_WHERE}: {reason}; running the eager step (forward, backward, "
+            f"optimizer.step()) instead. It gives the same results, without the capture's "
+            f"speed.",
+            stacklevel=3,
+        )
+
+    # -------------------------------------------------------------------------------- eager
+
+    def _eager(self, args: tuple, target: Any, mask: Tensor | None) -> Tensor:
+        """The step as a user writes it with phalanx: the reference of the captured one."""
+        opt: Any = self.optimizer
+        opt.zero_grad(set_to_none=True)
+        out = self.stack(*args, in_dims=self.in_dims)
+        losses = member_losses(self.loss_fn, out, target, in_dims=(0, self.target_in_dims))
+        losses.sum().backward()
+        losses = losses.detach()
+        if self.max_norm is not None:
+            self.last_norms = clip_grad_norm_(
+                self.stack.parameters(), self.max_norm, self.norm_type
+            )
+        if isinstance(opt, _member_optimizer()):
+            opt.step(mask=mask, loss=losses)
+        else:
+            if mask is not None:
+                raise ValueError(
+                    f"CompiledStep(): a mask needs a phalanx optimizer; "
+                    f"{type(opt).__name__} updates every member. Use phalanx.optim.Adam, "
+                    f"AdamW or SGD."
+                )
+            opt.step()
+        return losses
+
+    # ------------------------------------------------------------------------------ capture
+
+    def _signature(self, args: tuple, target: Any, mask: Tensor | None) -> tuple:
+        def sig(a: Any) -> Any:
+            if isinstance(a, Tensor):
+                return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
+            return (type(a), a)
+
+        modes = (*(m.training for m in self.stack.modules()), torch.is_autocast_enabled())
+        params = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        # The stack's backend is not part of it: every backend is exact, and the graph keeps
+        # the one the stack ran when it was traced.
+        return (*map(sig, args), sig(target), mask is None, modes, params)
+
+    def _plan(self, args: tuple, mask: Tensor | None) -> Plan:
+        stack, opt = self.stack, self.optimizer
+        named = list(stack.named_parameters())
+        in_groups = {id(p) for g in opt.param_groups for p in g["params"]}
+        missing = [name for name, p in named if p.requires_grad and id(p) not in in_groups]
+        if missing:
+            raise ValueError(
+                f"the optimizer does not hold the stack's parameter(s) {missing}; build it "
+                f"with optimizer(stack.parameters())"
+            )
+        dims = self.in_dims
+        dims = tuple(dims) if isinstance(dims, Sequence) else (dims,) * len(args)
+        return Plan(
+            stack=stack,
+            loss_fn=self.loss_fn,
+            param_names=tuple(name for name, _ in named),
+            trainable=tuple(p.requires_grad for _, p in named),
+            buffer_names=tuple(name for name, _ in stack.named_buffers()),
+            in_dims=dims,
+            target_dim=self.target_in_dims,
+            decoupled=getattr(type(opt), "_DECOUPLED", False),
+            amsgrad=bool(opt.param_groups[0]["amsgrad"]),
+            max_norm=self.max_norm is not None,
+            norm_type=self.norm_type,
+            masked=mask is not None,
+            isolate=bool(opt.skip_nonfinite),  # type: ignore[attr-defined]
+            freeze_after=opt.freeze_after,  # type: ignore[attr-defined]
+        )
+
+    def _capture(self, args: tuple, target: Any, mask: Tensor | None) -> Callable:
+        """Traces the step into one aten graph and compiles it; returns the compiled graph."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        logger.info("phalanx.compile_step(): tracing and compiling the training step")
+        start = time.perf_counter()
+        plan = self._plan(args, mask)
+        real = self._tensors(plan, args, target, mask)
+        # Traced on copies (make_fx runs the operations for real), with the RNG put back, so
+        # that tracing leaves no trace in the weights, the buffers or the random stream.
+        mutable = ("params", "buffers", "state", "bad_steps", "frozen")
+        copies = {k: pytree.tree_map(_clone, real[k]) for k in mutable}
+        rng = _rng_state()
+        try:
+            graph = make_fx(step_function(plan))({**real, **copies})
+        finally:
+            _set_rng_state(rng)
+        cuda = real["target"].is_cuda if isinstance(real["target"], Tensor) else False
+        mode = self.mode if self.mode is not None else ("reduce-overhead" if cuda else None)
+        if cuda and mode == "reduce-overhead":
+            # CUDA graphs may write only into tensors whose address never changes.
+            for k in ("params", "buffers"):
+                for x in real[k]:
+                    torch._dynamo.mark_static_address(x)
+            for state in real["state"]:
+                for x in state.values():
+                    torch._dynamo.mark_static_address(x)
+        options: dict[str, Any] | None = None
+        if self.backend == "inductor":
+            # Inductor's own random numbers differ from eager's: dropout would not match.
+            # torch.compile takes a mode or options, not both: the mode becomes its options.
+            from torch._inductor import list_mode_options
+
+            options = {**(list_mode_options(mode) if mode else {}), "fallback_random": True}
+            mode = None
+        compiled = torch.compile(
+            graph, backend=self.backend, mode=mode, options=options, fullgraph=True, dynamic=False
+        )
+        self._trace_s = time.perf_counter() - start
+        return compiled
+
+    def _captured(self, entry: _Entry, args: tuple, target: Any, mask: Tensor | None) -> Tensor:
+        assert entry.run is not None
+        plan_isolate = bool(getattr(self.optimizer, "skip_nonfinite", False))
+        tensors = self._tensors(None, args, target, mask)
+        for p in tensors["params"]:
+            p.grad = None  # the captured step keeps no gradients; stale ones would mislead
+        if isinstance(target, Tensor) and target.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad(), _guards_skipped(entry.calls > 0):
+            out = entry.run(tensors)
+        entry.calls += 1
+        losses = out["losses"]
+        assert losses is not None
+        if out["norms"] is not None:
+            self.last_norms = out["norms"].clone()
+        if plan_isolate:
+            self._after_isolation(out["skipped"], out["frozen"])
+        return losses.clone()
+
+    def _after_isolation(self, skipped: Tensor | None, newly_frozen: Tensor | None) -> None:
+        """Records skipped members on the optimizer and warns, as its own step does."""
+        from phalanx.optim._base import NonFiniteWarning
+
+        opt: Any = self.optimizer
+        assert skipped is not None
+        opt.last_skipped = skipped.clone()
+        if opt.warn_skipped and bool(skipped.any()):
+            message = (
+                f"{opt._NAME}.step(): skipped members {skipped.nonzero().flatten().tolist()}: "
+                "their loss or gradients are not finite, so their weights and optimizer state "
+                "are unchanged this step (see opt.last_skipped and opt.bad_steps)."
+            )
+            if newly_frozen is not None and bool(newly_frozen.any()):
+                message += (
+                    f" Members {newly_frozen.nonzero().flatten().tolist()} are now frozen "
+                    f"after {opt.freeze_after} non-finite steps (see opt.frozen)."
+                )
+            warnings.warn(message, NonFiniteWarning, stacklevel=4)
+
+    def _tensors(
+        self, plan: Plan | None, args: tuple, target: Any, mask: Tensor | None
+    ) -> dict[str, Any]:
+        """The graph's inputs: the live tensors of the stack and the optimizer, and the data."""
+        opt: Any = self.optimizer
+        params = list(self.stack.parameters())
+        hypers = self._hyper_tensors(params)
+        states = []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt._init_state(group, p, opt.state[p])
+        for p in params:
+            states.append(opt.state[p] if p.requires_grad else {})
+        max_norm = None
+        if self.max_norm is not None:
+            max_norm = torch.as_tensor(self.max_norm, device=params[0].device).expand(
+                len(self.stack)
+            )
+        isolate = bool(opt.skip_nonfinite)
+        return {
+            "params": params,
+            "buffers": list(self.stack.buffers()),
+            "state": states,
+            "hypers": hypers,
+            "args": list(args),
+            "target": target,
+            "mask": mask,
+            "max_norm": max_norm,
+            "bad_steps": opt.bad_steps if isolate else None,
+            "frozen": opt.frozen if isolate else None,
+        }
+
+    def _hyper_tensors(self, params: list[Tensor]) -> list[dict[str, Tensor]]:
+        """Per parameter, its group's hyperparameters as (N,) tensors; rebuilt on change."""
+        opt: Any = self.optimizer
+        key = tuple(
+            tuple(_value_key(group[k]) for k in ("lr", "member_lr", "betas", "eps", "weight_decay",
+                                                   "maximize"))
+            for group in opt.param_groups
+        )  # fmt: skip
+        if self._hypers is not None and self._hypers[0] == key:
+            return self._hypers[1]
+        n, device = len(self.stack), params[0].device
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+
+        def values(v: Any) -> Tensor:
+            if isinstance(v, Tensor) and v.dtype == torch.bool:
+                return v.to(device).expand(n)
+            return torch.as_tensor(v, device=device).to(dtype).expand(n).contiguous()
+
+        by_param: dict[int, dict[str, Tensor]] = {}
+        for group in opt.param_groups:
+            lr = values(group["lr"])
+            if group["member_lr"] is not None:
+                lr = values(group["member_lr"]) * lr
+            beta1, beta2 = group["betas"]
+            h = {
+                "lr": lr,
+                "beta1": values(beta1),
+                "beta2": values(beta2),
+                "eps": values(group["eps"]),
+                "weight_decay": values(group["weight_decay"]),
+                "maximize": torch.as_tensor(group["maximize"], device=device).expand(n),
+            }
+            assert set(h) == set(ADAM_HYPERS)
+            for p in group["params"]:
+                by_param[id(p)] = h
+        hypers = [by_param.get(id(p), {}) for p in params]
+        self._hypers = (key, hypers)
+        return hypers
+
+
+def decide(eager_s: list[float], captured_s: list[float]) -> Literal["eager", "captured"]:
+    """The faster of the two, on their best timings (the first eager call is a warm-up).
+
+    Args:
+        eager_s: seconds of the eager steps run so far, the first one included.
+        captured_s: seconds of the captured steps after the one that compiled.
+
+    Returns:
+        "captured" when its best time beats the eager step's best, else "eager".
+    """
+    eager = eager_s[1:] or eager_s
+    return "captured" if min(captured_s) < min(eager) else "eager"
+
+
+def _guards_skipped(skip: bool) -> Any:
+    """Skips torch.compile's guards around a graph that has already run once.
+
+    Each signature (``CompiledStep._signature``: shapes, strides, dtypes and devices of the
+    inputs, the parameters' identities, train/eval and autocast modes) has its own compiled
+    graph, so the guards could only say what the signature already said; evaluating them
+    costs about a third of W2's captured step on a CPU.
+    """
+    if not skip:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+
+
+def _clone(v: Any) -> Any:
+    return v.clone() if isinstance(v, Tensor) else v
+
+
+def _reason(error: BaseException) -> str:
+    """``Type: first line`` of the innermost cause (torch.compile wraps a backend's error)."""
+    while True:
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        error = inner
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _best(times: list[float]) -> float | None:
+    return min(times) if times else None
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
+
+
+def _value_key(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return (id(v), v._version)
+    if isinstance(v, tuple):
+        return tuple(_value_key(x) for x in v)
+    return v
+
+
+def _synchronizer(stack: Any) -> Callable[[], None]:
+    p = next(stack.parameters(), None)
+    if p is not None and p.is_cuda:
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _rng_state() -> tuple[Tensor, list[Tensor]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1]:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _member_optimizer() -> Any:
+    from phalanx.optim._base import MemberOptimizer
+
+    return MemberOptimizer
+
+
+def _unsupported_optimizer(optimizer: Any) -> str | None:
+    """Why the captured step cannot express this optimizer's update, or None."""
+    from phalanx.optim import Adam
+
+    if not isinstance(optimizer, Adam):
+        return (
+            f"the captured step implements phalanx.optim.Adam and AdamW; got "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+        )
+    amsgrad = {bool(g["amsgrad"]) for g in optimizer.param_groups}
+    if len(amsgrad) > 1:
+        return "param groups that differ in amsgrad"
+    return None
+
+
+def compile_step(
+    stack: Any,
+    loss_fn: Callable[..., Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    in_dims: int | Sequence[int | None] | None = None,
+    target_in_dims: int | Literal["same"] | None = "same",
+    max_norm: float | Tensor | None = None,
+    norm_type: float = 2.0,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    prefer: Prefer = "fastest",
+    warmup_steps: int = 3,
+) -> CompiledStep:
+    """Captures a whole training step of every member as one compiled computation.
+
+    ``step = phalanx.compile_step(stack, loss_fn, opt)`` then ``losses = step(x, y)`` does what
+    the eager loop body does (zero the gradients, forward, ``member_losses``, backward, clip,
+    ``opt.step(mask=...)``), with forward, backward and update traced into one graph and
+    compiled by ``torch.compile``. It equals the eager step to float rounding, and reads and
+    writes the same tensors: the stack's parameters and buffers and the optimizer's state, so
+    eager steps, checkpoints and schedulers mix freely with it. It keeps no ``.grad``.
+
+    The first ``warmup_steps`` calls with a new input signature (shapes, dtypes, devices,
+    in_dims, train/eval mode) run the eager step, timed; the next call traces and compiles the
+    step (the cost, in seconds, is ``step.compile_seconds``) and runs it; the three after are
+    timed too. With ``prefer="fastest"`` the step then keeps the faster of the two and says
+    which in ``step.report`` and the ``phalanx`` logger. Where capture is impossible it warns
+    and runs the eager step.
+
+    Args:
+        stack: the :class:`phalanx.Stack` to train.
+        loss_fn: a loss on one member's ``(B, ...)`` output and target returning a scalar,
+            such as ``torch.nn.functional.cross_entropy`` (see :func:`phalanx.member_losses`).
+        optimizer: a ``phalanx.optim.Adam`` or ``AdamW`` over ``stack.parameters()``, with any
+            per-member hyperparameters, ``skip_nonfinite`` and ``freeze_after``. Other
+            optimizers run the eager step, with a warning.
+        in_dims: as in ``Stack.forward``: None (shared input) or 0 (per-member), one per input.
+        target_in_dims: None (a target shared by every member) or 0 (per-member); "same"
+            (the default) follows ``in_dims`` of a single input.
+        max_norm: clip each member's gradient norm to this, a number or (N,), as
+            :func:`phalanx.clip_grad_norm_`; the norms are ``step.last_norms``.
+        norm_type: the p of the clipping norm.
+        backend: ``torch.compile``'s backend; "eager" and "aot_eager" capture without
+            generating code (quick to build, for tests and debugging).
+        mode: ``torch.compile``'s mode; None gives "reduce-overhead" (CUDA graphs) on CUDA and
+            the default on CPU.
+        prefer: "fastest" (time both and keep the faster) or "captured" (always capture).
+        warmup_steps: eager steps before the capture, >= 1 (the first settles the stack's
+            backend choice, which must be fixed before tracing).
+
+    Returns:
+        The step, a callable ``step(inputs, target, *, mask=None) -> (N,) losses``.
+
+    Raises:
+        TypeError: ``stack`` is not a :class:`phalanx.Stack`.
+        ValueError: an argument out of range; the optimizer does not hold the stack's
+            parameters.
+
+    Example:
+        >>> step = phalanx.compile_step(stack, F.cross_entropy, phalanx.optim.Adam(stack.parameters()))
+        >>> for x, y in loader:
+        ...     losses = step(x, y)  # (N,)
+    """
+    from phalanx._stack import Stack
+
+    if not isinstance(stack, Stack):
+        raise TypeError(
+            f"{_WHERE}: stack must be a phalanx.Stack; got {type(stack).__name__}. Build one "
+            f"with phalanx.stack(models)."
+        )
+    if prefer not in ("fastest", "captured"):
+        raise ValueError(f"{_WHERE}: prefer must be 'fastest' or 'captured'; got {prefer!r}.")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise ValueError(
+            f"{_WHERE}: warmup_steps must be an int >= 1 (the first eager step settles the "
+            f"stack's backend before tracing); got {warmup_steps!r}."
+        )
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    foreign = [k for k, g in enumerate(optimizer.param_groups) for p in g["params"]
+               if id(p) not in {id(q) for q in stack.parameters()}]  # fmt: skip
+    missing = [n for n, p in stack.named_parameters() if p.requires_grad and id(p) not in held]
+    if foreign or missing:
+        raise ValueError(
+            f"{_WHERE}: the optimizer must hold exactly the stack's parameters; "
+            + (f"the stack's {missing} are missing" if missing else "")
+            + ("; " if foreign and missing else "")
+            + (f"group(s) {sorted(set(foreign))} hold tensors of another module" if foreign else "")
+            + ". Build it with optimizer(stack.parameters())."
+        )
+    if target_in_dims == "same":
+        if in_dims is not None and not isinstance(in_dims, int):
+            raise ValueError(
+                f"{_WHERE}: with several inputs (in_dims={in_dims!r}) say how the target maps "
+                f"over the members: target_in_dims=None (shared) or 0 (per-member)."
+            )
+        target_in_dims = in_dims
+    if target_in_dims not in (None, 0):
+        raise ValueError(
+            f"{_WHERE}: target_in_dims must be None (shared) or 0 (per-member); got "
+            f"{target_in_dims!r}."
+        )
+    return CompiledStep(
+        stack,
+        loss_fn,
+        optimizer,
+        in_dims=in_dims,
+        target_in_dims=target_in_dims,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        backend=backend,
+        mode=mode,
+        prefer=prefer,
+        warmup_steps=warmup_steps,
+    )

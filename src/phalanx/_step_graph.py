@@ -1,0 +1,186 @@
+"""The whole training step as one function of tensors, written to be traced and compiled.
+
+:func:`step_function` returns a function of the step's tensors (stacked parameters, buffers,
+optimizer state, hyperparameters, inputs, target, mask) that runs the forward pass through the
+stack, the per-member losses, the gradients, clipping, non-finite isolation and the Adam(W)
+update, and writes the results into the tensors it was given, in place. Tracing it with
+``make_fx`` gives one graph of aten operations, backward included; that graph is what
+``torch.compile`` compiles (see ``_step.py``).
+
+Every operation mirrors the eager path operation for operation: ``phalanx.clip_grad_norm_``,
+``MemberOptimizer._isolate`` and ``phalanx.optim.Adam``'s foreach update with per-member
+hyperparameters, so that the captured step equals the eager one to float rounding. The
+hyperparameters are (N,) float64 tensors, inputs of the graph: a scheduler that changes a
+learning rate changes an input, not the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+from phalanx._losses import member_losses
+
+#: The hyperparameters of one parameter's update, each an (N,) tensor.
+ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the traced step is specialised to: everything about it but tensor values.
+
+    Attributes:
+        stack: the :class:`phalanx.Stack` (its forward is called through ``functional_call``).
+        loss_fn: a loss on one member's ``(B, ...)`` output, as for ``member_losses``.
+        param_names: the stack's parameter names, in ``named_parameters()`` order.
+        trainable: per parameter, whether it requires grad.
+        buffer_names: the stack's buffer names.
+        in_dims: per positional input, None (shared) or 0 (per-member).
+        target_dim: None (a target shared by every member) or 0 (per-member).
+        decoupled: AdamW's decoupled weight decay.
+        amsgrad: the AMSGrad variant.
+        max_norm: clip each member's gradient norm (the value is an input tensor).
+        norm_type: the p of the clipping norm.
+        masked: a step mask is an input.
+        isolate: skip members whose loss or gradients are not finite.
+        freeze_after: with ``isolate``, freeze a member after this many skipped steps.
+    """
+
+    stack: Any
+    loss_fn: Callable[..., Tensor]
+    param_names: tuple[str, ...]
+    trainable: tuple[bool, ...]
+    buffer_names: tuple[str, ...]
+    in_dims: tuple[int | None, ...]
+    target_dim: int | None
+    decoupled: bool
+    amsgrad: bool
+    max_norm: bool
+    norm_type: float
+    masked: bool
+    isolate: bool
+    freeze_after: int | None
+
+
+def _per_member(h: Tensor, like: Tensor) -> Tensor:
+    """(N,) -> (N, 1, ..., 1) in ``like``'s dtype: how the eager optimizer broadcasts."""
+    dtype = torch.bool if h.dtype == torch.bool else like.dtype
+    return h.to(dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+def _clip(grads: list[Tensor], max_norm: Tensor, norm_type: float, n: int) -> Tensor:
+    """``phalanx.clip_grad_norm_`` on gradient values: returns the (N,) norms, scales grads."""
+    norms = torch.stack(
+        [torch.linalg.vector_norm(g.reshape(n, -1), norm_type, dim=1) for g in grads], dim=1
+    )
+    total = torch.linalg.vector_norm(norms, norm_type, dim=1)  # (N,)
+    coef = torch.clamp(max_norm.to(total.dtype) / (total + 1e-6), max=1.0)
+    for k, g in enumerate(grads):
+        grads[k] = g * _per_member(coef, g)
+    return total
+
+
+def _finite(tensors: list[Tensor], n: int) -> Tensor:
+    """(N,) bool: members all of whose elements are finite (as ``finite_members``)."""
+    finite = torch.ones(n, dtype=torch.bool, device=tensors[0].device)
+    for t in tensors:
+        if t.numel():
+            low, high = torch.aminmax(t.reshape(n, -1), dim=1)
+            finite = finite & low.isfinite() & high.isfinite()
+    return finite
+
+
+def _adam(
+    plan: Plan, p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """One Adam(W) update of a stacked parameter: the new values, nothing written yet.
+
+    The operations and their order are those of ``phalanx.optim.Adam``'s foreach path with
+    tensor hyperparameters: (N,) float64 values cast to the parameter's dtype as (N, 1, ...).
+    """
+    step = state["step"] + 1
+    g = g * _per_member(torch.where(h["maximize"], -1.0, 1.0), g)
+    lr, wd = h["lr"], h["weight_decay"]
+    if plan.decoupled:
+        p = p * _per_member(1 - lr * wd, p)
+    else:
+        g = torch.addcmul(g, p, _per_member(wd, p))
+    exp_avg = torch.lerp(state["exp_avg"], g, _per_member(1 - h["beta1"], g))
+    exp_avg_sq = state["exp_avg_sq"] * _per_member(h["beta2"], g)
+    exp_avg_sq = torch.addcmul(exp_avg_sq, g * _per_member(1 - h["beta2"], g), g)
+    new = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if plan.amsgrad:
+        new["max_exp_avg_sq"] = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
+        denom = new["max_exp_avg_sq"].sqrt()
+    else:
+        denom = exp_avg_sq.sqrt()
+    bias_correction1 = 1 - h["beta1"] ** step
+    bias_correction2 = 1 - h["beta2"] ** step
+    denom = denom / _per_member(bias_correction2.sqrt(), p) + _per_member(h["eps"], p)
+    new["param"] = torch.addcdiv(p, exp_avg * _per_member(-(lr / bias_correction1), p), denom)
+    return new
+
+
+def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | None]]:
+    """The step as a function of a dict of tensors, for ``make_fx``.
+
+    The dict holds "params" (P stacked tensors), "buffers", "state" (per parameter, its
+    optimizer state), "hypers" (per parameter, the (N,) hyperparameters of ``ADAM_HYPERS``),
+    "args" (the inputs), "target", "mask" ((N,) bool or None), "max_norm" ((N,) or None),
+    "bad_steps" and "frozen" ((N,) counters of the optimizer, or None).
+
+    The function writes the new parameters, optimizer state, buffers and counters into the
+    given tensors and returns "losses" (N,), "norms" (N,) (clipping), "skipped" and "frozen"
+    (N,) bool (isolation: members skipped, members frozen by this step), None when not asked
+    for.
+    """
+    names = plan.param_names
+
+    def step(t: dict[str, Any]) -> dict[str, Tensor | None]:
+        params: list[Tensor] = t["params"]
+        n = params[0].shape[0]
+        leaves = [p.detach().requires_grad_(r) for p, r in zip(params, plan.trainable)]
+        tensors = {**dict(zip(names, leaves)), **dict(zip(plan.buffer_names, t["buffers"]))}
+        with torch.enable_grad():
+            out = functional_call(plan.stack, tensors, tuple(t["args"]), {"in_dims": plan.in_dims})
+            losses = member_losses(plan.loss_fn, out, t["target"], in_dims=(0, plan.target_dim))
+            wanted = [k for k, r in enumerate(plan.trainable) if r]
+            found = torch.autograd.grad(
+                losses.sum(), [leaves[k] for k in wanted], allow_unused=True
+            )
+        # A parameter without a gradient is left alone, as the eager optimizer leaves it.
+        with_grad = [(k, g) for k, g in zip(wanted, found) if g is not None]
+        grads = [g for _, g in with_grad]
+        losses = losses.detach()
+        norms = None
+        if plan.max_norm and grads:
+            norms = _clip(grads, t["max_norm"], plan.norm_type, n)
+        active, skipped, newly_frozen = t["mask"], None, None
+        if plan.isolate:
+            finite = _finite(grads, n) & losses.isfinite()
+            frozen = t["frozen"]
+            considered = ~frozen if active is None else active & ~frozen
+            skipped = considered & ~finite
+            bad_steps = t["bad_steps"] + skipped
+            t["bad_steps"].copy_(bad_steps)
+            if plan.freeze_after is not None:
+                newly_frozen = ~frozen & (bad_steps >= plan.freeze_after)
+                frozen.copy_(frozen | newly_frozen)
+            active = considered & finite
+        with torch.no_grad():
+            for (k, _), g in zip(with_grad, grads):  # the gradients after clipping
+                p, state = params[k], t["state"][k]
+                new = _adam(plan, p, g, state, t["hypers"][k])
+                targets = {"param": p, **state}
+                for key, value in new.items():
+                    if active is not None:
+                        value = torch.where(_per_member(active, value), value, targets[key])
+                    targets[key].copy_(value)
+        return {"losses": losses, "norms": norms, "skipped": skipped, "frozen": newly_frozen}
+
+    return step

@@ -1,0 +1,394 @@
+"""phalanx.compile_step: the captured training step against the eager step and the loop.
+
+The capture logic is tested with torch.compile's "aot_eager" backend (the traced graph run
+through AOTAutograd without generating code: seconds to build); one small test compiles
+with inductor. Each captured run is compared member by member with
+
+- the eager phalanx step (stack, member_losses, backward, clip, optimizer.step(mask=...)),
+  which it must equal to float rounding, and
+- the loop of independent modules with torch.optim, in float32 and float64: the captured
+  float32 step must be no further from the float64 loop than the float32 loop itself is,
+  within a factor of 4 (summation order differs between batched and per-member kernels).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+from conftest import ARCHS, assert_close, make_members
+from phalanx._step import CompiledStep, compile_step, decide
+from phalanx.optim._base import NonFiniteWarning
+
+N = 4
+STEPS = 5
+LR = torch.tensor([1e-3, 1e-2, 3e-2, 1e-1], dtype=torch.float64)
+ARCH = {a.name: a for a in ARCHS}
+# How much further from the float64 loop than the float32 loop the captured step may be.
+FACTOR = 4.0
+# Adam's eps in the comparison with the loop. With eps=1e-8 Adam divides a near-zero
+# gradient's rounding noise by its own magnitude (the first step is lr * sign(gradient)), so
+# any change of summation order, which batching makes, moves such an element by up to lr in
+# any precision. eps=1 is far above every gradient here: the update stays Adam's, but its
+# error is proportional to the gradient's, so the comparison measures rounding honestly.
+# (The mask, schedule and fallback tests compare with the eager step at eps=1e-8.)
+EPS = 1.0
+
+
+def _loop(members, data, *, loss_fn, in_dim, decoupled, max_norm, dtype):
+    """The reference: each member alone, torch.optim, torch's clip_grad_norm_."""
+    models = [copy.deepcopy(m).to(dtype) for m in members]
+    opt_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    wd = 0.05 if decoupled else 0.0
+    opts = [
+        opt_cls(m.parameters(), lr=float(LR[i]), eps=EPS, weight_decay=wd)
+        for i, m in enumerate(models)
+    ]
+    for x, y in data:
+        for i, (m, o) in enumerate(zip(models, opts)):
+            xi = x[i] if in_dim == 0 else x
+            yi = y[i] if in_dim == 0 else y
+            o.zero_grad()
+            loss_fn(m(xi.to(dtype)), yi if not yi.is_floating_point() else yi.to(dtype)).backward()
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+            o.step()
+    return models
+
+
+def _phalanx(members, data, *, loss_fn, in_dim, decoupled, max_norm, backend):
+    stack = phalanx.stack(copy.deepcopy(members))
+    opt_cls = phalanx.optim.AdamW if decoupled else phalanx.optim.Adam
+    opt = opt_cls(stack.parameters(), lr=LR, eps=EPS, weight_decay=0.05 if decoupled else 0.0)
+    step = compile_step(
+        stack,
+        loss_fn,
+        opt,
+        in_dims=in_dim,
+        max_norm=max_norm,
+        backend=backend,
+        prefer="captured",
+        warmup_steps=1,
+    )
+    losses = [step(x, y) for x, y in data]
+    return stack, opt, step, losses
+
+
+def _eager(members, data, *, loss_fn, in_dim, decoupled, max_norm):
+    """The eager phalanx step, written out as a user writes it."""
+    stack = phalanx.stack(copy.deepcopy(members))
+    opt_cls = phalanx.optim.AdamW if decoupled else phalanx.optim.Adam
+    opt = opt_cls(stack.parameters(), lr=LR, eps=EPS, weight_decay=0.05 if decoupled else 0.0)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = phalanx.member_losses(loss_fn, stack(x, in_dims=in_dim), y, in_dims=(0, in_dim))
+        loss.sum().backward()
+        if max_norm is not None:
+            phalanx.clip_grad_norm_(stack.parameters(), max_norm)
+        opt.step()
+        losses.append(loss.detach())
+    return stack, opt, losses
+
+
+def _assert_rounding_close(stack, loop32, loop64):
+    """Member by member, over all its weights and buffers (as one vector):
+    ||captured - loop64|| <= FACTOR * ||loop32 - loop64|| + 4 ulps of ||loop64||."""
+    params, buffers = stack._stacked_state()
+    state = {k: v for k, v in {**params, **buffers}.items() if v.is_floating_point()}
+    for i in range(N):
+        truth = torch.cat([loop64[i].state_dict()[k].flatten() for k in state])
+        ours = torch.cat([v[i].detach().double().flatten() for v in state.values()])
+        f32 = torch.cat([loop32[i].state_dict()[k].double().flatten() for k in state])
+        err, base = (ours - truth).norm().item(), (f32 - truth).norm().item()
+        ulps = 4 * torch.finfo(torch.float32).eps * truth.norm().item()
+        assert err <= FACTOR * base + ulps, (
+            f"member {i}: {err:.3g} from the float64 loop, the float32 loop is {base:.3g} from it"
+        )
+
+
+CASES = {
+    # question 2a: shared batch, cross-entropy, per-member lr, per-member clipping
+    "shared_cross_entropy_clip": ("question2", None, False, 0.5),
+    # question 1: sliced input, MSE, AdamW with decoupled decay
+    "sliced_mse_adamw": ("question1", 0, True, None),
+    # per-member batches through a CNN whose BatchNorm buffers the step must update
+    "per_member_cnn_batchnorm": ("cnn_batchnorm_pool", 0, False, None),
+}
+
+
+def _data(arch_name: str, in_dim, steps: int = STEPS):
+    arch = ARCH[arch_name]
+    torch.manual_seed(7)
+    data = []
+    for _ in range(steps):
+        if arch_name == "question1":  # sliced: (B, N * 20) -> (N, B, 20), regression
+            x = phalanx.split(torch.randn(6, N * 20), N, dim=1)
+            y = torch.randn(N, 6, 1)
+        elif in_dim == 0:
+            x = torch.stack([arch.inputs(6)[0] for _ in range(N)])
+            y = torch.randint(0, 3, (N, 6))
+        else:
+            x = arch.inputs(6)[0]
+            y = torch.randint(0, 2, (6,))
+        data.append((x, y))
+    return data
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_captured_step_equals_eager_step_and_loop(case):
+    arch_name, in_dim, decoupled, max_norm = CASES[case]
+    members = make_members(ARCH[arch_name], N)
+    loss_fn = F.mse_loss if arch_name == "question1" else F.cross_entropy
+    data = _data(arch_name, in_dim)
+    kw = {"loss_fn": loss_fn, "in_dim": in_dim, "decoupled": decoupled, "max_norm": max_norm}
+
+    stack, opt, step, losses = _phalanx(members, data, backend="aot_eager", **kw)
+    assert step.choice == "captured"
+    assert step.compile_seconds is not None and step.compile_seconds > 0
+    assert "compile" in step.report
+    eager_stack, eager_opt, eager_losses = _eager(members, data, **kw)
+    assert_close(torch.stack(losses), torch.stack(eager_losses), trajectory=True, msg="losses")
+    assert_close(
+        stack.state_dict(), eager_stack.state_dict(), trajectory=True, msg="weights and buffers"
+    )
+    for p, q in zip(stack.parameters(), eager_stack.parameters()):
+        for key, value in eager_opt.state[q].items():
+            assert_close(opt.state[p][key], value, trajectory=True, msg=f"optimizer {key}")
+    loop32 = _loop(members, data, dtype=torch.float32, **kw)
+    loop64 = _loop(members, data, dtype=torch.float64, **kw)
+    _assert_rounding_close(stack, loop32, loop64)
+    if max_norm is not None:
+        assert step.last_norms is not None and step.last_norms.shape == (N,)
+
+
+def test_mask_isolation_and_freezing_match_the_eager_step():
+    """Masked members keep everything; a NaN member is skipped, counted, warned and frozen."""
+    members = make_members(ARCH["question2"], N)
+    torch.manual_seed(3)
+    data = []
+    for k in range(5):
+        x = torch.randn(N, 6, 10)
+        if k >= 2:
+            x[2, 0, 0] = float("nan")  # member 2 diverges from step 2 on
+        data.append((x, torch.randint(0, 2, (N, 6))))
+    masks = [None, torch.tensor([True, False, True, True]), None, None, None]
+
+    def build():
+        stack = phalanx.stack(copy.deepcopy(members))
+        opt = phalanx.optim.Adam(stack.parameters(), lr=LR, skip_nonfinite=True, freeze_after=2)
+        return stack, opt
+
+    stack, opt = build()
+    step = compile_step(
+        stack, F.cross_entropy, opt, in_dims=0, max_norm=1.0, backend="aot_eager",
+        prefer="captured", warmup_steps=1,
+    )  # fmt: skip
+    eager_stack, eager_opt = build()
+    # Member 2 is skipped in steps 2 and 3, frozen by step 3, and no longer tried in step 4.
+    expected_warning = {2: r"skipped members \[2\]", 3: r"Members \[2\] are now frozen after 2"}
+    for k, ((x, y), mask) in enumerate(zip(data, masks)):
+        if k in expected_warning:
+            with pytest.warns(NonFiniteWarning, match=expected_warning[k]):
+                step(x, y, mask=mask)
+        else:
+            step(x, y, mask=mask)
+        eager_opt.zero_grad()
+        losses = phalanx.member_losses(
+            F.cross_entropy, eager_stack(x, in_dims=0), y, in_dims=(0, 0)
+        )
+        losses.sum().backward()
+        phalanx.clip_grad_norm_(eager_stack.parameters(), 1.0)
+        with pytest.warns(NonFiniteWarning) if k in expected_warning else _no_warning():
+            eager_opt.step(mask=mask, loss=losses.detach())
+    assert step.choice == "captured"
+    assert_close(stack.state_dict(), eager_stack.state_dict(), trajectory=True, msg="weights")
+    for p, q in zip(stack.parameters(), eager_stack.parameters()):
+        for key, value in eager_opt.state[q].items():
+            assert_close(opt.state[p][key], value, trajectory=True, msg=f"optimizer {key}")
+    assert opt.bad_steps.tolist() == eager_opt.bad_steps.tolist() == [0, 0, 2, 0]
+    assert opt.frozen.tolist() == eager_opt.frozen.tolist() == [False, False, True, False]
+    # The masked-out member 1 of step 1 took one step fewer than the others.
+    assert opt.state[next(iter(stack.parameters()))]["step"].tolist() == [5, 4, 2, 5]
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_scheduler_changes_reach_the_captured_step():
+    members = make_members(ARCH["question2"], N)
+    data = _data("question2", None, steps=4)
+    results = []
+    for captured in (True, False):
+        stack = phalanx.stack(copy.deepcopy(members))
+        opt = phalanx.optim.Adam(stack.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+        step = compile_step(
+            stack, F.cross_entropy, opt, backend="aot_eager", prefer="captured", warmup_steps=1
+        )
+        for x, y in data:
+            if captured:
+                step(x, y)
+            else:
+                step._eager((x,), y, None)
+            sched.step()
+        results.append(stack.state_dict())
+    assert_close(results[0], results[1], trajectory=True, msg="after a learning-rate schedule")
+
+
+def test_prefer_fastest_decides_and_reports():
+    members = make_members(ARCH["question2"], N)
+    stack = phalanx.stack(members)
+    opt = phalanx.optim.Adam(stack.parameters())
+    step = compile_step(stack, F.cross_entropy, opt, backend="aot_eager", warmup_steps=2)
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    for _ in range(2 + 1 + 2):
+        step(x, y)
+        assert step.choice is None  # still measuring
+    step(x, y)
+    assert step.choice in ("eager", "captured")
+    assert step.report.startswith(step.choice)
+    assert "eager step" in step.report and "captured step" in step.report
+
+
+def test_decide_keeps_the_faster():
+    assert decide([9.0, 2.0, 2.5], [1.0, 1.5, 1.2]) == "captured"
+    assert decide([9.0, 1.0, 2.5], [1.1, 1.5, 1.2]) == "eager"  # the warm-up's 9.0 is ignored
+    assert decide([3.0], [1.0, 4.0, 4.0]) == "captured"
+
+
+def test_optimizer_without_capture_falls_back_with_a_warning():
+    members = make_members(ARCH["question2"], N)
+    stack = phalanx.stack(copy.deepcopy(members))
+    opt = torch.optim.Adam(stack.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match=r"compile_step\(\).*phalanx.optim.Adam and AdamW.*eager"):
+        step = compile_step(stack, F.cross_entropy, opt, backend="aot_eager")
+    assert step.choice == "eager" and "eager step" in step.report
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    for _ in range(5):
+        losses = step(x, y)
+    assert losses.shape == (N,)
+    # The eager step with the same torch.optim.Adam on the stacked tensors.
+    reference = phalanx.stack(copy.deepcopy(members))
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for _ in range(5):
+        ref_opt.zero_grad()
+        phalanx.member_losses(F.cross_entropy, reference(x), y).sum().backward()
+        ref_opt.step()
+    assert_close(stack.state_dict(), reference.state_dict(), trajectory=True, msg="fallback")
+    with pytest.raises(ValueError, match=r"a mask needs a phalanx optimizer"):
+        step(x, y, mask=torch.ones(N, dtype=torch.bool))
+
+
+def test_a_failing_compiler_falls_back_with_a_warning():
+    def broken(gm, example_inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    members = make_members(ARCH["question2"], N)
+    stack = phalanx.stack(copy.deepcopy(members))
+    opt = phalanx.optim.Adam(stack.parameters(), lr=LR, eps=EPS)
+    step = compile_step(stack, F.cross_entropy, opt, backend=broken, warmup_steps=1)
+    data = _data("question2", None, steps=3)
+    step(*data[0])
+    with pytest.warns(UserWarning, match=r"capturing the step failed .*no C\+\+ compiler"):
+        step(*data[1])
+    step(*data[2])
+    assert step.choice == "eager"
+    eager_stack, _, _ = _eager(
+        members, data, loss_fn=F.cross_entropy, in_dim=None, decoupled=False, max_norm=None
+    )
+    assert_close(stack.state_dict(), eager_stack.state_dict(), trajectory=True, msg="fallback")
+
+
+def test_bad_arguments_are_named():
+    members = make_members(ARCH["question2"], N)
+    stack = phalanx.stack(members)
+    opt = phalanx.optim.Adam(stack.parameters())
+    with pytest.raises(TypeError, match=r"compile_step\(\): stack must be a phalanx.Stack; got "):
+        compile_step(nn.Linear(2, 2), F.mse_loss, opt)
+    other = phalanx.optim.Adam(phalanx.stack(make_members(ARCH["question2"], N)).parameters())
+    with pytest.raises(ValueError, match=r"must hold exactly the stack's parameters; the stack's"):
+        compile_step(stack, F.mse_loss, other)
+    with pytest.raises(ValueError, match=r"prefer must be 'fastest' or 'captured'; got 'fast'"):
+        compile_step(stack, F.mse_loss, opt, prefer="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"warmup_steps must be an int >= 1 .* got 0"):
+        compile_step(stack, F.mse_loss, opt, warmup_steps=0)
+    with pytest.raises(ValueError, match=r"several inputs .* target_in_dims=None"):
+        compile_step(stack, F.mse_loss, opt, in_dims=(None, 0))
+    step = compile_step(stack, F.cross_entropy, opt, backend="aot_eager")
+    with pytest.raises(ValueError, match=r"mask must be a bool tensor of shape \(4,\).* got dtype"):
+        step(torch.randn(3, 10), torch.zeros(3, dtype=torch.long), mask=torch.ones(3))
+
+
+def test_inductor_compiles_the_step():
+    """One real compilation (C++ code generated by inductor): seconds on two cores."""
+    members = make_members(ARCH["question2"], 2)
+    data = _data("question2", None, steps=3)
+    stack = phalanx.stack(copy.deepcopy(members))
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+    step = compile_step(stack, F.cross_entropy, opt, prefer="captured", warmup_steps=1)
+    for x, y in data:
+        step(x, y)
+    assert isinstance(step, CompiledStep) and step.choice == "captured"
+    eager = phalanx.stack(copy.deepcopy(members))
+    eager_opt = phalanx.optim.Adam(eager.parameters(), lr=1e-2)
+    for x, y in data:
+        eager_opt.zero_grad()
+        phalanx.member_losses(F.cross_entropy, eager(x), y).sum().backward()
+        eager_opt.step()
+    assert_close(stack.state_dict(), eager.state_dict(), trajectory=True, msg="inductor")
+
+
+# ------------------------------------------------------ member_losses, the loss of every step
+
+LOSS_CASES = {
+    "cross_entropy_shared": (F.cross_entropy, {}, lambda: torch.randint(0, 5, (6,)), None),
+    "cross_entropy_per_member": (
+        F.cross_entropy, {"label_smoothing": 0.1}, lambda: torch.randint(0, 5, (N, 6)), 0
+    ),
+    # reduction="mean" leaves ignored samples out of the denominator
+    "cross_entropy_ignore_index": (
+        F.cross_entropy, {}, lambda: torch.tensor([[-100, 1, 2, -100, 4, 0]] * N), 0
+    ),
+    "cross_entropy_probabilities": (
+        F.cross_entropy, {}, lambda: torch.rand(N, 6, 5).softmax(-1), 0
+    ),
+    "nll_shared": (F.nll_loss, {}, lambda: torch.randint(0, 5, (6,)), None),
+    "mse_shared": (F.mse_loss, {}, lambda: torch.randn(6, 5), None),
+    "huber_per_member": (F.huber_loss, {"delta": 0.5}, lambda: torch.randn(N, 6, 5), 0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_member_losses_equal_each_members_own_loss(case):
+    loss_fn, kwargs, make_target, target_dim = LOSS_CASES[case]
+    torch.manual_seed(0)
+    # A strided output, as the fused backend's shared-input path returns: (B, N, C) viewed
+    # as (N, B, C).
+    base = torch.randn(6, N, 5, dtype=torch.float64, requires_grad=True)
+    output = base.transpose(0, 1)
+    if loss_fn is F.nll_loss:
+        output = output.log_softmax(-1)
+    target = make_target()
+    target = target.double() if target.is_floating_point() else target
+    losses = phalanx.member_losses(loss_fn, output, target, in_dims=(0, target_dim), **kwargs)
+    (grad,) = torch.autograd.grad(losses.sum(), base, retain_graph=True)
+    expected = torch.stack(
+        [
+            loss_fn(output[i], target if target_dim is None else target[i], **kwargs)
+            for i in range(N)
+        ]
+    )
+    (expected_grad,) = torch.autograd.grad(expected.sum(), base)
+    assert_close(losses, expected, dtype=torch.float64, msg=f"{case} losses")
+    assert_close(grad, expected_grad, dtype=torch.float64, msg=f"{case} gradients")
