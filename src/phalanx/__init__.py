@@ -8,6 +8,7 @@ from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
 from phalanx._split import merge, split
 from phalanx._stack import Stack, stack
+from phalanx._step import CompiledStep, compile_step
 
 __version__ = "0.1.0"
 
@@ -23,9 +24,11 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointError",
+    "CompiledStep",
     "Stack",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "compile_step",
     "data",
     "distributed",
     "export_members",

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--procs",
         type=int,
         metavar="K",
-        help="shard the members over K processes (needs phalanx.distributed.bench_sharded)",
+        help="shard the members over K processes (the sharded benchmark, phalanx._bench.sharded)",
     )
     parser.add_argument(
         "--threads",
@@ -59,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "processes share, --threads 1 avoids threads waiting for each other's cores",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="time the real-model suite instead (14 model classes copied from public code, "
+        "each checked against the loop first); with --members N (default 16), --threads, "
+        "--quick and --json",
+    )
+    parser.add_argument("--members", type=int, default=16, help="N for --real")
     parser.add_argument(
         "--compile-backend",
         default="inductor",
@@ -124,7 +132,7 @@ def _sharded(args: argparse.Namespace, workloads: list[str], device: torch.devic
         from phalanx._bench.sharded import bench_sharded
     except ImportError as e:
         print(
-            f"phalanx bench: --procs needs phalanx.distributed.bench_sharded, which this "
+            f"phalanx bench: --procs needs phalanx._bench.sharded, which this "
             f"installation does not provide ({e}). Run without --procs.",
             file=sys.stderr,
         )
@@ -149,6 +157,14 @@ def run(args: argparse.Namespace) -> int:
         0 on success, 1 when a contender gave a wrong answer, 2 on a usage error (an unknown
         workload or phase, ``--device cuda`` without a GPU, ``--procs`` unavailable).
     """
+    if args.real:
+        from phalanx._bench.real_suite import main as real_main
+
+        argv = ["--members", str(args.members)]
+        argv += ["--threads", str(args.threads)] if args.threads else []
+        argv += ["--quick"] if args.quick else []
+        argv += ["--json", args.json] if args.json else []
+        return real_main(argv)
     try:
         workloads = _parse_list(args.workloads, list(WORKLOADS), "--workloads")
         phases = _parse_list(args.phases, PHASES, "--phases")

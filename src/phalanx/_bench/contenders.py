@@ -28,7 +28,7 @@ from torch.func import functional_call, stack_module_state, vmap
 import phalanx
 from phalanx._backends import BACKENDS
 from phalanx._bench.workloads import Data, Workload
-from phalanx._step import compile_step  # not yet exported as phalanx.compile_step
+from phalanx._step import compile_step
 
 #: Learning rate of every contender's Adam.
 LR = 1e-3

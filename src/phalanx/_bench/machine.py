@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
-from phalanx._bench.timing import synchronizer
+from phalanx._backends._preserve import seconds
 
 BUSY = "the machine is busy, figures are noisy; rerun when it is quiet"
 
@@ -97,18 +96,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _best_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: allocation, kernel selection, thread-pool start
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _gemm(n: int, device: torch.device) -> Callable[[], object]:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     out = torch.empty(n, n, device=device)
@@ -139,12 +126,14 @@ def measure(device: torch.device, *, quick: bool) -> Machine:
     except (AttributeError, OSError):
         load = None
     cuda = device.type == "cuda"
-    sync = synchronizer(device)
     n = (4096 if quick else 8192) if cuda else (1024 if quick else 2048)
-    repeats = 3 if quick else 7
-    gemm_s = _best_seconds(_gemm(n, device), sync, repeats)
     mib = (1024 if cuda else 64) if quick else (4096 if cuda else 256)
-    copy_s = _best_seconds(_copy(mib, device), sync, repeats)
+    repeats = 3 if quick else 7
+    gemm, copy = _gemm(n, device), _copy(mib, device)
+    seconds(gemm, device, repeats=1)  # warm-ups: allocation, kernel selection, thread pool
+    seconds(copy, device, repeats=1)
+    gemm_s = seconds(gemm, device, repeats)
+    copy_s = seconds(copy, device, repeats)
 
     return Machine(
         device=device.type,
