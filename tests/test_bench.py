@@ -253,7 +253,7 @@ def test_procs_hands_over_to_the_sharded_bench(capsys, monkeypatch):
 
     monkeypatch.delattr(sharded, "bench_sharded")
     assert main(["bench", "--procs", "2", "--device", "cpu", "--workloads", "W1"]) == 2
-    assert "--procs needs phalanx.distributed.bench_sharded" in capsys.readouterr().err
+    assert "--procs needs phalanx._bench.sharded" in capsys.readouterr().err
 
 
 def test_a_failing_reference_stops_the_bench():
