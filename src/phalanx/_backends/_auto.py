@@ -3,8 +3,8 @@
 On the first call in each grad mode, ``auto`` tries the backends fastest first. Any failure
 of a faster one (a refusal, a missing batching rule, a crash) hands over to the next: the
 loop runs the member's code as written and is the specification. The backends that run are
-then timed (forward, and backward when training) and the fastest kept, unless a simpler one
-is within a margin of it: timing noise must not decide whether a result is bit-identical to
+then timed (forward, and backward when training) and the fastest kept, unless a preferred one
+(the loop, then fused) is within a margin of it: timing noise must not decide whether a result is bit-identical to
 the loop. A backend that fails is dropped for good once a slower one has run the same input,
 with one warning that names the backend ``auto`` actually runs.
 
@@ -27,9 +27,12 @@ from phalanx._backends._preserve import preserved, seconds
 
 logger = logging.getLogger("phalanx")
 
-MARGIN = 0.15
-"""A faster backend is chosen over a simpler one only when at least this much faster."""
-_SIMPLICITY = ("loop", "vmap", "fused")  # simplest first: the loop is the specification
+MARGIN = 0.10
+"""A faster backend is chosen over a preferred one only when at least this much faster."""
+# Preferred first: the loop is the specification; then fused, whose every case is checked
+# against the reference, before torch.func's vmap, whose batching rules phalanx cannot check
+# (two gave silently wrong answers: see _vmap.py).
+_PREFERENCE = ("loop", "fused", "vmap")
 
 
 def _reason(e: BaseException) -> str:
@@ -143,7 +146,7 @@ class AutoBackend:
         Like cuDNN's benchmark mode: a batched computation is not always faster than a loop
         (large convolutions on a CPU). Under autograd the backward pass is timed too, with
         ``torch.autograd.grad`` so that no ``.grad`` is touched. The fastest wins unless a
-        simpler backend is within ``MARGIN`` of it.
+        preferred backend is within ``MARGIN`` of it.
         """
         if len(names) < 2:
             return names[0]
@@ -173,7 +176,7 @@ class AutoBackend:
         if not times:
             return names[-1]
         best = min(times.values())
-        close = [n for n in _SIMPLICITY if n in times and times[n] <= best * (1 + MARGIN)]
+        close = [n for n in _PREFERENCE if n in times and times[n] <= best * (1 + MARGIN)]
         choice = close[0]
         logger.info(
             "phalanx: backend 'auto' timed %s and picked %r",
