@@ -60,12 +60,7 @@ class Stack(nn.Module):
         where = "phalanx.stack()"
         members = as_module_list(models, where)
         check_same_architecture(members, where)
-        if backend not in _CHOICES:
-            raise ValueError(
-                f"{where}: unknown backend {backend!r}; choose one of "
-                + ", ".join(repr(c) for c in _CHOICES)
-                + "."
-            )
+        _check_backend(backend, where)
         with torch.no_grad():
             params = {
                 name: torch.stack([m.get_parameter(name).detach() for m in members])
@@ -93,12 +88,7 @@ class Stack(nn.Module):
         ``meta``); ``params`` and ``buffers`` are keyed as ``member.named_parameters()`` and
         ``member.named_buffers()`` and become the stack's tensors as they are.
         """
-        if backend not in _CHOICES:
-            raise ValueError(
-                f"phalanx.stack(): unknown backend {backend!r}; choose one of "
-                + ", ".join(repr(c) for c in _CHOICES)
-                + "."
-            )
+        _check_backend(backend, "phalanx.stack()")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(member, params, buffers, num_members, backend)
@@ -158,12 +148,7 @@ class Stack(nn.Module):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        if name not in _CHOICES:
-            raise ValueError(
-                f"Stack.backend: unknown backend {name!r}; choose one of "
-                + ", ".join(repr(c) for c in _CHOICES)
-                + "."
-            )
+        _check_backend(name, "Stack.backend")
         self._set_backend(name)
 
     def extra_repr(self) -> str:
@@ -312,6 +297,15 @@ class Stack(nn.Module):
                     m.get_parameter(name).copy_(p[i])
                 for name, b in buffers.items():
                     m.get_buffer(name).copy_(b[i])
+
+
+def _check_backend(name: str, where: str) -> None:
+    if name not in _CHOICES:
+        raise ValueError(
+            f"{where}: unknown backend {name!r}; choose one of "
+            + ", ".join(repr(c) for c in _CHOICES)
+            + "."
+        )
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
