@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -96,6 +96,10 @@ KINDS = ["linear", "cat", "slice", "reshape", "pool", "conv", "feature_mean", "l
     backend=st.sampled_from(["auto", "fused", "vmap", "loop"]),
     seed=st.integers(0, 2**16),
 )
+# Found by this test: members whose LayerNorm still holds its initial 1 and 0 give equal
+# outputs even where the forward mixes them, and only the gradients differ.
+@example(kinds=["layernorm", "mixes_batch"], n=2, batch=2, train=False, per_member=False,
+         backend="auto", seed=0)  # fmt: skip
 def test_generated_members_match_the_loop(kinds, n, batch, train, per_member, backend, seed):
     torch.manual_seed(seed)
     members = [Generated(kinds).train(train) for _ in range(n)]
@@ -121,12 +125,16 @@ def test_generated_members_match_the_loop(kinds, n, batch, train, per_member, ba
     out32, grads32 = _loop(reference, x, per_member, torch.float32)
     out64, grads64 = _loop(reference, x, per_member, torch.float64)
     _as_close_as_the_loop(out, out32, out64, "outputs")
-    for i in range(n):
-        for name in grads32[i]:
-            assert got[name] is not None, name
-            _as_close_as_the_loop(
-                got[name][i], grads32[i][name], grads64[i][name], f"member {i} grad {name}"
-            )
+    for name in grads32[0]:
+        assert got[name] is not None, name
+        # Judged against the float32 loop's largest error over the members: one member's own
+        # error is a single lucky or unlucky draw.
+        _as_close_as_the_loop(
+            got[name],
+            torch.stack([g[name] for g in grads32]),
+            torch.stack([g[name] for g in grads64]),
+            f"grad {name}",
+        )
 
 
 def _loop(members: list[nn.Module], x: torch.Tensor, per_member: bool, dtype: torch.dtype):
