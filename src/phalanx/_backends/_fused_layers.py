@@ -28,6 +28,7 @@ from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 
 from phalanx._backends import BackendRefusal
+from phalanx._backends._bmm import linear_bmm
 from phalanx._backends._preserve import seconds
 
 # The folding of the call under way: N and the batch sizes of the inputs (a stack of them,
@@ -102,11 +103,7 @@ class BatchedLinear(Batched):
         n, out_f, in_f = w.shape
         if not is_folded(x):
             return broadcast(self.forward_shared(x))
-        x3 = x.reshape(n, -1, in_f)
-        if b is None:
-            y = torch.bmm(x3, w.transpose(1, 2))
-        else:
-            y = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
+        y = linear_bmm(x.reshape(n, -1, in_f), w, b)
         return y.view(*x.shape[:-1], out_f)
 
     def forward_shared(self, x: torch.Tensor) -> torch.Tensor:
