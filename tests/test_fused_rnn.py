@@ -8,7 +8,8 @@ penalty). The criterion is float rounding: no further from a float64 run of the 
 a small factor over the float32 loop's own distance from it, plus a few ulps.
 
 The batched path must be the one that ran: the per-member path (``BatchedRNN.forward``) is
-made to fail in these tests; what is handed over to it is tested separately.
+made to fail in these tests, and the timed choice between the two paths is pinned to the
+batched one; what is handed over, and the choice, are tested separately.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 import phalanx
-from phalanx._backends import _fused_layers
+from phalanx._backends import _fused_layers, _fused_rnn
 from phalanx._backends._fused_layers import BatchedRNN, folding
 from phalanx._backends._fused_rnn import BatchedRecurrent
 
@@ -68,6 +69,7 @@ def batched_only(monkeypatch):
         raise AssertionError("the per-member BatchedRNN path ran")
 
     monkeypatch.setattr(BatchedRNN, "forward", refuse)
+    monkeypatch.setattr(BatchedRecurrent, "choose", lambda self, x, hx: "batched")
 
 
 def _loss(outs) -> torch.Tensor:
@@ -264,3 +266,22 @@ def test_proj_size_runs_exactly_member_by_member(monkeypatch):
 def test_registry_points_to_the_batched_layer():
     for cls in (nn.RNN, nn.LSTM, nn.GRU):
         assert isinstance(_fused_layers._BATCHED[cls](cls(IN, HIDDEN), 1), BatchedRecurrent)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_faster_path_is_chosen_once_per_shape_and_both_are_exact(grad):
+    torch.manual_seed(0)
+    members = [nn.LSTM(IN, HIDDEN, 2, batch_first=True) for _ in range(N)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    x = torch.randn(B, T, IN)
+    with torch.set_grad_enabled(grad):
+        stack(x)
+    keys = [k for k in _fused_rnn._choices if k[0] == id(stack.module)]
+    assert len(keys) == 1 and keys[0][2] == grad, keys
+    assert _fused_rnn._choices[keys[0]] in ("batched", "per_member")
+    expected = [torch.stack(o) for o in zip(*(m(x)[0:1] for m in members))]
+    for choice in ("batched", "per_member"):
+        _fused_rnn._choices[keys[0]] = choice
+        with torch.set_grad_enabled(grad):
+            (out, _) = stack(x)
+        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6, msg=choice)

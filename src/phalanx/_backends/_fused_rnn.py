@@ -30,26 +30,29 @@ from typing import Any
 import torch
 
 from phalanx._backends._fused_layers import BatchedRNN, fold_sizes
+from phalanx._backends._preserve import seconds
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 _DTYPES = (torch.float32, torch.float64)
 
+# Which path runs faster for a (layer, input shape, grad mode, ...): measured once, then
+# cached, as the batched convolutions choose theirs. torch's per-member LSTM on CPU is
+# oneDNN's fused kernel, which at some sizes the batched recurrence does not beat.
+_choices: dict[tuple, str] = {}
+
 
 # ---------------------------------------------------------------------------- the recurrence
 #
-# Layouts. The input projection ``gi`` is ``(N, T, B, G * H)``: the output of one batched GEMM
-# over rows ``(t, b)``, so that its gradient feeds the weight gradients as one GEMM too. Step by
-# step the recurrence reads ``gi[:, t]`` and writes to buffers ``(T, N, B, X)`` indexed by the
-# step ``s`` in the order the steps run (``t = s``, or ``T - 1 - s`` in the reverse direction):
-# each step's slice is contiguous, which batched GEMMs writing their output need to be fast.
+# Layouts, time-major and feature-major: a sequence is ``(T, N, X, B)`` and a state
+# ``(N, H, B)``, so that a step's gates ``W_hh h`` are ``(N, G * H, B)``: each gate of each
+# member is one contiguous block of H * B numbers, and each timestep of a sequence is
+# contiguous. The elementwise gate arithmetic then runs on long contiguous runs, and batched
+# GEMMs write their output in place, which strided outputs would make slow.
 
 
 def _time(s: int, steps: int, reverse: bool) -> int:
+    """The timestep the s-th step processes."""
     return steps - 1 - s if reverse else s
-
-
-def _hidden_bias(b_hn: torch.Tensor | None) -> torch.Tensor | None:
-    return None if b_hn is None else b_hn.unsqueeze(1)  # (N, 1, H)
 
 
 def _steps(
@@ -66,39 +69,39 @@ def _steps(
 
     Args:
         gi: the input projection with the biases torch adds outside GRU's reset gate,
-            ``(N, T, B, G * H)``.
-        h0, c0: the initial states ``(N, B, H)``; c0 only for LSTM.
+            ``(T, N, G * H, B)``.
+        h0, c0: the initial states ``(N, H, B)``; c0 only for LSTM.
         w_hh: ``(N, G * H, H)``. b_hn: GRU's hidden bias of the n gate ``(N, H)``, or None.
         reverse: run from the last timestep to the first.
 
     Returns:
-        ``(hs, h_n)``, and ``c_n`` for LSTM: hs ``(T, N, B, H)`` in the order the steps ran.
+        ``(out, h_n)``, and ``c_n`` for LSTM: out ``(T, N, H, B)``.
     """
-    hidden, steps = w_hh.shape[-1], gi.shape[1]
-    w_t = w_hh.transpose(1, 2)
+    hidden, steps = w_hh.shape[-1], gi.shape[0]
     h, c = h0, c0
-    hs = []
+    outs: list[torch.Tensor] = [h0] * steps
     for s in range(steps):
-        g_in = gi[:, _time(s, steps, reverse)]
+        t = _time(s, steps, reverse)
         if mode == "LSTM":
-            gates = torch.baddbmm(g_in, h, w_t)
-            i, f, _, o = torch.sigmoid(gates).chunk(4, -1)
-            g = torch.tanh(gates[..., 2 * hidden : 3 * hidden])
+            gates = torch.baddbmm(gi[t], w_hh, h)
+            i, f, _, o = torch.sigmoid(gates).chunk(4, 1)
+            g = torch.tanh(gates[:, 2 * hidden : 3 * hidden])
             c = f * c + i * g
             h = o * torch.tanh(c)
         elif mode == "GRU":
-            gh = torch.bmm(h, w_t)
-            gh_n = gh[..., 2 * hidden :]
+            gh = torch.bmm(w_hh, h)
+            gh_n = gh[:, 2 * hidden :]
             if b_hn is not None:
-                gh_n = gh_n + b_hn.unsqueeze(1)
-            r, z = torch.sigmoid(g_in[..., : 2 * hidden] + gh[..., : 2 * hidden]).chunk(2, -1)
-            n = torch.tanh(g_in[..., 2 * hidden :] + r * gh_n)
+                gh_n = gh_n + b_hn.unsqueeze(-1)
+            r, z = torch.sigmoid(gi[t, :, : 2 * hidden] + gh[:, : 2 * hidden]).chunk(2, 1)
+            n = torch.tanh(gi[t, :, 2 * hidden :] + r * gh_n)
             h = (h - n) * z + n
         else:
-            pre = torch.baddbmm(g_in, h, w_t)
+            pre = torch.baddbmm(gi[t], w_hh, h)
             h = torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)
-        hs.append(h)
-    return (torch.stack(hs), h, c) if mode == "LSTM" else (torch.stack(hs), h)
+        outs[t] = h
+    out = torch.stack(outs)
+    return (out, h, c) if mode == "LSTM" else (out, h)
 
 
 def _forward(
@@ -114,129 +117,126 @@ def _forward(
     """The recurrence without autograd, into preallocated buffers, activations in place.
 
     Returns:
-        ``(hs, h_n, c_n, saved)``: with ``keep``, saved holds what the backward reads (the
-        activated gates; LSTM's cell states and their tanh; GRU's ``W_hn h + b_hn``).
+        ``(out, h_n, c_n, saved)``: with ``keep``, saved holds what the backward reads, by
+        timestep (the activated gates; LSTM's cell states and their tanh; GRU's
+        ``W_hh h + (0, 0, b_hn)``).
     """
-    hidden, steps = w_hh.shape[-1], gi.shape[1]
-    n_, b_ = h0.shape[:2]
-    w_t = w_hh.transpose(1, 2).contiguous()  # (N, H, G * H): a faster GEMM operand
-    hs = gi.new_empty(steps, n_, b_, hidden)
+    steps = gi.shape[0]
+    hidden = w_hh.shape[-1]
+    out = gi.new_empty(steps, *h0.shape)
     h, c = h0, c0
     saved: tuple[torch.Tensor, ...] = ()
     if mode == "LSTM":
-        gates = gi.new_empty(steps, n_, b_, gi.shape[-1])
-        cells, tanh_c = torch.empty_like(hs), torch.empty_like(hs)
+        gates = torch.empty_like(gi)
+        cells, tanh_c = torch.empty_like(out), torch.empty_like(out)
         for s in range(steps):
-            g = gates[s]
-            torch.bmm(h, w_t, out=g)
-            g.add_(gi[:, _time(s, steps, reverse)])
-            g[..., : 2 * hidden].sigmoid_()
-            g[..., 2 * hidden : 3 * hidden].tanh_()
-            g[..., 3 * hidden :].sigmoid_()
-            i, f, g_, o = g.chunk(4, -1)
-            c = torch.mul(f, c, out=cells[s])
-            c.addcmul_(i, g_)
-            h = torch.mul(o, torch.tanh(c, out=tanh_c[s]), out=hs[s])
+            t = _time(s, steps, reverse)
+            g = torch.bmm(w_hh, h, out=gates[t]).add_(gi[t])
+            g[:, : 2 * hidden].sigmoid_()
+            g[:, 2 * hidden : 3 * hidden].tanh_()
+            g[:, 3 * hidden :].sigmoid_()
+            i, f, g_, o = g.chunk(4, 1)
+            c = torch.mul(f, c, out=cells[t]).addcmul_(i, g_)
+            h = torch.mul(o, torch.tanh(c, out=tanh_c[t]), out=out[t])
         saved = (gates, cells, tanh_c)
     elif mode == "GRU":
-        gates = gi.new_empty(steps, n_, b_, gi.shape[-1])
-        gh_all = gi.new_empty(steps, n_, b_, gi.shape[-1])  # W_hh h + (0, 0, b_hn)
-        bias = _hidden_bias(b_hn)
+        gates, gh_all = torch.empty_like(gi), torch.empty_like(gi)
+        bias = None if b_hn is None else b_hn.unsqueeze(-1)
         for s in range(steps):
-            g_in, g, gh = gi[:, _time(s, steps, reverse)], gates[s], gh_all[s]
-            torch.bmm(h, w_t, out=gh)
-            gh_n = gh[..., 2 * hidden :]
+            t = _time(s, steps, reverse)
+            g_in, g = gi[t], gates[t]
+            gh = torch.bmm(w_hh, h, out=gh_all[t])
+            gh_n = gh[:, 2 * hidden :]
             if bias is not None:
                 gh_n.add_(bias)
-            rz = torch.add(g_in[..., : 2 * hidden], gh[..., : 2 * hidden], out=g[..., : 2 * hidden])
+            rz = torch.add(g_in[:, : 2 * hidden], gh[:, : 2 * hidden], out=g[:, : 2 * hidden])
             rz.sigmoid_()
-            n = torch.mul(g[..., :hidden], gh_n, out=g[..., 2 * hidden :])
-            n.add_(g_in[..., 2 * hidden :]).tanh_()
-            h = torch.sub(h, n, out=hs[s]).mul_(g[..., hidden : 2 * hidden]).add_(n)
+            n = torch.mul(g[:, :hidden], gh_n, out=g[:, 2 * hidden :])
+            n.add_(g_in[:, 2 * hidden :]).tanh_()
+            h = torch.sub(h, n, out=out[t]).mul_(g[:, hidden : 2 * hidden]).add_(n)
         saved = (gates, gh_all)
     else:
         for s in range(steps):
-            h = torch.bmm(h, w_t, out=hs[s]).add_(gi[:, _time(s, steps, reverse)])
+            t = _time(s, steps, reverse)
+            h = torch.bmm(w_hh, h, out=out[t]).add_(gi[t])
             h.tanh_() if mode == "RNN_TANH" else h.relu_()
     c_n = c.clone() if c is not None else None
-    return hs, h.clone(), c_n, saved if keep else ()
+    return out, h.clone(), c_n, saved if keep else ()
 
 
 def _backward(
     mode: str,
     grads: tuple[torch.Tensor, ...],
     inputs: tuple[Any, ...],
-    hs: torch.Tensor,
+    out: torch.Tensor,
     saved: tuple[torch.Tensor, ...],
     reverse: bool,
     needs: tuple[bool, ...],
 ) -> list[torch.Tensor | None]:
     """Backward through time; the gradients of ``(gi, h0, c0, w_hh, b_hn)``."""
-    dhs, dh_n = grads[0], grads[1]
+    d_out, dh_n = grads[0], grads[1]
     gi, h0, c0, w_hh, b_hn = inputs
-    hidden, steps = w_hh.shape[-1], gi.shape[1]
+    hidden, steps = w_hh.shape[-1], gi.shape[0]
+    w_t = w_hh.transpose(1, 2).contiguous()  # (N, H, G * H)
     one = gi.new_ones(())
-    dgi = torch.empty_like(gi, memory_format=torch.contiguous_format)  # (N, T, B, G * H)
-    dgh = dgi  # the gradient of W_hh h (+ b_hn): gi's but for GRU's n gate
-    if mode == "GRU":
-        dgh = torch.empty_like(dgi)
+    dgi = torch.empty_like(gi)  # (T, N, G * H, B)
+    d_w = torch.zeros_like(w_hh) if needs[3] else None
+    d_bn = torch.zeros_like(h0) if b_hn is not None and needs[4] else None  # summed over B last
     dc = grads[2].clone() if mode == "LSTM" else None
-    dh = dh_n + dhs[steps - 1]
+    # One step's scratch, reused: fresh tensors this large each step would be mapped and
+    # faulted in anew by the C allocator.
+    scratch = torch.empty_like(gi[0])
+    y = torch.empty_like(gi[0]) if mode == "GRU" else None  # the gradient of W_hh h + b_hn
+    dh = dh_n + d_out[_time(steps - 1, steps, reverse)]
     for s in range(steps - 1, -1, -1):
-        x = dgi[:, _time(s, steps, reverse)]
-        h_prev = hs[s - 1] if s else h0
-        direct = None  # what reaches h_{s-1} other than through W_hh
+        t = _time(s, steps, reverse)
+        before = _time(s - 1, steps, reverse)
+        h_prev = out[before] if s else h0
+        x = dgi[t]
+        step = x
+        direct = None  # what reaches the state before this step other than through W_hh
         if mode == "LSTM":
             assert dc is not None
-            i, f, g, o = saved[0][s].chunk(4, -1)
-            tanh_c = saved[2][s]
-            c_prev = saved[1][s - 1] if s else c0
+            gates, tanh_c = saved[0][t], saved[2][t]
+            i, f, g, o = gates.chunk(4, 1)
+            c_prev = saved[1][before] if s else c0
             dc.addcmul_(dh * o, torch.addcmul(one, tanh_c, tanh_c, value=-1))
-            torch.mul(dc, g, out=x[..., :hidden])
-            torch.mul(dc, c_prev, out=x[..., hidden : 2 * hidden])
-            torch.mul(dc, i, out=x[..., 2 * hidden : 3 * hidden])
-            torch.mul(dh, tanh_c, out=x[..., 3 * hidden :])
-            gates = saved[0][s]
-            deriv = gates * (1 - gates)  # sigmoid's derivative
-            torch.addcmul(one, g, g, value=-1, out=deriv[..., 2 * hidden : 3 * hidden])
+            torch.mul(dc, g, out=x[:, :hidden])
+            torch.mul(dc, c_prev, out=x[:, hidden : 2 * hidden])
+            torch.mul(dc, i, out=x[:, 2 * hidden : 3 * hidden])
+            torch.mul(dh, tanh_c, out=x[:, 3 * hidden :])
+            deriv = torch.sub(one, gates, out=scratch).mul_(gates)  # sigmoid's derivative
+            torch.addcmul(one, g, g, value=-1, out=deriv[:, 2 * hidden : 3 * hidden])  # tanh's
             x.mul_(deriv)
             if s or needs[2]:
                 dc.mul_(f)
         elif mode == "GRU":
-            gates, gh = saved[0][s], saved[1][s]
-            rz = gates[..., : 2 * hidden]
-            r, z, n = gates.chunk(3, -1)
-            y = dgh[:, _time(s, steps, reverse)]
+            assert y is not None
+            gates, gh = saved[0][t], saved[1][t]
+            r, z, n = gates.chunk(3, 1)
+            rz = gates[:, : 2 * hidden]
             direct = dh * z  # h' = (h - n) * z + n
-            x_n = torch.sub(dh, direct, out=x[..., 2 * hidden :])
+            x_n = torch.sub(dh, direct, out=x[:, 2 * hidden :])
             x_n.mul_(torch.addcmul(one, n, n, value=-1))
-            torch.mul(x_n, r, out=y[..., 2 * hidden :])
-            torch.mul(x_n, gh[..., 2 * hidden :], out=x[..., :hidden])
-            torch.sub(h_prev, n, out=x[..., hidden : 2 * hidden]).mul_(dh)
-            x[..., : 2 * hidden].mul_(rz * (1 - rz))
-            y[..., : 2 * hidden].copy_(x[..., : 2 * hidden])
+            torch.mul(x_n, r, out=y[:, 2 * hidden :])
+            torch.mul(x_n, gh[:, 2 * hidden :], out=x[:, :hidden])
+            torch.sub(h_prev, n, out=x[:, hidden : 2 * hidden]).mul_(dh)
+            x[:, : 2 * hidden].mul_(torch.sub(one, rz, out=scratch[:, : 2 * hidden]).mul_(rz))
+            y[:, : 2 * hidden].copy_(x[:, : 2 * hidden])
+            step = y
+            if d_bn is not None:
+                d_bn.add_(y[:, 2 * hidden :])
         elif mode == "RNN_TANH":
-            h = hs[s]
-            torch.mul(dh, torch.addcmul(one, h, h, value=-1), out=x)
+            torch.mul(dh, torch.addcmul(one, out[t], out[t], value=-1), out=x)
         else:
-            x.copy_(torch.ops.aten.threshold_backward(dh, hs[s], 0))
+            x.copy_(torch.ops.aten.threshold_backward(dh, out[t], 0))
+        if d_w is not None:
+            d_w.baddbmm_(step, h_prev.transpose(1, 2))
         if s:
-            direct = dhs[s - 1] if direct is None else direct.add_(dhs[s - 1])
+            direct = d_out[before] if direct is None else direct.add_(d_out[before])
         if s or needs[1]:
-            step = dgh[:, _time(s, steps, reverse)]
-            dh = torch.bmm(step, w_hh) if direct is None else torch.baddbmm(direct, step, w_hh)
-
-    d_w = d_b = None
-    if needs[3] or (b_hn is not None and needs[4]):
-        rows = dgh.flatten(1, 2)  # (N, T * B, G * H)
-        if needs[3]:
-            # The state each step started from, in gi's (t, b) order.
-            before = torch.cat([h0.unsqueeze(0), hs[:-1]])
-            if reverse:
-                before = before.flip(0)
-            d_w = torch.bmm(rows.transpose(1, 2), before.transpose(0, 1).flatten(1, 2))
-        if b_hn is not None and needs[4]:
-            d_b = rows[..., 2 * hidden :].sum(1)
+            dh = torch.bmm(w_t, step) if direct is None else torch.baddbmm(direct, w_t, step)
+    d_b = None if d_bn is None else d_bn.sum(-1)
     return [dgi, dh if needs[1] else None, dc if needs[2] else None, d_w, d_b]
 
 
@@ -254,10 +254,10 @@ class _Recurrence(torch.autograd.Function):
         w_hh: torch.Tensor,
         b_hn: torch.Tensor | None,
     ) -> tuple[torch.Tensor, ...]:
-        hs, h_n, c_n, saved = _forward(mode, gi, h0, c0, w_hh, b_hn, reverse, keep=True)
+        out, h_n, c_n, saved = _forward(mode, gi, h0, c0, w_hh, b_hn, reverse, keep=True)
         ctx.mode, ctx.reverse = mode, reverse
-        ctx.save_for_backward(gi, h0, c0, w_hh, b_hn, hs, *saved)
-        return (hs, h_n, c_n) if mode == "LSTM" else (hs, h_n)
+        ctx.save_for_backward(gi, h0, c0, w_hh, b_hn, out, *saved)
+        return (out, h_n, c_n) if mode == "LSTM" else (out, h_n)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -293,7 +293,7 @@ def _recurrence(
     b_hn: torch.Tensor | None,
     reverse: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """``(hs, h_n)`` and LSTM's ``c_n``, by the fastest path that is exact here."""
+    """``(out, h_n)`` and LSTM's ``c_n``, by the fastest path that is exact here."""
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         # torch.compile fuses the ordinary operations itself, and a torch.func transform
         # cannot see through the hand-written backward.
@@ -301,20 +301,26 @@ def _recurrence(
     inputs = (gi, h0, c0, w_hh, b_hn)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         return _Recurrence.apply(mode, reverse, *inputs)
-    hs, h_n, c_n, _ = _forward(mode, gi, h0, c0, w_hh, b_hn, reverse, keep=False)
-    return (hs, h_n, c_n) if mode == "LSTM" else (hs, h_n)
+    out, h_n, c_n, _ = _forward(mode, gi, h0, c0, w_hh, b_hn, reverse, keep=False)
+    return (out, h_n, c_n) if mode == "LSTM" else (out, h_n)
 
 
 # ------------------------------------------------------------------------------- the layer
 
 
+def _leaves(out: Any) -> list[torch.Tensor]:
+    """The tensors of an RNN's ``(out, h_n)`` or ``(out, (h_n, c_n))``."""
+    flat = [out[0], *(out[1] if isinstance(out[1], tuple) else (out[1],))]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
 def _project(seq: torch.Tensor, w_ih: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Every timestep's input projection: ``seq (T, N, B, in) -> (N, T, B, G * H)``."""
-    steps, n, b, in_f = seq.shape
-    rows = seq.transpose(0, 1).reshape(n, steps * b, in_f)
-    w_t = w_ih.transpose(1, 2)
-    y = torch.bmm(rows, w_t) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, w_t)
-    return y.view(n, steps, b, -1)
+    """Every timestep's input projection: ``seq (T, N, in, B) -> gi (T, N, G * H, B)``, one
+    GEMM over the columns ``(t, b)`` (its gradient, one GEMM for the weights too)."""
+    steps, n, in_f, b = seq.shape
+    cols = seq.permute(1, 2, 0, 3).reshape(n, in_f, steps * b)
+    y = torch.bmm(w_ih, cols) if bias is None else torch.baddbmm(bias.unsqueeze(-1), w_ih, cols)
+    return y.view(n, -1, steps, b).permute(2, 0, 1, 3).contiguous()
 
 
 class BatchedRecurrent(BatchedRNN):
@@ -326,24 +332,57 @@ class BatchedRecurrent(BatchedRNN):
     """
 
     def forward(self, x: Any, hx: Any = None) -> Any:
-        reason = self.unbatched(x, hx)
-        if reason is not None:
+        if self.unbatched(x, hx) is not None or self.choose(x, hx) == "per_member":
             return super().forward(x, hx)
+        return self.batched(x, hx)
+
+    def choose(self, x: torch.Tensor, hx: Any) -> str:
+        """ "batched" or "per_member": whichever ran this call's shapes faster, training
+        (forward and backward) where grad is enabled, timed once and cached."""
+        grad = torch.is_grad_enabled()
+        key = (id(self.src), tuple(x.shape), grad, hx is None, x.dtype, x.device.type)
+        choice = _choices.get(key)
+        if choice is None:
+            if self.n == 1 or torch.compiler.is_compiling():
+                choice = "batched"
+            else:
+                params = [p for p in self.src.parameters() if p.requires_grad]
+                paths = {"batched": self.batched, "per_member": super().forward}
+
+                def trial(path: Any) -> Any:
+                    out = path(x, hx)
+                    if grad and params:
+                        leaves = [t for t in _leaves(out) if t.requires_grad]
+                        ones = [torch.ones_like(t) for t in leaves]
+                        torch.autograd.grad(leaves, params, ones, allow_unused=True)
+
+                timings = {}
+                for name, path in paths.items():
+                    trial(path)  # warm up
+                    timings[name] = seconds(lambda path=path: trial(path), x.device, repeats=2)
+                choice = min(timings, key=timings.__getitem__)
+            _choices[key] = choice
+        return choice
+
+    def batched(self, x: torch.Tensor, hx: Any = None) -> Any:
+        """All members in one recurrence per layer and direction."""
         src, n = self.src, self.n
         mode = src.mode
         hidden, layers = src.hidden_size, src.num_layers
         dirs = 2 if src.bidirectional else 1
         b = x.shape[0 if src.batch_first else 1] // n
-        # The sequence time-major, (T, N, B, in): a copy of x, small beside the activations.
-        seq = x.transpose(0, 1) if src.batch_first else x
-        seq = seq.unflatten(1, (n, b))
-        if hx is None:
-            h0 = x.new_zeros(layers * dirs, n, b, hidden)
-            c0 = h0 if mode == "LSTM" else None
-        elif mode == "LSTM":
-            h0, c0 = (s.view(layers * dirs, n, b, hidden) for s in hx)
+        # (T, N, in, B); the projection copies it, small beside the gates.
+        if src.batch_first:
+            seq = x.unflatten(0, (n, b)).permute(2, 0, 3, 1)
         else:
-            h0, c0 = hx.view(layers * dirs, n, b, hidden), None
+            seq = x.unflatten(1, (n, b)).permute(0, 1, 3, 2)
+        if hx is None:
+            h0 = x.new_zeros(layers * dirs, n, hidden, b)
+            c0 = h0 if mode == "LSTM" else None
+        else:  # (L * D, N * B, H) -> (L * D, N, H, B), a view
+            states = hx if mode == "LSTM" else (hx,)
+            h0, *rest = (t.unflatten(1, (n, b)).transpose(2, 3) for t in states)
+            c0 = rest[0] if rest else None
         h_n: list[torch.Tensor] = []
         c_n: list[torch.Tensor] = []
         for layer in range(layers):
@@ -354,16 +393,20 @@ class BatchedRecurrent(BatchedRNN):
                 got = _recurrence(
                     mode, gi, h0[k], None if c0 is None else c0[k], w_hh, b_hn, d == 1
                 )
-                outs.append(got[0].flip(0) if d == 1 else got[0])  # (T, N, B, H)
+                outs.append(got[0])  # (T, N, H, B)
                 h_n.append(got[1])
                 if mode == "LSTM":
                     c_n.append(got[2])
-            seq = outs[0] if dirs == 1 else torch.cat(outs, -1)
-        out = seq.flatten(1, 2)  # (T, N * B, D * H)
-        if src.batch_first:
-            out = out.transpose(0, 1).contiguous()
-        h = torch.stack(h_n).flatten(1, 2)
-        return (out, (h, torch.stack(c_n).flatten(1, 2))) if mode == "LSTM" else (out, h)
+            seq = outs[0] if dirs == 1 else torch.cat(outs, 2)
+        if src.batch_first:  # (N * B, T, D * H)
+            out = seq.permute(1, 3, 0, 2).reshape(n * b, -1, seq.shape[2])
+        else:  # (T, N * B, D * H)
+            out = seq.transpose(2, 3).reshape(-1, n * b, seq.shape[2])
+
+        def fold(states: list[torch.Tensor]) -> torch.Tensor:  # (L * D, N * B, H)
+            return torch.stack(states).transpose(2, 3).reshape(len(states), n * b, hidden)
+
+        return (out, (fold(h_n), fold(c_n))) if mode == "LSTM" else (out, fold(h_n))
 
     def _projected(
         self, seq: torch.Tensor, layer: int, direction: int
