@@ -1,30 +1,35 @@
 """Batched nn.RNN, nn.LSTM and nn.GRU for the fused backend: all N members in one recurrence.
 
 Per layer and direction, the input projection of every timestep of every member is one
-batched GEMM ``(N, B * T, in) x (N, in, G * H)``, with the biases folded in; then each
-timestep is one batched GEMM of the hidden state ``(N, B, H) x (N, H, G * H)`` and the gate
+batched GEMM ``(N, G * H, in) x (N, in, T * B)``, with the biases folded in; then each
+timestep is one batched GEMM of the hidden state ``(N, G * H, H) x (N, H, B)`` and the gate
 arithmetic of torch's own cells (``aten/src/ATen/native/RNN.cpp``), elementwise over
-``(N, B, G * H)``. Member by member, torch runs the same operations N times as large as
-needed; at the sizes of small forecasters the cost is the count of operations, not their
-size, so one recurrence for all members is about N times fewer operations.
+``(N, G * H, B)``. Member by member, torch runs the same operations on tensors N times
+smaller; at the sizes of small forecasters their cost is mostly per operation, so one
+recurrence for all members saves most of it.
 
 The recurrence is one autograd node with a hand-written backward through time: per step a
-few elementwise operations and one batched GEMM for the hidden state's gradient; the weight
-gradient is one GEMM over all timesteps at the end. The factors each step multiplies by
-(the gates' derivatives) are computed for all timesteps at once before the loop.
+dozen elementwise operations and two batched GEMMs (the hidden state's gradient and the
+accumulated ``W_hh`` gradient), on contiguous blocks.
 
 Second derivatives are exact: when the backward itself is differentiated
 (``create_graph=True``), it recomputes the recurrence with ordinary operations from the
 saved inputs and differentiates that (as ``_fused_mlp`` does). Under torch.compile or a
 torch.func transform the ordinary operations run directly.
 
-What is not batched here (a PackedSequence, ``proj_size > 0``, an unbatched 2-D input,
-dropout between layers in training, dtypes other than float32 and float64, autocast) runs
-member by member through ``BatchedRNN``, with torch's own kernels.
+torch's own LSTM on CPU is oneDNN's fused kernel, which the batched LSTM does not always
+beat (the elementwise arithmetic is a dozen passes over memory here, one there): each layer
+times both paths once per input shape and grad mode and keeps the faster.
+
+What is not batched (a PackedSequence, ``proj_size > 0``, an unbatched 2-D input, dropout
+between layers in training, dtypes other than float32 and float64, autocast, an empty
+sequence, initial states of another shape) runs member by member through ``BatchedRNN``,
+with torch's own kernels.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,7 +68,7 @@ def _steps(
     w_hh: torch.Tensor,
     b_hn: torch.Tensor | None,
     reverse: bool,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[Any, ...]:
     """The recurrence with ordinary differentiable operations: the specification of the fast
     path, and what second derivatives differentiate.
 
@@ -83,6 +88,7 @@ def _steps(
     for s in range(steps):
         t = _time(s, steps, reverse)
         if mode == "LSTM":
+            assert c is not None
             gates = torch.baddbmm(gi[t], w_hh, h)
             i, f, _, o = torch.sigmoid(gates).chunk(4, 1)
             g = torch.tanh(gates[:, 2 * hidden : 3 * hidden])
@@ -127,6 +133,7 @@ def _forward(
     h, c = h0, c0
     saved: tuple[torch.Tensor, ...] = ()
     if mode == "LSTM":
+        assert c is not None
         gates = torch.empty_like(gi)
         cells, tanh_c = torch.empty_like(out), torch.empty_like(out)
         for s in range(steps):
@@ -274,7 +281,8 @@ def _double_differentiable(ctx: Any, grads: tuple, inputs: tuple, needs: tuple) 
     """The backward under ``create_graph=True``: recompute with autograd, differentiate that."""
     wanted = [k for k, t in enumerate(inputs) if t is not None and needs[k]]
     with torch.enable_grad():
-        ys = _steps(ctx.mode, *inputs, ctx.reverse)
+        gi, h0, c0, w_hh, b_hn = inputs
+        ys = _steps(ctx.mode, gi, h0, c0, w_hh, b_hn, ctx.reverse)
         got = torch.autograd.grad(
             ys, [inputs[k] for k in wanted], grads, create_graph=True, allow_unused=True
         )
@@ -282,6 +290,11 @@ def _double_differentiable(ctx: Any, grads: tuple, inputs: tuple, needs: tuple) 
     for k, g in zip(wanted, got):
         result[k] = g
     return result
+
+
+def _transformed() -> bool:
+    """True under a torch.func transform (vmap, grad), which custom Functions need rules for."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _recurrence(
@@ -294,7 +307,7 @@ def _recurrence(
     reverse: bool,
 ) -> tuple[torch.Tensor, ...]:
     """``(out, h_n)`` and LSTM's ``c_n``, by the fastest path that is exact here."""
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if torch.compiler.is_compiling() or _transformed():
         # torch.compile fuses the ordinary operations itself, and a torch.func transform
         # cannot see through the hand-written backward.
         return _steps(mode, gi, h0, c0, w_hh, b_hn, reverse)
@@ -343,7 +356,7 @@ class BatchedRecurrent(BatchedRNN):
         key = (id(self.src), tuple(x.shape), grad, hx is None, x.dtype, x.device.type)
         choice = _choices.get(key)
         if choice is None:
-            if self.n == 1 or torch.compiler.is_compiling():
+            if self.n == 1 or torch.compiler.is_compiling() or _transformed():
                 choice = "batched"
             else:
                 params = [p for p in self.src.parameters() if p.requires_grad]
@@ -356,10 +369,10 @@ class BatchedRecurrent(BatchedRNN):
                         ones = [torch.ones_like(t) for t in leaves]
                         torch.autograd.grad(leaves, params, ones, allow_unused=True)
 
-                timings = {}
+                timings: dict[str, float] = {}
                 for name, path in paths.items():
                     trial(path)  # warm up
-                    timings[name] = seconds(lambda path=path: trial(path), x.device, repeats=2)
+                    timings[name] = seconds(partial(trial, path), x.device, repeats=2)
                 choice = min(timings, key=timings.__getitem__)
             _choices[key] = choice
         return choice
