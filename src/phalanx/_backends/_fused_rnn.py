@@ -350,8 +350,8 @@ class BatchedRecurrent(BatchedRNN):
         return self.batched(x, hx)
 
     def choose(self, x: torch.Tensor, hx: Any) -> str:
-        """ "batched" or "per_member": whichever ran this call's shapes faster, training
-        (forward and backward) where grad is enabled, timed once and cached."""
+        """The path for this call, "batched" or "per_member": whichever ran its shapes
+        faster (forward and backward where grad is enabled), timed once and cached."""
         grad = torch.is_grad_enabled()
         key = (id(self.src), tuple(x.shape), grad, hx is None, x.dtype, x.device.type)
         choice = _choices.get(key)
