@@ -492,6 +492,13 @@ class BatchedRNN(PerMember):
 
 # ------------------------------------------------------------------------------------ registry
 
+
+def _batched_recurrent(src: nn.Module, n: int) -> nn.Module:
+    from phalanx._backends._fused_rnn import BatchedRecurrent  # it imports this module
+
+    return BatchedRecurrent(src, n)
+
+
 _BATCHED: dict[type, Callable[[nn.Module, int], nn.Module]] = {
     nn.Linear: BatchedLinear,
     nn.Bilinear: BatchedBilinear,
@@ -508,9 +515,9 @@ _BATCHED: dict[type, Callable[[nn.Module, int], nn.Module]] = {
     nn.GroupNorm: BatchedGroupNorm,
     nn.PReLU: BatchedPReLU,
     nn.LayerNorm: BatchedLayerNorm,
-    nn.RNN: BatchedRNN,
-    nn.LSTM: BatchedRNN,
-    nn.GRU: BatchedRNN,
+    nn.RNN: _batched_recurrent,
+    nn.LSTM: _batched_recurrent,
+    nn.GRU: _batched_recurrent,
 }
 
 

@@ -1,0 +1,287 @@
+"""The fused backend's batched nn.RNN / nn.LSTM / nn.GRU against the loop of the originals.
+
+Every supported variant (mode, layers, bias, batch_first, bidirectional, initial states
+given or not, shared or per-member input, train or eval) is compared member by member with
+the N original modules run one by one: outputs, final states, and the gradients of the
+input, of the initial states and of every parameter, and second derivatives (a gradient
+penalty). The criterion is float rounding: no further from a float64 run of the loop than
+a small factor over the float32 loop's own distance from it, plus a few ulps.
+
+The batched path must be the one that ran: the per-member path (``BatchedRNN.forward``) is
+made to fail in these tests, and the timed choice between the two paths is pinned to the
+batched one; what is handed over, and the choice, are tested separately.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from phalanx._backends import _fused_layers, _fused_rnn
+from phalanx._backends._fused_layers import BatchedRNN, folding
+from phalanx._backends._fused_rnn import BatchedRecurrent
+
+IN, HIDDEN, B, T, N = 3, 5, 4, 6, 3
+
+CELLS = {
+    "LSTM": lambda **kw: nn.LSTM(IN, HIDDEN, **kw),
+    "GRU": lambda **kw: nn.GRU(IN, HIDDEN, **kw),
+    "RNN_TANH": lambda **kw: nn.RNN(IN, HIDDEN, nonlinearity="tanh", **kw),
+    "RNN_RELU": lambda **kw: nn.RNN(IN, HIDDEN, nonlinearity="relu", **kw),
+}
+
+
+class Recurrent(nn.Module):
+    """One recurrent layer; input ``(B, T, IN)`` and initial states ``(B, L * D, H)`` batch
+    first whatever the layer's own layout (the stack folds the members into dim 0)."""
+
+    def __init__(self, mode: str, **kw) -> None:
+        super().__init__()
+        self.rnn = CELLS[mode](**kw)
+        self.batch_first = kw.get("batch_first", False)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None, c0=None):
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        hx = None
+        if h0 is not None:
+            h0 = h0.transpose(0, 1).contiguous()
+            hx = (h0, c0.transpose(0, 1).contiguous()) if c0 is not None else h0
+        out, states = self.rnn(x, hx)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        h_n, c_n = states if isinstance(states, tuple) else (states, None)
+        # Batch first again, so that the stack unfolds every output at dim 0.
+        outs = (out, h_n.transpose(0, 1))
+        return outs if c_n is None else (*outs, c_n.transpose(0, 1))
+
+
+@pytest.fixture
+def batched_only(monkeypatch):
+    """Fails any call that the batched path hands over to the per-member one."""
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("the per-member BatchedRNN path ran")
+
+    monkeypatch.setattr(BatchedRNN, "forward", refuse)
+    monkeypatch.setattr(BatchedRecurrent, "choose", lambda self, x, hx: "batched")
+
+
+def _loss(outs) -> torch.Tensor:
+    """Touches every output, never mixes members (a sum over them)."""
+    return sum((o.square() + o).sum() for o in outs)
+
+
+def _run(members, args, per_member, penalty):
+    """Outputs, and the gradients of the inputs and parameters of ``_loss`` (plus, with
+    ``penalty``, the squared input gradient: a second derivative)."""
+    outs = [m(*[a[i] if per_member else a for a in args]) for i, m in enumerate(members)]
+    stacked = [torch.stack(o) for o in zip(*outs)]
+    return stacked, _grads(stacked, args, [m.parameters() for m in members], penalty)
+
+
+def _grads(outs, args, params, penalty):
+    loss = _loss(outs)
+    leaves = [a for a in args if a.requires_grad]
+    if penalty:
+        gx = torch.autograd.grad(loss, leaves[0], create_graph=True)[0]
+        loss = loss + gx.square().sum()
+    flat = [p for ps in params for p in ps]
+    return torch.autograd.grad(loss, leaves + flat)
+
+
+def _loop(members, args, per_member, penalty, dtype):
+    members = [copy.deepcopy(m).to(dtype) for m in members]
+    args = [a.detach().to(dtype).requires_grad_() for a in args]
+    outs, grads = _run(members, args, per_member, penalty)
+    n_in = len(args)
+    params = grads[n_in:]
+    k = len(list(members[0].parameters()))
+    # Per parameter, the members' gradients stacked: (N, *shape).
+    per_param = [torch.stack(params[i::k]) for i in range(k)]
+    return outs, list(grads[:n_in]), per_param
+
+
+def _as_close_as_the_loop(got, loop32, loop64, what: str, factor: float = 4.0) -> None:
+    got, loop32, loop64 = got.detach().double(), loop32.detach().double(), loop64.detach()
+    ulps = 8 * torch.finfo(torch.float32).eps * (1 + loop64.abs().max())
+    err, own = (got - loop64).abs().max(), (loop32 - loop64).abs().max()
+    assert err <= factor * own + ulps, f"{what}: {err:.3g} from the float64 loop, float32 {own:.3g}"
+
+
+def check(mode, kw, *, per_member, states, train=True, penalty=False, n=N):
+    torch.manual_seed(0)
+    members = [Recurrent(mode, **kw).train(train) for _ in range(n)]
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    lead = (n,) if per_member else ()
+    args = [torch.randn(*lead, B, T, IN)]
+    if states:
+        args += [torch.randn(*lead, B, layers, HIDDEN) * 0.5]
+        if mode == "LSTM":
+            args += [torch.randn(*lead, B, layers, HIDDEN) * 0.5]
+    args = [a.requires_grad_() for a in args]
+
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    in_dims = 0 if per_member else None
+    outs = stack(*args, in_dims=in_dims)
+    names = [name for name, _ in members[0].named_parameters()]
+    params = [stack.module.get_parameter(name) for name in names]
+    grads = _grads(list(outs), args, [params], penalty)
+
+    out32, in32, p32 = _loop(members, args, per_member, penalty, torch.float32)
+    out64, in64, p64 = _loop(members, args, per_member, penalty, torch.float64)
+    for k, (o, o32, o64) in enumerate(zip(outs, out32, out64)):
+        assert o.shape == o32.shape, f"output {k}: {o.shape} against {o32.shape}"
+        _as_close_as_the_loop(o, o32, o64, f"output {k}")
+    for k in range(len(args)):
+        _as_close_as_the_loop(grads[k], in32[k], in64[k], f"gradient of input {k}")
+    for name, g, g32, g64 in zip(names, grads[len(args) :], p32, p64):
+        _as_close_as_the_loop(g, g32, g64, f"gradient of {name}")
+
+
+VARIANTS = [
+    dict(num_layers=layers, bias=bias, batch_first=bf, bidirectional=bi)
+    for layers, bias, bf, bi in itertools.product(
+        [1, 2], [True, False], [True, False], [False, True]
+    )
+]
+
+
+def _id(kw) -> str:
+    return "L{num_layers}-bias{bias}-bf{batch_first}-bi{bidirectional}".format(**kw)
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=_id)
+@pytest.mark.parametrize("mode", list(CELLS))
+def test_every_variant_matches_the_loop(batched_only, mode, kw):
+    check(mode, kw, per_member=False, states=False)
+
+
+@pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per_member"])
+@pytest.mark.parametrize("states", [False, True], ids=["no_hx", "hx"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("mode", list(CELLS))
+def test_inputs_states_and_modes_match_the_loop(batched_only, mode, train, states, per_member):
+    kw = dict(num_layers=2, batch_first=True, bidirectional=mode == "GRU")
+    check(mode, kw, per_member=per_member, states=states, train=train)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("mode", list(CELLS))
+def test_second_derivatives_match_the_loop(batched_only, mode, bidirectional):
+    kw = dict(num_layers=2, batch_first=True, bidirectional=bidirectional)
+    check(mode, kw, per_member=True, states=True, penalty=True)
+
+
+def test_dropout_zero_in_training_and_dropout_in_eval_run_batched(batched_only):
+    check("GRU", dict(num_layers=2, batch_first=True, dropout=0.0), per_member=False, states=False)
+    check("LSTM", dict(num_layers=2, batch_first=True, dropout=0.5), per_member=False,
+          states=False, train=False)  # fmt: skip
+
+
+def test_one_member(batched_only):
+    check("LSTM", dict(num_layers=2, batch_first=True), per_member=True, states=True, n=1)
+
+
+@pytest.mark.parametrize("mode", list(CELLS))
+def test_no_grad_forward_matches_the_loop(batched_only, mode):
+    torch.manual_seed(0)
+    members = [Recurrent(mode, num_layers=2, batch_first=True) for _ in range(N)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    x = torch.randn(N, B, T, IN)
+    stack(x, in_dims=0)  # the first call is checked against the reference, with grad
+    with torch.no_grad():
+        got = stack(x, in_dims=0)
+        expected = [torch.stack(o) for o in zip(*(m(x[i]) for i, m in enumerate(members)))]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------- what is handed over
+
+
+def _layer(src: nn.Module, n: int) -> tuple[BatchedRecurrent, nn.Module]:
+    """A batched layer over the stack of n copies of ``src``."""
+    stack = phalanx.stack([copy.deepcopy(src) for _ in range(n)], backend="fused")
+    return BatchedRecurrent(stack.module, n), stack.module
+
+
+@pytest.mark.parametrize(
+    ("make", "x", "reason"),
+    [
+        (lambda: nn.LSTM(IN, HIDDEN, proj_size=2), torch.randn(T, 2 * B, IN), "proj_size"),
+        (lambda: nn.GRU(IN, HIDDEN, 2, dropout=0.5), torch.randn(T, 2 * B, IN), "dropout"),
+        (lambda: nn.GRU(IN, HIDDEN).double(), torch.randn(T, 2 * B, IN), "dtype"),
+        (lambda: nn.RNN(IN, HIDDEN).half(), torch.randn(T, 2 * B, IN).half(), "dtype"),
+        (lambda: nn.LSTM(IN, HIDDEN), torch.randn(T, IN), "folded batch"),
+        (lambda: nn.LSTM(IN, HIDDEN), torch.randn(0, 2 * B, IN), "empty sequence"),
+    ],
+    ids=["proj_size", "dropout_in_training", "mixed_dtypes", "float16", "unbatched", "empty"],
+)
+def test_what_is_not_batched_is_named_and_handed_over(make, x, reason):
+    layer, _ = _layer(make(), 2)
+    with folding(2, [B]):
+        got = layer.unbatched(x, None)
+    assert got is not None and reason in got, got
+
+
+def test_packed_sequence_is_handed_over():
+    layer, _ = _layer(nn.GRU(IN, HIDDEN), 2)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(T, 2 * B, IN), [T] * (2 * B))
+    assert layer.unbatched(packed, None) == "a PackedSequence"
+
+
+def test_states_of_another_shape_are_handed_over():
+    layer, _ = _layer(nn.LSTM(IN, HIDDEN), 2)
+    x = torch.randn(T, 2 * B, IN)
+    with folding(2, [B]):
+        assert layer.unbatched(x, (torch.zeros(1, 2 * B, HIDDEN),) * 2) is None
+        assert "initial states" in layer.unbatched(x, (torch.zeros(1, B, HIDDEN),) * 2)
+        assert "pair" in layer.unbatched(x, (torch.zeros(1, 2 * B, HIDDEN),))
+
+
+def test_proj_size_runs_exactly_member_by_member(monkeypatch):
+    """A variant handed over still gives the loop's answer (torch's own kernels per member)."""
+    calls = []
+    forward = BatchedRNN.forward
+    monkeypatch.setattr(
+        BatchedRNN, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
+    )
+    torch.manual_seed(0)
+    members = [nn.LSTM(IN, HIDDEN, proj_size=2, batch_first=True) for _ in range(3)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    x = torch.randn(B, T, IN)
+    out, (h, c) = stack(x)
+    assert calls, "proj_size must run member by member"
+    for i, m in enumerate(members):
+        o, (hi, ci) = m(x)
+        torch.testing.assert_close((out[i], h[i], c[i]), (o, hi, ci))
+
+
+def test_registry_points_to_the_batched_layer():
+    for cls in (nn.RNN, nn.LSTM, nn.GRU):
+        assert isinstance(_fused_layers._BATCHED[cls](cls(IN, HIDDEN), 1), BatchedRecurrent)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_faster_path_is_chosen_once_per_shape_and_both_are_exact(grad):
+    torch.manual_seed(0)
+    members = [nn.LSTM(IN, HIDDEN, 2, batch_first=True) for _ in range(N)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    x = torch.randn(B, T, IN)
+    with torch.set_grad_enabled(grad):
+        stack(x)
+    keys = [k for k in _fused_rnn._choices if k[0] == id(stack.module)]
+    assert len(keys) == 1 and keys[0][2] == grad, keys
+    assert _fused_rnn._choices[keys[0]] in ("batched", "per_member")
+    expected = [torch.stack(o) for o in zip(*(m(x)[0:1] for m in members))]
+    for choice in ("batched", "per_member"):
+        _fused_rnn._choices[keys[0]] = choice
+        with torch.set_grad_enabled(grad):
+            (out, _) = stack(x)
+        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6, msg=choice)
