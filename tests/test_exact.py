@@ -312,26 +312,31 @@ def test_the_fallback_warning_names_the_backend_auto_runs():
         stack(torch.randn(5, 4))
 
 
-def test_the_pick_prefers_the_loop_then_fused_within_the_margin(monkeypatch):
+def test_the_pick_prefers_fused_then_the_loop_within_the_margin(monkeypatch):
     from phalanx._backends import _auto
 
-    times = iter([0.95, 0.95, 1.0, 1.0, 1.0, 1.0])  # fused, vmap, loop: warm-up, then timed
-    monkeypatch.setattr(_auto, "seconds", lambda fn, device, repeats=1: (fn(), next(times))[1])
-    stack = phalanx.stack([nn.Linear(3, 2) for _ in range(2)])
-    choice = _auto.AutoBackend._race(
-        stack._view, ["fused", "vmap", "loop"], (torch.randn(2, 3),), {}, (None,)
-    )
-    assert choice == "loop", "5% faster is within the margin: the loop is kept"
-    times = iter([1.0, 1.0, 0.95, 0.95, 2.0, 2.0])
-    choice = _auto.AutoBackend._race(
-        stack._view, ["fused", "vmap", "loop"], (torch.randn(2, 3),), {}, (None,)
-    )
-    assert choice == "fused", "fused, checked case by case, is preferred to vmap within the margin"
-    times = iter([0.5, 0.5, 1.0, 1.0, 1.0, 1.0])
-    choice = _auto.AutoBackend._race(
-        stack._view, ["fused", "vmap", "loop"], (torch.randn(2, 3),), {}, (None,)
-    )
-    assert choice == "fused", "a backend twice as fast is taken"
+    def race(table: dict[str, float]) -> str:
+        calls = []
+
+        def seconds(fn, device, repeats=1):
+            fn()
+            calls.append(fn.args[0])
+            return table[fn.args[0]]
+
+        monkeypatch.setattr(_auto, "seconds", seconds)
+        stack = phalanx.stack([nn.Linear(3, 2) for _ in range(2)])
+        choice = _auto.AutoBackend._race(
+            stack._view, ["fused", "vmap", "loop"], (torch.randn(2, 3),), {}, (None,)
+        )
+        rounds = ["fused", "vmap", "loop"] * _auto.ROUNDS
+        assert calls == ["fused", "vmap", "loop", *rounds], "warm-up, then interleaved rounds"
+        return choice
+
+    assert race({"fused": 1.0, "vmap": 1.0, "loop": 0.97}) == "fused", "3% is within the margin"
+    assert race({"fused": 1.0, "vmap": 0.97, "loop": 2.0}) == "fused", "fused before vmap"
+    assert race({"fused": 2.0, "vmap": 0.97, "loop": 1.0}) == "loop", "the loop before vmap"
+    assert race({"fused": 1.0, "vmap": 1.0, "loop": 0.9}) == "loop", "10% faster is taken"
+    assert race({"fused": 0.5, "vmap": 1.0, "loop": 1.0}) == "fused", "twice as fast is taken"
 
 
 def test_compiling_an_auto_stack_gives_the_eager_results():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,12 +28,15 @@ from phalanx._backends._preserve import preserved, seconds
 
 logger = logging.getLogger("phalanx")
 
-MARGIN = 0.10
+MARGIN = 0.05
 """A faster backend is chosen over a preferred one only when at least this much faster."""
-# Preferred first: the loop is the specification; then fused, whose every case is checked
-# against the reference, before torch.func's vmap, whose batching rules phalanx cannot check
-# (two gave silently wrong answers: see _vmap.py).
-_PREFERENCE = ("loop", "fused", "vmap")
+ROUNDS = 5
+"""Timed rounds of the race, each backend once per round, interleaved; the best counts."""
+# Preferred first: fused, the batched path, whose every case is checked against the loop
+# and whose cost grows slowest with N (one kernel per layer, not N); then the loop, the
+# specification; then torch.func's vmap, whose batching rules phalanx cannot check (two gave
+# silently wrong answers: see _vmap.py). Within the margin the difference is timing noise.
+_PREFERENCE = ("fused", "loop", "vmap")
 
 
 def _reason(e: BaseException) -> str:
@@ -164,15 +168,25 @@ class AutoBackend:
 
         times: dict[str, float] = {}
         with preserved(view):
-            for name in names:
+            calls: dict[str, Callable[[], None]] = {}
+            for name in names:  # warm-up, and what does not run or is hopeless drops out
                 try:
                     call = functools.partial(run, name)
-                    first = seconds(call, device, repeats=1)  # warm-up
-                    if times and first > 10 * min(times.values()):
-                        continue  # hopeless, and maybe slow: do not time it again
-                    times[name] = seconds(call, device, repeats=3)
+                    first = seconds(call, device, repeats=1)
                 except Exception as e:  # it ran once already; a failure here is not a pick
                     logger.debug("phalanx: backend %r left out of the race: %s", name, e)
+                    continue
+                if not calls or first <= 10 * min(times.values()):
+                    calls[name], times[name] = call, first
+            # Interleaved rounds: a slow spell of the machine hits every backend alike.
+            times = dict.fromkeys(calls, float("inf"))
+            for _ in range(ROUNDS):
+                for name, timed in list(calls.items()):
+                    try:
+                        times[name] = min(times[name], seconds(timed, device, repeats=1))
+                    except Exception as e:
+                        logger.debug("phalanx: backend %r left out of the race: %s", name, e)
+                        del calls[name], times[name]
         if not times:
             return names[-1]
         best = min(times.values())
