@@ -188,21 +188,24 @@ class BatchedEmbeddingBag(Batched):
 
 # ------------------------------------------------------------------------------- convolutions
 
-# Which strategy runs fastest for a (layer, input shape, grad mode): measured once, then cached,
-# as cuDNN's benchmark mode does. Every strategy computes the same function exactly.
-_strategy_cache: dict[tuple, str] = {}
-
 
 def _autotune(
-    key: tuple, strategies: dict[str, Callable[[], torch.Tensor]], leaves: list[torch.Tensor]
+    cache: dict[tuple, str],
+    key: tuple,
+    strategies: dict[str, Callable[[], torch.Tensor]],
+    leaves: list[torch.Tensor],
 ) -> torch.Tensor:
     """Runs the fastest of ``strategies`` (equal results, different kernels) for ``key``.
+
+    As cuDNN's benchmark mode does, the choice is measured once per input case and kept in
+    the layer's own ``cache`` (keyed by the layer object, not by an ``id`` that a later layer
+    may reuse).
 
     Each is timed once per key, best of 3; when gradients will be taken (grad mode on and one
     of ``leaves`` requires grad) the backward to ``leaves`` is timed too, without touching
     any ``.grad``: on a CPU a grouped convolution can win the forward and lose the step.
     """
-    choice = _strategy_cache.get(key)
+    choice = cache.get(key)
     if choice is None:
         if len(strategies) == 1 or torch.compiler.is_compiling():
             choice = next(iter(strategies))
@@ -217,7 +220,7 @@ def _autotune(
 
             timings = {k: seconds(step(run), device, repeats=3) for k, run in strategies.items()}
             choice = min(timings, key=timings.__getitem__)
-        _strategy_cache[key] = choice
+        cache[key] = choice
     return strategies[choice]()
 
 
@@ -239,6 +242,7 @@ class BatchedConv(Batched):
         super().__init__(src, n)
         self.dims = dims
         self.conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+        self._strategies: dict[tuple, str] = {}  # input case -> the faster strategy
 
     def _pad(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         src = self.src
@@ -252,10 +256,8 @@ class BatchedConv(Batched):
             raise BackendRefusal(f"{type(src).__name__} on an input without a batch dimension")
         w, b = src.weight, src.bias  # (N, out, in / groups, *k), (N, out)
 
-        def grouped(channels_last: bool = False) -> torch.Tensor:
+        def grouped() -> torch.Tensor:
             inp, pad = self._pad(to_channels(x, n))
-            if channels_last:
-                inp = inp.contiguous(memory_format=torch.channels_last)
             bias = None if b is None else b.flatten()
             y = self.conv(inp, w.flatten(0, 1), bias, src.stride, pad, src.dilation, src.groups * n)
             return from_channels(y, n)
@@ -270,11 +272,13 @@ class BatchedConv(Batched):
                 outs.append(self.conv(xi, ws[i], bs[i], src.stride, pad, src.dilation, src.groups))
             return torch.cat(outs)
 
+        # Not channels-last: oneDNN's grouped kernels are up to 2x faster so (LeNet's 3->6 and
+        # 6->16), but their backward rounds differently enough that ResNet's BatchNorm statistics
+        # after three Adam steps drifted up to 12x further from the float64 loop than the
+        # float32 loop's, depending on which layers the timing gave it to.
         strategies = {"grouped": grouped, "per_member": per_member}
-        if self.dims == 2:  # oneDNN's grouped kernels are much faster channels-last (LeNet: 2x)
-            strategies["grouped_channels_last"] = lambda: grouped(channels_last=True)
-        key = (id(src), tuple(x.shape), torch.is_grad_enabled(), x.dtype, x.device.type)
-        return _autotune(key, strategies, [x, w] if b is None else [x, w, b])
+        key = (tuple(x.shape), torch.is_grad_enabled(), x.dtype, x.device.type)
+        return _autotune(self._strategies, key, strategies, [x, w] if b is None else [x, w, b])
 
 
 class BatchedConvTranspose(Batched):
