@@ -67,6 +67,110 @@ class Plan:
     freeze_after: int | None
 
 
+#: Marks a tensor input of the graph in ``Layout.args`` and ``Layout.target``.
+INPUT = type("Input", (), {"__repr__": lambda self: "INPUT"})()
+#: What the step returns, in this order, each where the plan asks for it.
+OUTPUTS = ("losses", "norms", "skipped", "frozen")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each of the step's tensors lies in the one flat list the compiled graph takes.
+
+    The graph is called with positional tensors, not a dict: a compiled function called
+    directly (without TorchDynamo's frame evaluation and pytree flattening) costs a fraction
+    of one that is called through ``torch.compile``'s wrapper, and for a tiny step that
+    wrapper was half the time. :func:`flatten` and :func:`unflatten` are each other's inverse.
+
+    Attributes:
+        num_params: P, the stack's parameters.
+        num_buffers: the stack's buffers.
+        state_keys: per parameter, the keys of its optimizer state in the flat list (sorted;
+            empty for a frozen parameter).
+        hypers: per parameter, whether its (N,) hyperparameters ``ADAM_HYPERS`` are inputs.
+        args: per positional input, ``INPUT`` where it is a tensor (a graph input), else
+            the value itself, a constant of the graph.
+        target: as one entry of ``args``.
+        masked, clipped, isolated: whether the mask, the (N,) max_norm, and the optimizer's
+            ``bad_steps`` and ``frozen`` counters are inputs.
+        outputs: the names of ``OUTPUTS`` the graph returns, in that order.
+    """
+
+    num_params: int
+    num_buffers: int
+    state_keys: tuple[tuple[str, ...], ...]
+    hypers: tuple[bool, ...]
+    args: tuple[Any, ...]
+    target: Any
+    masked: bool
+    clipped: bool
+    isolated: bool
+    outputs: tuple[str, ...] = ()
+
+
+def layout_of(t: dict[str, Any]) -> Layout:
+    """The layout of a dict of the step's tensors (see :func:`step_function`)."""
+
+    def constant(v: Any) -> Any:
+        return INPUT if isinstance(v, Tensor) else v
+
+    return Layout(
+        num_params=len(t["params"]),
+        num_buffers=len(t["buffers"]),
+        state_keys=tuple(tuple(sorted(s)) for s in t["state"]),
+        hypers=tuple(bool(h) for h in t["hypers"]),
+        args=tuple(constant(a) for a in t["args"]),
+        target=constant(t["target"]),
+        masked=t["mask"] is not None,
+        clipped=t["max_norm"] is not None,
+        isolated=t["bad_steps"] is not None,
+    )
+
+
+def flatten(layout: Layout, t: dict[str, Any]) -> list[Tensor]:
+    """The step's tensors (the dict of :func:`step_function`) as the flat list of ``layout``:
+    the compiled graph's arguments."""
+    flat = [*t["params"], *t["buffers"]]
+    for state, keys in zip(t["state"], layout.state_keys):
+        flat += [state[k] for k in keys]
+    for h, present in zip(t["hypers"], layout.hypers):
+        if present:
+            flat += [h[k] for k in ADAM_HYPERS]
+    flat += [a for a, c in zip(t["args"], layout.args) if c is INPUT]
+    if layout.target is INPUT:
+        flat.append(t["target"])
+    if layout.masked:
+        flat.append(t["mask"])
+    if layout.clipped:
+        flat.append(t["max_norm"])
+    if layout.isolated:
+        flat += [t["bad_steps"], t["frozen"]]
+    return flat
+
+
+def unflatten(layout: Layout, flat: list[Tensor] | tuple[Tensor, ...]) -> dict[str, Any]:
+    """The dict of :func:`step_function` from the flat list of ``layout``."""
+    it = iter(flat)
+
+    def take(k: int) -> list[Tensor]:
+        return [next(it) for _ in range(k)]
+
+    t: dict[str, Any] = {"params": take(layout.num_params), "buffers": take(layout.num_buffers)}
+    t["state"] = [dict(zip(keys, take(len(keys)))) for keys in layout.state_keys]
+    t["hypers"] = [
+        dict(zip(ADAM_HYPERS, take(len(ADAM_HYPERS)))) if present else {}
+        for present in layout.hypers
+    ]
+    t["args"] = [next(it) if c is INPUT else c for c in layout.args]
+    t["target"] = next(it) if layout.target is INPUT else layout.target
+    t["mask"] = next(it) if layout.masked else None
+    t["max_norm"] = next(it) if layout.clipped else None
+    t["bad_steps"], t["frozen"] = take(2) if layout.isolated else (None, None)
+    rest = list(it)
+    assert not rest, f"{len(rest)} tensors beyond the layout"
+    return t
+
+
 def _per_member(h: Tensor, like: Tensor) -> Tensor:
     """(N,) -> (N, 1, ..., 1) in ``like``'s dtype: how the eager optimizer broadcasts."""
     dtype = torch.bool if h.dtype == torch.bool else like.dtype
