@@ -422,6 +422,36 @@ def test_a_checkpoint_loaded_between_captured_steps_is_what_the_next_step_reads(
             assert_close(got[key], value, trajectory=True, msg=f"optimizer {key} after a reload")
 
 
+def test_simplify_keeps_every_value_and_never_aliases_a_written_input():
+    """baddbmm -> bmm + add; a copy reshaped back to its own shape -> the tensor itself,
+    unless something downstream writes into it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from phalanx._step_graph import simplify
+
+    def fold(x, w, b):  # the fused backend's (N, B, d) -> (N * B, d) -> (N, B, d)
+        h = x.reshape(-1, 20).view(N, -1, 20)
+        return torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+
+    def written(x, w, b):
+        h = x.reshape(-1, 20).view(N, -1, 20)
+        h.mul_(2)  # would write into x were the copy dropped
+        return torch.bmm(h, w.transpose(1, 2))
+
+    torch.manual_seed(0)
+    x = torch.randn(6, N * 20).view(6, N, 20).transpose(0, 1)  # sliced: a strided view
+    w, b = torch.randn(N, 3, 20), torch.randn(N, 3)
+    for fn, copies in ((fold, 0), (written, 1)):
+        expected = fn(x.clone(), w, b)
+        graph = simplify(make_fx(fn)(x, w, b))
+        targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+        assert torch.ops.aten.baddbmm.default not in targets
+        assert targets.count(torch.ops.aten.clone.default) == copies, graph.code
+        before = x.clone()
+        assert_close(graph(x, w, b), expected, msg=fn.__name__)
+        assert torch.equal(x, before), "the input was written"
+
+
 def _eager_step(step, x, y):
     return step._eager((x,), y, None)
 

@@ -39,6 +39,7 @@ from phalanx._step_graph import (
     Plan,
     flatten,
     layout_of,
+    simplify,
     step_function,
     unflatten,
 )
@@ -304,6 +305,7 @@ class CompiledStep:
         finally:
             _set_rng_state(rng)
         layout = dataclasses.replace(layout, outputs=tuple(returned))
+        graph = simplify(graph)
         cuda = real["target"].is_cuda if isinstance(real["target"], Tensor) else False
         mode = self.mode if self.mode is not None else ("reduce-overhead" if cuda else None)
         options: dict[str, Any] = {}
