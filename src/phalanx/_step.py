@@ -4,8 +4,11 @@ Tiny members are launch-bound: a training step of 8 networks 10-20-2 is microsec
 arithmetic under Python, the dispatcher, the autograd engine and the optimizer's bookkeeping.
 Here the step (forward through the stack, per-member losses, backward, clipping, isolation
 and the optimizer update) is traced once with ``make_fx`` into one graph of aten operations,
-backward included, and that graph is compiled with ``torch.compile`` (inductor by default;
-on CUDA with ``mode="reduce-overhead"``, i.e. CUDA graphs).
+backward included, and that graph, taking one flat list of tensors, is handed straight to
+the compiler (inductor's ``compile_fx`` by default): called without TorchDynamo's frame
+evaluation, guards and pytree flattening, which cost as much as W2's whole compiled step.
+Our own input signature is the guard. On CUDA with ``mode="reduce-overhead"`` (CUDA graphs)
+it goes through ``torch.compile``, which knows which inputs are static.
 
 Capture does not pay everywhere (inductor's code for some shapes is slower than the eager
 kernels), so by default the step times itself: its first calls run the eager step and are
@@ -138,7 +141,7 @@ class CompiledStep:
         if self._why_not is not None:
             return self._eager(args, target, mask)
         key = self._signature(args, target, mask)
-        entry = self._entries.setdefault(key, _Entry())
+        entry = self._entries.get(key) or self._entries.setdefault(key, _Entry())
         self.choice = entry.choice
         if entry.choice == "eager":
             return self._eager(args, target, mask)
@@ -609,9 +612,10 @@ def compile_step(
     ``step = phalanx.compile_step(stack, loss_fn, opt)`` then ``losses = step(x, y)`` does what
     the eager loop body does (zero the gradients, forward, ``member_losses``, backward, clip,
     ``opt.step(mask=...)``), with forward, backward and update traced into one graph and
-    compiled by ``torch.compile``. It equals the eager step to float rounding, and reads and
-    writes the same tensors: the stack's parameters and buffers and the optimizer's state, so
-    eager steps, checkpoints and schedulers mix freely with it. It keeps no ``.grad``.
+    compiled (by inductor, or the backend named). It equals the eager step to float rounding,
+    and reads and writes the same tensors: the stack's parameters and buffers and the
+    optimizer's state, so eager steps, checkpoints and schedulers mix freely with it. It
+    keeps no ``.grad``.
 
     The first ``warmup_steps`` calls with a new input signature (shapes, dtypes, devices,
     in_dims, train/eval mode) run the eager step, timed; the next call traces and compiles the
