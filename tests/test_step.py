@@ -14,6 +14,7 @@ with inductor. Each captured run is compared member by member with
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -347,6 +348,133 @@ def test_inductor_compiles_the_step():
         phalanx.member_losses(F.cross_entropy, eager(x), y).sum().backward()
         eager_opt.step()
     assert_close(stack.state_dict(), eager.state_dict(), trajectory=True, msg="inductor")
+
+
+def test_layout_flattens_and_unflattens_every_kind_of_input():
+    """The flat list the compiled graph takes holds each tensor once, in a fixed order."""
+    from phalanx._step_graph import ADAM_HYPERS, INPUT, flatten, layout_of, unflatten
+
+    def t():
+        return torch.randn(3)
+
+    hypers = {k: t() for k in ADAM_HYPERS}
+    tensors = {
+        "params": [t(), t()],
+        "buffers": [t()],
+        "state": [{"step": t(), "exp_avg_sq": t(), "exp_avg": t()}, {}],
+        "hypers": [hypers, {}],
+        "args": [t(), 2.5, None],
+        "target": t(),
+        "mask": t(),
+        "max_norm": t(),
+        "bad_steps": t(),
+        "frozen": t(),
+    }
+    layout = layout_of(tensors)
+    assert layout.state_keys == (("exp_avg", "exp_avg_sq", "step"), ())
+    assert layout.args == (INPUT, 2.5, None) and layout.target is INPUT
+    flat = flatten(layout, tensors)
+    assert len(flat) == 2 + 1 + 3 + len(ADAM_HYPERS) + 1 + 1 + 1 + 1 + 2
+    assert all(isinstance(x, torch.Tensor) for x in flat)
+    back = unflatten(layout, flat)
+    assert back.keys() == tensors.keys()
+    for key in tensors:
+        assert pytree_ids(back[key]) == pytree_ids(tensors[key]), key
+    bare = {**tensors, "mask": None, "max_norm": None, "bad_steps": None, "frozen": None}
+    bare_layout = layout_of(bare)
+    assert unflatten(bare_layout, flatten(bare_layout, bare))["frozen"] is None
+    with pytest.raises(AssertionError, match="beyond the layout"):
+        unflatten(bare_layout, [*flatten(bare_layout, bare), t()])
+
+
+def pytree_ids(tree):
+    """The tree with each tensor replaced by its id (dicts compare without their order)."""
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda x: id(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def test_a_checkpoint_loaded_between_captured_steps_is_what_the_next_step_reads():
+    """The graph's inputs are read afresh each call: a loaded optimizer state replaces the
+    state tensors, and the captured step must update those, as the eager step does."""
+    members = make_members(ARCH["question2"], N)
+    data = _data("question2", None, steps=6)
+    results = []
+    for captured in (True, False):
+        stack = phalanx.stack(copy.deepcopy(members))
+        opt = phalanx.optim.Adam(stack.parameters(), lr=LR)
+        step = compile_step(
+            stack, F.cross_entropy, opt, backend="aot_eager", prefer="captured", warmup_steps=1
+        )
+        run = step if captured else functools.partial(_eager_step, step)
+        for x, y in data[:3]:
+            run(x, y)
+        saved = copy.deepcopy(opt.state_dict())
+        for x, y in data[3:5]:
+            run(x, y)
+        opt.load_state_dict(saved)  # new state tensors, two steps back
+        run(*data[5])
+        state = [dict(opt.state[p]) for p in stack.parameters()]
+        results.append((stack.state_dict(), state))
+    assert_close(results[0][0], results[1][0], trajectory=True, msg="weights after a reload")
+    for got, expected in zip(results[0][1], results[1][1]):
+        for key, value in expected.items():
+            assert_close(got[key], value, trajectory=True, msg=f"optimizer {key} after a reload")
+
+
+def test_simplify_keeps_every_value_and_never_aliases_a_written_input():
+    """baddbmm -> bmm + add; a copy reshaped back to its own shape -> the tensor itself,
+    unless something downstream writes into it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from phalanx._step_graph import simplify
+
+    def fold(x, w, b):  # the fused backend's (N, B, d) -> (N * B, d) -> (N, B, d)
+        h = x.reshape(-1, 20).view(N, -1, 20)
+        return torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+
+    def written(x, w, b):
+        h = x.reshape(-1, 20).view(N, -1, 20)
+        h.mul_(2)  # would write into x were the copy dropped
+        return torch.bmm(h, w.transpose(1, 2))
+
+    torch.manual_seed(0)
+    x = torch.randn(6, N * 20).view(6, N, 20).transpose(0, 1)  # sliced: a strided view
+    w, b = torch.randn(N, 3, 20), torch.randn(N, 3)
+    for fn, copies in ((fold, 0), (written, 1)):
+        expected = fn(x.clone(), w, b)
+        graph = simplify(make_fx(fn)(x, w, b))
+        targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+        assert torch.ops.aten.baddbmm.default not in targets
+        assert targets.count(torch.ops.aten.clone.default) == copies, graph.code
+        before = x.clone()
+        assert_close(graph(x, w, b), expected, msg=fn.__name__)
+        assert torch.equal(x, before), "the input was written"
+
+
+def _eager_step(step, x, y):
+    return step._eager((x,), y, None)
+
+
+def test_the_step_compiled_through_torch_compile_equals_the_direct_one():
+    """With a mode for a backend other than inductor (and CUDA graphs on a GPU) the graph is
+    compiled by torch.compile, guards and all; it must give the same step."""
+    members = make_members(ARCH["question2"], N)
+    data = _data("question2", None, steps=4)
+    states = []
+    for mode in ("default", None):
+        stack = phalanx.stack(copy.deepcopy(members))
+        opt = phalanx.optim.Adam(stack.parameters(), lr=LR)
+        step = compile_step(
+            stack, F.cross_entropy, opt, backend="aot_eager", mode=mode, prefer="captured",
+            warmup_steps=1, max_norm=0.5,
+        )  # fmt: skip
+        losses = [step(x, y) for x, y in data]
+        assert step.choice == "captured"
+        states.append((stack.state_dict(), torch.stack(losses), step.last_norms))
+    assert_close(states[0][0], states[1][0], trajectory=True, msg="weights")
+    assert_close(states[0][1], states[1][1], trajectory=True, msg="losses")
+    assert_close(states[0][2], states[1][2], msg="norms")
 
 
 # ------------------------------------------------------ member_losses, the loss of every step

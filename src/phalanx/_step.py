@@ -4,8 +4,11 @@ Tiny members are launch-bound: a training step of 8 networks 10-20-2 is microsec
 arithmetic under Python, the dispatcher, the autograd engine and the optimizer's bookkeeping.
 Here the step (forward through the stack, per-member losses, backward, clipping, isolation
 and the optimizer update) is traced once with ``make_fx`` into one graph of aten operations,
-backward included, and that graph is compiled with ``torch.compile`` (inductor by default;
-on CUDA with ``mode="reduce-overhead"``, i.e. CUDA graphs).
+backward included, and that graph, taking one flat list of tensors, is handed straight to
+the compiler (inductor's ``compile_fx`` by default): called without TorchDynamo's frame
+evaluation, guards and pytree flattening, which cost as much as W2's whole compiled step.
+Our own input signature is the guard. On CUDA with ``mode="reduce-overhead"`` (CUDA graphs)
+it goes through ``torch.compile``, which knows which inputs are static.
 
 Capture does not pay everywhere (inductor's code for some shapes is slower than the eager
 kernels), so by default the step times itself: its first calls run the eager step and are
@@ -18,6 +21,7 @@ step and says so with a warning.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import warnings
@@ -31,7 +35,17 @@ from torch.utils import _pytree as pytree
 
 from phalanx._clip import clip_grad_norm_
 from phalanx._losses import member_losses
-from phalanx._step_graph import ADAM_HYPERS, Plan, step_function
+from phalanx._step_graph import (
+    ADAM_HYPERS,
+    OUTPUTS,
+    Layout,
+    Plan,
+    flatten,
+    layout_of,
+    simplify,
+    step_function,
+    unflatten,
+)
 
 logger = logging.getLogger("phalanx")
 
@@ -47,7 +61,8 @@ class _Entry:
 
     eager_s: list[float] = field(default_factory=list)
     captured_s: list[float] = field(default_factory=list)
-    run: Callable[[dict[str, Any]], dict[str, Tensor | None]] | None = None
+    run: Callable[[list[Tensor]], tuple[Tensor, ...]] | None = None
+    layout: Layout | None = None
     choice: Literal["eager", "captured"] | None = None
     compile_s: float | None = None
     calls: int = 0
@@ -89,7 +104,9 @@ class CompiledStep:
         self.compile_seconds: float | None = None
         self.last_norms: Tensor | None = None
         self._entries: dict[tuple, _Entry] = {}
-        self._hypers: tuple[tuple, list[dict[str, Tensor]]] | None = None
+        self._hypers: tuple[list, list[dict[str, Tensor]]] | None = None
+        self._max_norm: tuple[Any, Tensor] | None = None
+        self._modules = list(stack.modules())  # whose train/eval modes the signature reads
         self._why_not = _unsupported_optimizer(optimizer)
         if self._why_not is not None:
             self._fall_back(self._why_not)
@@ -124,7 +141,7 @@ class CompiledStep:
         if self._why_not is not None:
             return self._eager(args, target, mask)
         key = self._signature(args, target, mask)
-        entry = self._entries.setdefault(key, _Entry())
+        entry = self._entries.get(key) or self._entries.setdefault(key, _Entry())
         self.choice = entry.choice
         if entry.choice == "eager":
             return self._eager(args, target, mask)
@@ -134,9 +151,10 @@ class CompiledStep:
             if len(entry.eager_s) < self.warmup_steps:
                 return self._timed(entry.eager_s, self._eager, args, target, mask)
             try:
-                entry.run = self._capture(args, target, mask)
+                captured = self._capture(args, target, mask)
+                entry.run, entry.layout = captured.run, captured.layout
                 start = time.perf_counter()
-                # The first call compiles; a compiler's failure is raised before the graph
+                # The first call may compile; a compiler's failure is raised before the graph
                 # runs, so nothing has been written when the eager step takes over.
                 loss = self._captured(entry, args, target, mask)
             except Exception as e:
@@ -228,7 +246,7 @@ class CompiledStep:
                 return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
             return (type(a), a)
 
-        modes = (*(m.training for m in self.stack.modules()), torch.is_autocast_enabled())
+        modes = (*(m.training for m in self._modules), torch.is_autocast_enabled())
         params = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
         # The stack's backend is not part of it: every backend is exact, and the graph keeps
         # the one the stack ran when it was traced.
@@ -263,26 +281,76 @@ class CompiledStep:
             freeze_after=opt.freeze_after,  # type: ignore[attr-defined]
         )
 
-    def _capture(self, args: tuple, target: Any, mask: Tensor | None) -> Callable:
-        """Traces the step into one aten graph and compiles it; returns the compiled graph."""
+    def _capture(self, args: tuple, target: Any, mask: Tensor | None) -> _Entry:
+        """Traces the step into one aten graph and compiles it: the entry's ``run``."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
         logger.info("phalanx.compile_step(): tracing and compiling the training step")
         start = time.perf_counter()
         plan = self._plan(args, mask)
-        real = self._tensors(plan, args, target, mask)
+        real = self._tensors(args, target, mask)
+        layout = layout_of(real)
         # Traced on copies (make_fx runs the operations for real), with the RNG put back, so
         # that tracing leaves no trace in the weights, the buffers or the random stream.
         mutable = ("params", "buffers", "state", "bad_steps", "frozen")
-        copies = {k: pytree.tree_map(_clone, real[k]) for k in mutable}
+        copies = flatten(layout, {**real, **{k: pytree.tree_map(_clone, real[k]) for k in mutable}})
+        step = step_function(plan)
+        returned: list[str] = []
+
+        def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
+            out = step(unflatten(layout, flat))
+            returned[:] = [k for k in OUTPUTS if out[k] is not None]
+            return tuple(out[k] for k in returned)  # type: ignore[misc]
+
         rng = _rng_state()
         try:
-            graph = make_fx(step_function(plan))({**real, **copies})
+            graph = make_fx(flat_step)(*copies)
         finally:
             _set_rng_state(rng)
+        layout = dataclasses.replace(layout, outputs=tuple(returned))
+        graph = simplify(graph)
         cuda = real["target"].is_cuda if isinstance(real["target"], Tensor) else False
         mode = self.mode if self.mode is not None else ("reduce-overhead" if cuda else None)
-        if cuda and mode == "reduce-overhead":
+        options: dict[str, Any] = {}
+        if self.backend == "inductor":
+            # Inductor's own random numbers differ from eager's: dropout would not match.
+            from torch._inductor import list_mode_options
+
+            options = {**(list_mode_options(mode) if mode else {}), "fallback_random": True}
+        if (cuda and mode == "reduce-overhead") or (
+            mode is not None and self.backend != "inductor"
+        ):
+            run = self._through_dynamo(graph, real, mode, options)
+        else:
+            # The backend compiles the traced graph directly: called without TorchDynamo's
+            # frame evaluation, guards and pytree flattening, which were half of a tiny step.
+            # Our own signature (``_signature``) is the guard: one graph per signature.
+            compiled: Any
+            with torch.no_grad():  # an inference graph: the step takes its own gradients
+                if self.backend == "inductor":
+                    with warnings.catch_warnings():
+                        # Importing it imports torch.utils.mkldnn, which uses the deprecated
+                        # torch.jit.script_method: torch's own warning, not the user's concern.
+                        warnings.filterwarnings("ignore", "`torch.jit.script_method`")
+                        from torch._inductor.compile_fx import compile_fx
+
+                    compiled = compile_fx(graph, copies, config_patches=options)
+                else:
+                    from torch._dynamo import lookup_backend
+
+                    compiled = lookup_backend(self.backend)(graph, copies)
+
+            def run(flat: list[Tensor]) -> tuple[Tensor, ...]:
+                return tuple(compiled(*flat))
+
+        self._trace_s = time.perf_counter() - start
+        return _Entry(run=run, layout=layout)
+
+    def _through_dynamo(
+        self, graph: Callable, real: dict[str, Any], mode: str | None, options: dict[str, Any]
+    ) -> Callable[[list[Tensor]], tuple[Tensor, ...]]:
+        """The graph compiled by ``torch.compile``: CUDA graphs need its static inputs."""
+        if real["params"][0].is_cuda and mode == "reduce-overhead":
             # CUDA graphs may write only into tensors whose address never changes.
             for k in ("params", "buffers"):
                 for x in real[k]:
@@ -290,38 +358,42 @@ class CompiledStep:
             for state in real["state"]:
                 for x in state.values():
                     torch._dynamo.mark_static_address(x)
-        options: dict[str, Any] | None = None
         if self.backend == "inductor":
-            # Inductor's own random numbers differ from eager's: dropout would not match.
-            # torch.compile takes a mode or options, not both: the mode becomes its options.
-            from torch._inductor import list_mode_options
-
-            options = {**(list_mode_options(mode) if mode else {}), "fallback_random": True}
-            mode = None
+            mode = None  # torch.compile takes a mode or options, not both: it is in options
         compiled = torch.compile(
-            graph, backend=self.backend, mode=mode, options=options, fullgraph=True, dynamic=False
+            graph,
+            backend=self.backend,
+            mode=mode,
+            options=options or None,
+            fullgraph=True,
+            dynamic=False,
         )
-        self._trace_s = time.perf_counter() - start
-        return compiled
+        calls = 0
+
+        def run(flat: list[Tensor]) -> tuple[Tensor, ...]:
+            nonlocal calls
+            with _guards_skipped(calls > 0):
+                out = compiled(*flat)
+            calls += 1
+            return tuple(x.clone() for x in out)  # CUDA graphs overwrite their outputs
+
+        return run
 
     def _captured(self, entry: _Entry, args: tuple, target: Any, mask: Tensor | None) -> Tensor:
-        assert entry.run is not None
-        plan_isolate = bool(getattr(self.optimizer, "skip_nonfinite", False))
-        tensors = self._tensors(None, args, target, mask)
-        for p in tensors["params"]:
+        assert entry.run is not None and entry.layout is not None
+        t = self._tensors(args, target, mask)
+        for p in t["params"]:
             p.grad = None  # the captured step keeps no gradients; stale ones would mislead
         if isinstance(target, Tensor) and target.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad(), _guards_skipped(entry.calls > 0):
-            out = entry.run(tensors)
+        with torch.no_grad():
+            out = dict(zip(entry.layout.outputs, entry.run(flatten(entry.layout, t))))
         entry.calls += 1
-        losses = out["losses"]
-        assert losses is not None
-        if out["norms"] is not None:
-            self.last_norms = out["norms"].clone()
-        if plan_isolate:
-            self._after_isolation(out["skipped"], out["frozen"])
-        return losses.clone()
+        if "norms" in out:
+            self.last_norms = out["norms"]
+        if entry.layout.isolated:
+            self._after_isolation(out["skipped"], out.get("frozen"))
+        return out["losses"]
 
     def _after_isolation(self, skipped: Tensor | None, newly_frozen: Tensor | None) -> None:
         """Records skipped members on the optimizer and warns, as its own step does."""
@@ -329,7 +401,7 @@ class CompiledStep:
 
         opt: Any = self.optimizer
         assert skipped is not None
-        opt.last_skipped = skipped.clone()
+        opt.last_skipped = skipped
         if opt.warn_skipped and bool(skipped.any()):
             message = (
                 f"{opt._NAME}.step(): skipped members {skipped.nonzero().flatten().tolist()}: "
@@ -343,47 +415,52 @@ class CompiledStep:
                 )
             warnings.warn(message, NonFiniteWarning, stacklevel=4)
 
-    def _tensors(
-        self, plan: Plan | None, args: tuple, target: Any, mask: Tensor | None
-    ) -> dict[str, Any]:
-        """The graph's inputs: the live tensors of the stack and the optimizer, and the data."""
+    def _tensors(self, args: tuple, target: Any, mask: Tensor | None) -> dict[str, Any]:
+        """The graph's inputs: the live tensors of the stack and the optimizer, and the data.
+
+        Read afresh on every call (a checkpoint loaded into the optimizer replaces its state
+        tensors), and cheaply: this runs around every captured step.
+        """
         opt: Any = self.optimizer
-        params = list(self.stack.parameters())
-        hypers = self._hyper_tensors(params)
-        states = []
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if not opt.state[p]:
-                    opt._init_state(group, p, opt.state[p])
+        stacked, buffers = self.stack._stacked_state()
+        params = list(stacked.values())
+        states: list[dict[str, Tensor]] = []
         for p in params:
-            states.append(opt.state[p] if p.requires_grad else {})
-        max_norm = None
-        if self.max_norm is not None:
-            max_norm = torch.as_tensor(self.max_norm, device=params[0].device).expand(
-                len(self.stack)
-            )
-        isolate = bool(opt.skip_nonfinite)
+            if not p.requires_grad:
+                states.append({})
+                continue
+            state = opt.state[p]
+            if not state:
+                group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+                opt._init_state(group, p, state)
+            states.append(state)
         return {
             "params": params,
-            "buffers": list(self.stack.buffers()),
+            "buffers": list(buffers.values()),
             "state": states,
-            "hypers": hypers,
+            "hypers": self._hyper_tensors(params),
             "args": list(args),
             "target": target,
             "mask": mask,
-            "max_norm": max_norm,
-            "bad_steps": opt.bad_steps if isolate else None,
-            "frozen": opt.frozen if isolate else None,
+            "max_norm": self._max_norm_tensor(params[0].device),
+            "bad_steps": opt.bad_steps if opt.skip_nonfinite else None,
+            "frozen": opt.frozen if opt.skip_nonfinite else None,
         }
+
+    def _max_norm_tensor(self, device: torch.device) -> Tensor | None:
+        """``max_norm`` as an (N,) tensor, rebuilt only when it changes."""
+        if self.max_norm is None:
+            return None
+        key = _value_key(self.max_norm)
+        if self._max_norm is None or self._max_norm[0] != key:
+            value = torch.as_tensor(self.max_norm, device=device).expand(len(self.stack))
+            self._max_norm = (key, value)
+        return self._max_norm[1]
 
     def _hyper_tensors(self, params: list[Tensor]) -> list[dict[str, Tensor]]:
         """Per parameter, its group's hyperparameters as (N,) tensors; rebuilt on change."""
         opt: Any = self.optimizer
-        key = tuple(
-            tuple(_value_key(group[k]) for k in ("lr", "member_lr", "betas", "eps", "weight_decay",
-                                                   "maximize"))
-            for group in opt.param_groups
-        )  # fmt: skip
+        key = [_value_key(group[k]) for group in opt.param_groups for k in _HYPER_KEYS]
         if self._hypers is not None and self._hypers[0] == key:
             return self._hypers[1]
         n, device = len(self.stack), params[0].device
@@ -411,9 +488,12 @@ class CompiledStep:
             assert set(h) == set(ADAM_HYPERS)
             for p in group["params"]:
                 by_param[id(p)] = h
-        hypers = [by_param.get(id(p), {}) for p in params]
+        hypers = [by_param.get(id(p), {}) if p.requires_grad else {} for p in params]
         self._hypers = (key, hypers)
         return hypers
+
+
+_HYPER_KEYS = ("lr", "member_lr", "betas", "eps", "weight_decay", "maximize")
 
 
 def decide(eager_s: list[float], captured_s: list[float]) -> Literal["eager", "captured"]:
@@ -532,9 +612,10 @@ def compile_step(
     ``step = phalanx.compile_step(stack, loss_fn, opt)`` then ``losses = step(x, y)`` does what
     the eager loop body does (zero the gradients, forward, ``member_losses``, backward, clip,
     ``opt.step(mask=...)``), with forward, backward and update traced into one graph and
-    compiled by ``torch.compile``. It equals the eager step to float rounding, and reads and
-    writes the same tensors: the stack's parameters and buffers and the optimizer's state, so
-    eager steps, checkpoints and schedulers mix freely with it. It keeps no ``.grad``.
+    compiled (by inductor, or the backend named). It equals the eager step to float rounding,
+    and reads and writes the same tensors: the stack's parameters and buffers and the
+    optimizer's state, so eager steps, checkpoints and schedulers mix freely with it. It
+    keeps no ``.grad``.
 
     The first ``warmup_steps`` calls with a new input signature (shapes, dtypes, devices,
     in_dims, train/eval mode) run the eager step, timed; the next call traces and compiles the
