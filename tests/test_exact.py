@@ -7,6 +7,7 @@ that phalanx refuses with a message that names what differs.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 
 import pytest
@@ -386,3 +387,25 @@ def test_vmap_refuses_what_it_gets_silently_wrong_and_auto_hands_over():
         stack = phalanx.stack(copy.deepcopy(members), backend=backend)
         stack(idx, in_dims=0).square().sum().backward()
         assert stack.module.embed.weight.grad[:, 0].abs().max() == 0, backend
+
+
+def test_the_race_leaves_the_gradients_as_it_found_them(caplog):
+    """auto times backward into .grad, as training does, and puts the .grad found back."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(3)]
+    x = torch.randn(5, 4)
+    stack = phalanx.stack(members)
+    marked = {k: torch.full_like(p, 7.0) for k, p in stack.named_parameters()}
+    for k, p in stack.named_parameters():
+        p.grad = marked[k].clone()
+    with caplog.at_level(logging.INFO, logger="phalanx"):
+        out = stack(x)  # the first call races: forward and backward of every backend
+    assert any("timed" in r.getMessage() for r in caplog.records), "the race did not run"
+    for k, p in stack.named_parameters():
+        assert torch.equal(p.grad, marked[k]), f"{k}: the race changed .grad"
+    stack.zero_grad()
+    out.sum().backward()
+    fresh = phalanx.stack(members, backend="loop")
+    fresh(x).sum().backward()
+    for (k, p), q in zip(stack.named_parameters(), fresh.parameters()):
+        assert_close(p.grad, q.grad, msg=k)

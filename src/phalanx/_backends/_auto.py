@@ -14,10 +14,11 @@ compiled graph only sees the chosen backend's forward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -148,9 +149,11 @@ class AutoBackend:
         """Times the backends that run this input and returns the one to keep.
 
         Like cuDNN's benchmark mode: a batched computation is not always faster than a loop
-        (large convolutions on a CPU). Under autograd the backward pass is timed too, with
-        ``torch.autograd.grad`` so that no ``.grad`` is touched. The fastest wins unless a
-        preferred backend is within ``MARGIN`` of it.
+        (large convolutions on a CPU). Under autograd the backward pass is timed too, into
+        the parameters' ``.grad`` as a training step does it (a gradient laid out unlike its
+        parameter costs ``AccumulateGrad`` a copy, which ``torch.autograd.grad`` would hide:
+        vmap's Linear weight gradients do); the ``.grad`` found before is put back after. The
+        fastest wins unless a preferred backend is within ``MARGIN`` of it.
         """
         if len(names) < 2:
             return names[0]
@@ -164,10 +167,12 @@ class AutoBackend:
                 leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
                 total = sum(t.float().sum() for t in leaves if t.requires_grad)
                 if isinstance(total, torch.Tensor):
-                    torch.autograd.grad(total, params, allow_unused=True)
+                    for p in params:
+                        p.grad = None  # as zero_grad(set_to_none=True) leaves them
+                    torch.autograd.backward(total, inputs=params)
 
         times: dict[str, float] = {}
-        with preserved(view):
+        with preserved(view), _grads_restored(params):
             calls: dict[str, Callable[[], None]] = {}
             for name in names:  # warm-up, and what does not run or is hopeless drops out
                 try:
@@ -198,6 +203,17 @@ class AutoBackend:
             choice,
         )
         return choice
+
+
+@contextlib.contextmanager
+def _grads_restored(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Puts back the ``.grad`` of ``params`` as they were on entry."""
+    grads = [p.grad for p in params]
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 BACKEND = AutoBackend()
