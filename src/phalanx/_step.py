@@ -317,6 +317,13 @@ class CompiledStep:
             from torch._inductor import list_mode_options
 
             options = {**(list_mode_options(mode) if mode else {}), "fallback_random": True}
+            if not cuda:
+                # Split a CPU kernel over threads only when each gets >= 64K elements (inductor's
+                # default is 512): tiny members' kernels are microseconds, less than OpenMP's
+                # fork and join. W1 on 2 threads: captured step 1.78 -> 1.02 ms (it had lost
+                # to the eager step); W6, whose kernels are large, 95.9 -> 109 ms, still the
+                # faster path (one bench run each, --quick).
+                options["cpp.min_chunk_size"] = 65536
         if (cuda and mode == "reduce-overhead") or (
             mode is not None and self.backend != "inductor"
         ):
