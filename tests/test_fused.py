@@ -355,3 +355,19 @@ def test_autocast_matches_the_loop_under_autocast(backend, arch):
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
     out.float().square().sum().backward()  # the backward pass runs under mixed dtypes
     assert all(p.grad is not None and p.grad.dtype == p.dtype for p in stack.parameters())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_batched_linear_is_twice_differentiable_and_grads_keep_the_weight_layout(bias):
+    from phalanx._backends._bmm import linear_bmm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 2, dtype=torch.float64, requires_grad=True) if bias else None
+    inputs = (x, w, b) if bias else (x, w)
+    fn = (lambda x, w, b: linear_bmm(x, w, b)) if bias else (lambda x, w: linear_bmm(x, w, None))
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+    (gw,) = torch.autograd.grad(linear_bmm(x, w, b).sum(), w)
+    assert gw.stride() == w.stride(), "laid out unlike the weight: AccumulateGrad would copy it"
