@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 import phalanx
-from phalanx._backends import _fused_layers, _fused_rnn
+from phalanx._backends import _fused_layers
+from phalanx._backends._fused import fused_tree
 from phalanx._backends._fused_layers import BatchedRNN, folding
 from phalanx._backends._fused_rnn import BatchedRecurrent
 
@@ -276,12 +277,13 @@ def test_the_faster_path_is_chosen_once_per_shape_and_both_are_exact(grad):
     x = torch.randn(B, T, IN)
     with torch.set_grad_enabled(grad):
         stack(x)
-    keys = [k for k in _fused_rnn._choices if k[0] == id(stack.module)]
-    assert len(keys) == 1 and keys[0][2] == grad, keys
-    assert _fused_rnn._choices[keys[0]] in ("batched", "per_member")
+    (layer,) = [m for m in fused_tree(stack._view).modules() if isinstance(m, BatchedRecurrent)]
+    keys = list(layer.paths)
+    assert len(keys) == 1 and keys[0][1] == grad, keys
+    assert layer.paths[keys[0]] in ("batched", "per_member")
     expected = [torch.stack(o) for o in zip(*(m(x)[0:1] for m in members))]
     for choice in ("batched", "per_member"):
-        _fused_rnn._choices[keys[0]] = choice
+        layer.paths[keys[0]] = choice
         with torch.set_grad_enabled(grad):
             (out, _) = stack(x)
         torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6, msg=choice)

@@ -18,7 +18,7 @@ across the batch is caught by the fused backend's check against the reference.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -189,21 +189,20 @@ class BatchedEmbeddingBag(Batched):
 # ------------------------------------------------------------------------------- convolutions
 
 
-def _autotune(
+def _pick(
     cache: dict[tuple, str],
     key: tuple,
-    strategies: dict[str, Callable[[], torch.Tensor]],
+    strategies: Mapping[str, Callable[[], Any]],
     leaves: list[torch.Tensor],
-) -> torch.Tensor:
-    """Runs the fastest of ``strategies`` (equal results, different kernels) for ``key``.
+) -> str:
+    """The name of the fastest of ``strategies`` (equal results, different kernels) for ``key``.
 
     As cuDNN's benchmark mode does, the choice is measured once per input case and kept in
     the layer's own ``cache`` (keyed by the layer object, not by an ``id`` that a later layer
-    may reuse).
-
-    Each is timed once per key, best of 3; when gradients will be taken (grad mode on and one
-    of ``leaves`` requires grad) the backward to ``leaves`` is timed too, without touching
-    any ``.grad``: on a CPU a grouped convolution can win the forward and lose the step.
+    may reuse). Each strategy is timed best of 3; when gradients will be taken (grad mode on
+    and one of ``leaves`` requires grad) the backward to ``leaves`` is timed too, without
+    touching any ``.grad``: on a CPU a grouped convolution can win the forward and lose the
+    step. Under compilation, or with one strategy, the first is taken untimed.
     """
     choice = cache.get(key)
     if choice is None:
@@ -213,15 +212,29 @@ def _autotune(
             device = torch.device(key[-1])
             wrt = [t for t in leaves if t.requires_grad] if torch.is_grad_enabled() else []
 
-            def step(run: Callable[[], torch.Tensor]) -> Callable[[], Any]:
-                if not wrt:
-                    return lambda: run().detach()
-                return lambda: torch.autograd.grad(run().sum(), wrt)
+            def step(run: Callable[[], Any]) -> Callable[[], Any]:
+                def go() -> None:
+                    out = [t for t in pytree.tree_leaves(run()) if isinstance(t, torch.Tensor)]
+                    total = [t.sum() for t in out if t.requires_grad]
+                    if wrt and total:
+                        torch.autograd.grad(total, wrt, allow_unused=True)
+
+                return go
 
             timings = {k: seconds(step(run), device, repeats=3) for k, run in strategies.items()}
             choice = min(timings, key=timings.__getitem__)
         cache[key] = choice
-    return strategies[choice]()
+    return choice
+
+
+def _autotune(
+    cache: dict[tuple, str],
+    key: tuple,
+    strategies: dict[str, Callable[[], torch.Tensor]],
+    leaves: list[torch.Tensor],
+) -> torch.Tensor:
+    """Runs the fastest of ``strategies`` for ``key`` (:func:`_pick`)."""
+    return strategies[_pick(cache, key, strategies, leaves)]()
 
 
 def to_channels(x: torch.Tensor, n: int) -> torch.Tensor:

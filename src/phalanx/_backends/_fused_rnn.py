@@ -34,17 +34,10 @@ from typing import Any
 
 import torch
 
-from phalanx._backends._fused_layers import BatchedRNN, fold_sizes
-from phalanx._backends._preserve import seconds
+from phalanx._backends._fused_layers import BatchedRNN, _pick, fold_sizes
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 _DTYPES = (torch.float32, torch.float64)
-
-# Which path runs faster for a (layer, input shape, grad mode, ...): measured once, then
-# cached, as the batched convolutions choose theirs. torch's per-member LSTM on CPU is
-# oneDNN's fused kernel, which at some sizes the batched recurrence does not beat.
-_choices: dict[tuple, str] = {}
-
 
 # ---------------------------------------------------------------------------- the recurrence
 #
@@ -321,12 +314,6 @@ def _recurrence(
 # ------------------------------------------------------------------------------- the layer
 
 
-def _leaves(out: Any) -> list[torch.Tensor]:
-    """The tensors of an RNN's ``(out, h_n)`` or ``(out, (h_n, c_n))``."""
-    flat = [out[0], *(out[1] if isinstance(out[1], tuple) else (out[1],))]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
-
-
 def _project(seq: torch.Tensor, w_ih: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Every timestep's input projection: ``seq (T, N, in, B) -> gi (T, N, G * H, B)``, one
     GEMM over the columns ``(t, b)`` (its gradient, one GEMM for the weights too)."""
@@ -344,6 +331,10 @@ class BatchedRecurrent(BatchedRNN):
     (``BatchedRNN``).
     """
 
+    def __init__(self, src: torch.nn.Module, n: int) -> None:
+        super().__init__(src, n)
+        self.paths: dict[tuple, str] = {}  # input case -> the faster path
+
     def forward(self, x: Any, hx: Any = None) -> Any:
         if self.unbatched(x, hx) is not None or self.choose(x, hx) == "per_member":
             return super().forward(x, hx)
@@ -351,31 +342,16 @@ class BatchedRecurrent(BatchedRNN):
 
     def choose(self, x: torch.Tensor, hx: Any) -> str:
         """The path for this call, "batched" or "per_member": whichever ran its shapes
-        faster (forward and backward where grad is enabled), timed once and cached."""
-        grad = torch.is_grad_enabled()
-        key = (id(self.src), tuple(x.shape), grad, hx is None, x.dtype, x.device.type)
-        choice = _choices.get(key)
-        if choice is None:
-            if self.n == 1 or torch.compiler.is_compiling() or _transformed():
-                choice = "batched"
-            else:
-                params = [p for p in self.src.parameters() if p.requires_grad]
-                paths = {"batched": self.batched, "per_member": super().forward}
-
-                def trial(path: Any) -> Any:
-                    out = path(x, hx)
-                    if grad and params:
-                        leaves = [t for t in _leaves(out) if t.requires_grad]
-                        ones = [torch.ones_like(t) for t in leaves]
-                        torch.autograd.grad(leaves, params, ones, allow_unused=True)
-
-                timings: dict[str, float] = {}
-                for name, path in paths.items():
-                    trial(path)  # warm up
-                    timings[name] = seconds(partial(trial, path), x.device, repeats=2)
-                choice = min(timings, key=timings.__getitem__)
-            _choices[key] = choice
-        return choice
+        faster (forward and backward where grad is enabled), timed once and cached, as the
+        batched convolutions choose their strategy (``_pick``)."""
+        if self.n == 1 or _transformed():
+            return "batched"
+        key = (tuple(x.shape), torch.is_grad_enabled(), hx is None, x.dtype, x.device.type)
+        paths = {
+            "batched": partial(self.batched, x, hx),
+            "per_member": partial(BatchedRNN.forward, self, x, hx),
+        }
+        return _pick(self.paths, key, paths, list(self.src.parameters()))
 
     def batched(self, x: torch.Tensor, hx: Any = None) -> Any:
         """All members in one recurrence per layer and direction."""
