@@ -20,14 +20,20 @@ from typing import Any
 import torch
 
 
+def linear_ops(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x (N, B, in)``, ``w (N, out, in)``, ``b (N, out) | None`` -> ``(N, B, out)``, with
+    plain operations (autograd differentiates them through the transpose)."""
+    if b is None:
+        return torch.bmm(x, w.transpose(1, 2))
+    return torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
+
+
 class _LinearBmm(torch.autograd.Function):
-    """``x (N, B, in)``, ``w (N, out, in)``, ``b (N, out) | None`` -> ``(N, B, out)``."""
+    """:func:`linear_ops` with a backward that lays the weight gradient out like the weight."""
 
     @staticmethod
     def forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        if b is None:
-            return torch.bmm(x, w.transpose(1, 2))
-        return torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
+        return linear_ops(x, w, b)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -52,7 +58,5 @@ def linear_bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     ``F.linear`` (an autograd.Function would need its own casting rules).
     """
     if torch.is_autocast_enabled(x.device.type):
-        if b is None:
-            return torch.bmm(x, w.transpose(1, 2))
-        return torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
+        return linear_ops(x, w, b)
     return _LinearBmm.apply(x, w, b)

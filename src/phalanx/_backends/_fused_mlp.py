@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx._backends import BackendRefusal
+from phalanx._backends._bmm import linear_ops
 from phalanx._backends._fused_layers import (
     Batched,
     BatchedLinear,
@@ -114,9 +115,7 @@ def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, shared: bo
         flat_b = None if b is None else b.reshape(-1)
         y = F.linear(h, w.reshape(n * out_f, in_f), flat_b)  # (M, N * out)
         return y.view(h.shape[0], n, out_f).transpose(0, 1)
-    if b is None:
-        return torch.bmm(h, w.transpose(1, 2))
-    return torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+    return linear_ops(h, w, b)
 
 
 def _forward(
