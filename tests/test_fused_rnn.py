@@ -1,4 +1,4 @@
-"""The fused backend's batched nn.RNN / nn.LSTM / nn.GRU against the loop of the originals.
+"""The fused backend's nn.RNN / nn.LSTM / nn.GRU against the loop of the originals.
 
 Every supported variant (mode, layers, bias, batch_first, bidirectional, initial states
 given or not, shared or per-member input, train or eval) is compared member by member with
@@ -7,9 +7,9 @@ input, of the initial states and of every parameter, and second derivatives (a g
 penalty). The criterion is float rounding: no further from a float64 run of the loop than
 a small factor over the float32 loop's own distance from it, plus a few ulps.
 
-The batched path must be the one that ran: the per-member path (``BatchedRNN.forward``) is
-made to fail in these tests, and the timed choice between the two paths is pinned to the
-batched one; what is handed over, and the choice, are tested separately.
+torch.func has no batching rule for these layers; the fused backend's rule runs torch's own
+kernel member by member inside the vmapped forward (``_rules._recurrent``), and these tests
+check that every argument layout of ``torch.lstm`` / ``gru`` / ``rnn_*`` reaches it intact.
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ import torch
 from torch import nn
 
 import phalanx
-from phalanx._backends import _fused_layers
-from phalanx._backends._fused import fused_tree
-from phalanx._backends._fused_layers import BatchedRNN, folding
-from phalanx._backends._fused_rnn import BatchedRecurrent
 
 IN, HIDDEN, B, T, N = 3, 5, 4, 6, 3
 
@@ -60,17 +56,6 @@ class Recurrent(nn.Module):
         # Batch first again, so that the stack unfolds every output at dim 0.
         outs = (out, h_n.transpose(0, 1))
         return outs if c_n is None else (*outs, c_n.transpose(0, 1))
-
-
-@pytest.fixture
-def batched_only(monkeypatch):
-    """Fails any call that the batched path hands over to the per-member one."""
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("the per-member BatchedRNN path ran")
-
-    monkeypatch.setattr(BatchedRNN, "forward", refuse)
-    monkeypatch.setattr(BatchedRecurrent, "choose", lambda self, x, hx: "batched")
 
 
 def _loss(outs) -> torch.Tensor:
@@ -159,7 +144,7 @@ def _id(kw) -> str:
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=_id)
 @pytest.mark.parametrize("mode", list(CELLS))
-def test_every_variant_matches_the_loop(batched_only, mode, kw):
+def test_every_variant_matches_the_loop(mode, kw):
     check(mode, kw, per_member=False, states=False)
 
 
@@ -167,30 +152,30 @@ def test_every_variant_matches_the_loop(batched_only, mode, kw):
 @pytest.mark.parametrize("states", [False, True], ids=["no_hx", "hx"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("mode", list(CELLS))
-def test_inputs_states_and_modes_match_the_loop(batched_only, mode, train, states, per_member):
+def test_inputs_states_and_modes_match_the_loop(mode, train, states, per_member):
     kw = dict(num_layers=2, batch_first=True, bidirectional=mode == "GRU")
     check(mode, kw, per_member=per_member, states=states, train=train)
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("mode", list(CELLS))
-def test_second_derivatives_match_the_loop(batched_only, mode, bidirectional):
+def test_second_derivatives_match_the_loop(mode, bidirectional):
     kw = dict(num_layers=2, batch_first=True, bidirectional=bidirectional)
     check(mode, kw, per_member=True, states=True, penalty=True)
 
 
-def test_dropout_zero_in_training_and_dropout_in_eval_run_batched(batched_only):
+def test_dropout_zero_in_training_and_dropout_in_eval_run_batched():
     check("GRU", dict(num_layers=2, batch_first=True, dropout=0.0), per_member=False, states=False)
     check("LSTM", dict(num_layers=2, batch_first=True, dropout=0.5), per_member=False,
           states=False, train=False)  # fmt: skip
 
 
-def test_one_member(batched_only):
+def test_one_member():
     check("LSTM", dict(num_layers=2, batch_first=True), per_member=True, states=True, n=1)
 
 
 @pytest.mark.parametrize("mode", list(CELLS))
-def test_no_grad_forward_matches_the_loop(batched_only, mode):
+def test_no_grad_forward_matches_the_loop(mode):
     torch.manual_seed(0)
     members = [Recurrent(mode, num_layers=2, batch_first=True) for _ in range(N)]
     stack = phalanx.stack(copy.deepcopy(members), backend="fused")
@@ -203,87 +188,45 @@ def test_no_grad_forward_matches_the_loop(batched_only, mode):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-# ------------------------------------------------------------------------- what is handed over
+# ------------------------------------------------------------------ the other argument layouts
 
 
-def _layer(src: nn.Module, n: int) -> tuple[BatchedRecurrent, nn.Module]:
-    """A batched layer over the stack of n copies of ``src``."""
-    stack = phalanx.stack([copy.deepcopy(src) for _ in range(n)], backend="fused")
-    return BatchedRecurrent(stack.module, n), stack.module
+def test_packed_sequences_match_the_loop():
+    torch.manual_seed(0)
+    members = [nn.GRU(IN, HIDDEN, batch_first=True) for _ in range(N)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    x = torch.randn(B, T, IN)
+
+    class Packed(nn.Module):
+        def __init__(self, rnn: nn.Module) -> None:
+            super().__init__()
+            self.rnn = rnn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            packed = nn.utils.rnn.pack_padded_sequence(x, [T, T - 1, 3, 2], batch_first=True)
+            out, h = self.rnn(packed)
+            return nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0] + h.sum()
+
+    wrapped = [Packed(m) for m in members]
+    stack = phalanx.stack(copy.deepcopy(wrapped), backend="fused")
+    torch.testing.assert_close(stack(x), torch.stack([m(x) for m in wrapped]))
 
 
-@pytest.mark.parametrize(
-    ("make", "x", "reason"),
-    [
-        (lambda: nn.LSTM(IN, HIDDEN, proj_size=2), torch.randn(T, 2 * B, IN), "proj_size"),
-        (lambda: nn.GRU(IN, HIDDEN, 2, dropout=0.5), torch.randn(T, 2 * B, IN), "dropout"),
-        (lambda: nn.GRU(IN, HIDDEN).double(), torch.randn(T, 2 * B, IN), "dtype"),
-        (lambda: nn.RNN(IN, HIDDEN).half(), torch.randn(T, 2 * B, IN).half(), "dtype"),
-        (lambda: nn.LSTM(IN, HIDDEN), torch.randn(T, IN), "folded batch"),
-        (lambda: nn.LSTM(IN, HIDDEN), torch.randn(0, 2 * B, IN), "empty sequence"),
-    ],
-    ids=["proj_size", "dropout_in_training", "mixed_dtypes", "float16", "unbatched", "empty"],
-)
-def test_what_is_not_batched_is_named_and_handed_over(make, x, reason):
-    layer, _ = _layer(make(), 2)
-    with folding(2, [B]):
-        got = layer.unbatched(x, None)
-    assert got is not None and reason in got, got
-
-
-def test_packed_sequence_is_handed_over():
-    layer, _ = _layer(nn.GRU(IN, HIDDEN), 2)
-    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(T, 2 * B, IN), [T] * (2 * B))
-    assert layer.unbatched(packed, None) == "a PackedSequence"
-
-
-def test_states_of_another_shape_are_handed_over():
-    layer, _ = _layer(nn.LSTM(IN, HIDDEN), 2)
-    x = torch.randn(T, 2 * B, IN)
-    with folding(2, [B]):
-        assert layer.unbatched(x, (torch.zeros(1, 2 * B, HIDDEN),) * 2) is None
-        assert "initial states" in layer.unbatched(x, (torch.zeros(1, B, HIDDEN),) * 2)
-        assert "pair" in layer.unbatched(x, (torch.zeros(1, 2 * B, HIDDEN),))
-
-
-def test_proj_size_runs_exactly_member_by_member(monkeypatch):
-    """A variant handed over still gives the loop's answer (torch's own kernels per member)."""
-    calls = []
-    forward = BatchedRNN.forward
-    monkeypatch.setattr(
-        BatchedRNN, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
-    )
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_proj_size_matches_the_loop():
     torch.manual_seed(0)
     members = [nn.LSTM(IN, HIDDEN, proj_size=2, batch_first=True) for _ in range(3)]
     stack = phalanx.stack(copy.deepcopy(members), backend="fused")
     x = torch.randn(B, T, IN)
     out, (h, c) = stack(x)
-    assert calls, "proj_size must run member by member"
     for i, m in enumerate(members):
         o, (hi, ci) = m(x)
         torch.testing.assert_close((out[i], h[i], c[i]), (o, hi, ci))
 
 
-def test_registry_points_to_the_batched_layer():
-    for cls in (nn.RNN, nn.LSTM, nn.GRU):
-        assert isinstance(_fused_layers._BATCHED[cls](cls(IN, HIDDEN), 1), BatchedRecurrent)
-
-
-@pytest.mark.parametrize("grad", [True, False])
-def test_the_faster_path_is_chosen_once_per_shape_and_both_are_exact(grad):
+def test_dropout_between_layers_draws_per_member():
     torch.manual_seed(0)
-    members = [nn.LSTM(IN, HIDDEN, 2, batch_first=True) for _ in range(N)]
-    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
-    x = torch.randn(B, T, IN)
-    with torch.set_grad_enabled(grad):
-        stack(x)
-    (layer,) = [m for m in fused_tree(stack._view).modules() if isinstance(m, BatchedRecurrent)]
-    keys = list(layer.paths)
-    assert len(keys) == 1 and keys[0][1] == grad, keys
-    assert layer.paths[keys[0]] in ("batched", "per_member")
-    expected = [torch.stack(o) for o in zip(*(m(x)[0:1] for m in members))]
-    for choice in ("batched", "per_member"):
-        layer.paths[keys[0]] = choice
-        with torch.set_grad_enabled(grad):
-            (out, _) = stack(x)
-        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6, msg=choice)
+    base = nn.LSTM(IN, HIDDEN, 2, dropout=0.5, batch_first=True)
+    stack = phalanx.stack([copy.deepcopy(base) for _ in range(2)], backend="fused")
+    out, _ = stack(torch.randn(B, T, IN))
+    assert not torch.equal(out[0], out[1]), "identical members drew one dropout mask"

@@ -172,8 +172,8 @@ def test_vmap_refusal_is_explained_and_auto_falls_back_loudly():
     stack = phalanx.stack(copy.deepcopy(members))
     with pytest.warns(
         UserWarning,
-        match=r"backend 'vmap' \(.*vmap raised RuntimeError.*\) cannot run this model "
-        r"exactly; backend 'auto' runs 'loop' instead",
+        match=r"backend 'fused' cannot run this model exactly \(the member's forward turns its "
+        r"data into a Python value.*\); backend 'auto' runs 'loop' instead",
     ):
         out = stack(x)
     assert stack.backend == "loop"

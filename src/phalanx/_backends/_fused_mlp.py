@@ -20,25 +20,27 @@ so the returned gradients carry their graph.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx._backends import BackendRefusal
+from phalanx import _torch_compat as compat
 from phalanx._backends._bmm import linear_ops
-from phalanx._backends._fused_layers import (
-    Batched,
-    BatchedLinear,
-    broadcast,
-    folding,
-    has_hooks,
-    is_folded,
-)
+
+if TYPE_CHECKING:
+    from phalanx._backends import StackView
 
 _ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU)
 _CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
+
+
+def has_hooks(module: nn.Module) -> bool:
+    return any(
+        getattr(module, h)
+        for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    )
 
 
 def mlp_layers(seq: nn.Module) -> list[nn.Module] | None:
@@ -209,79 +211,56 @@ def _double_differentiable(ctx: Any, grad: torch.Tensor, x: torch.Tensor, params
     return [grads[0], None, None, *grads[1:]]
 
 
-class BatchedMLP(Batched):
-    """A whole ``Sequential`` MLP for all members as one autograd node."""
+def run_mlp(view: StackView, x: torch.Tensor, shared: bool) -> torch.Tensor | None:
+    """The whole member as one autograd node when it is a plain MLP, else None.
 
-    layers: list[nn.Module]
-    linears: list[nn.Module]
-    per_layer: list[nn.Module]
-
-    def __init__(self, src: nn.Module, n: int) -> None:
-        super().__init__(src, n)
-        layers = mlp_layers(src)
-        if layers is None:
-            raise BackendRefusal(f"{type(src).__name__} is not a plain MLP")
-        self.layers = layers
-        self.spec = tuple(
-            (type(m).__name__, float(getattr(m, "negative_slope", 0.0))) for m in layers
-        )
-        self.lead = 0  # activations before the first Linear run as ordinary ops
-        while self.spec[self.lead][0] != "Linear":
-            self.lead += 1
-        object.__setattr__(self, "linears", [m for m in layers if type(m) is nn.Linear])
-        # Under autocast the hand-written backward would meet tensors of two dtypes: run the
-        # layers one by one there, as batched layers that autocast sees op by op.
-        self.per_layer = [BatchedLinear(m, n) if type(m) is nn.Linear else m for m in layers]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A folded input ``(N * B, ..., in)`` -> ``(N * B, ..., out)``."""
-        if not is_folded(x):
-            return broadcast(self.forward_shared(x))
-        n = self.n
-        if torch.is_autocast_enabled(x.device.type):
-            for m in self.per_layer:
-                x = m(x)
-            return x
-        for m in self.layers[: self.lead]:
-            x = m(x)
-        y = self._chain(x.reshape(n, -1, x.shape[-1]), shared=False)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    def forward_shared(self, x: torch.Tensor) -> torch.Tensor:
-        """A shared input ``(B, ..., in)`` -> ``(N, B, ..., out)``: the first layer is one GEMM."""
-        n = self.n
-        for m in self.layers[: self.lead]:
-            x = m(x)
-        if torch.is_autocast_enabled(x.device.type):
-            first, *rest = self.per_layer[self.lead :]
-            y = first.forward_shared(x).flatten(0, 1)  # type: ignore[operator]
-            with folding(n, [x.shape[0]]):
-                for m in rest:
-                    y = m(y)
-            return y.view(n, *x.shape[:-1], y.shape[-1])
-        y = self._chain(x.reshape(-1, x.shape[-1]), shared=True)
-        return y.view(n, *x.shape[:-1], y.shape[-1])
-
-    def _chain(self, h: torch.Tensor, shared: bool) -> torch.Tensor:
-        spec = self.spec[self.lead :]
-        params: list[Any] = []
-        for m in self.linears:
+    ``x`` is ``(B, ..., in)`` when ``shared``, else ``(N, B, ..., in)``; the result is
+    ``(N, B, ..., out)``. The stack's own modules are read on every call (a hook or an
+    activation's setting changed since the last call is seen), and anything the node does not
+    reproduce exactly leaves it to the vmap path: hooks, autocast (the hand-written backward
+    would meet two dtypes), forward-mode AD and torch.func transforms around the stack.
+    """
+    layers = mlp_layers(view.module)
+    if (
+        layers is None
+        or compat.global_module_hooks()
+        or compat.transforms_active()
+        or torch.is_autocast_enabled(x.device.type)
+        or x.dim() < (1 if shared else 2)
+    ):
+        return None
+    n = view.num_members
+    spec = tuple((type(m).__name__, float(getattr(m, "negative_slope", 0.0))) for m in layers)
+    lead = 0  # activations before the first Linear run as ordinary ops
+    while spec[lead][0] != "Linear":
+        x = layers[lead](x)
+        lead += 1
+    params: list[Any] = []
+    for m in layers:
+        if type(m) is nn.Linear:
             params += [m.weight, m.bias]
-        if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in params)):
-            return _MLPFunction.apply(h, shared, spec, *params)
-        return self._no_grad(h, shared, spec, params)
+    if compat.has_tangents([x, *(p for p in params if p is not None)]):
+        return None
+    batch = x.shape[:-1] if shared else x.shape[1:-1]
+    h = x.reshape(-1, x.shape[-1]) if shared else x.reshape(n, -1, x.shape[-1])
+    spec = spec[lead:]
+    if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in params)):
+        y = _MLPFunction.apply(h, shared, spec, *params)
+    else:
+        y = _no_grad(n, h, shared, spec, params)
+    return y.view(n, *batch, y.shape[-1])
 
-    def _no_grad(self, h: torch.Tensor, shared: bool, spec: tuple, params: list) -> torch.Tensor:
-        """Forward in member chunks whose activations stay in cache."""
-        n = self.n
-        widest = max(p.shape[1] for p in params[::2])
-        rows = h.shape[-2]
-        chunk = max(1, min(n, _CHUNK_BYTES // max(1, rows * widest * h.element_size())))
-        if chunk >= n:
-            return _forward(h, shared, spec, tuple(params))
-        outs = []
-        for start in range(0, n, chunk):
-            part = tuple(None if p is None else p[start : start + chunk] for p in params)
-            xs = h if shared else h[start : start + chunk]
-            outs.append(_forward(xs, shared, spec, part))
-        return torch.cat(outs)
+
+def _no_grad(n: int, h: torch.Tensor, shared: bool, spec: tuple, params: list) -> torch.Tensor:
+    """Forward in member chunks whose activations stay in cache."""
+    widest = max(p.shape[1] for p in params[::2])
+    rows = h.shape[-2]
+    chunk = max(1, min(n, _CHUNK_BYTES // max(1, rows * widest * h.element_size())))
+    if chunk >= n:
+        return _forward(h, shared, spec, tuple(params))
+    outs = []
+    for start in range(0, n, chunk):
+        part = tuple(None if p is None else p[start : start + chunk] for p in params)
+        xs = h if shared else h[start : start + chunk]
+        outs.append(_forward(xs, shared, spec, part))
+    return torch.cat(outs)

@@ -1,26 +1,88 @@
-"""The generic backend: ``torch.func.functional_call`` under ``torch.func.vmap``."""
+"""The vmap backends: the member's own ``forward`` under ``torch.func.vmap`` over the members.
+
+Everything a forward does is then per member by construction (torch.func's batching rules
+compute each batch element as the function would alone): a mean over the batch, ``x[0]``, a
+reshape, a raw ``nn.Parameter`` used in ``torch.cat`` or ``matmul``. What cannot be batched is
+detected where it happens: torch.func raises when a member's data becomes a Python value
+(``bool(x.sum() > 0)``, ``.item()``, ``tolist()``) or when a function has no batching rule,
+and the backend refuses with torch's reason. Parameters and buffers are mapped over dim 0,
+per-member inputs too; shared inputs and keyword arguments are broadcast. Random operations
+draw independently for each member (``randomness="different"``).
+
+``vmap`` uses torch.func's own rules except where they are not exact (``_rules.CORRECTNESS``:
+convolutions, embeddings). ``fused`` adds phalanx's batched layers (``_rules.SPEED``) and runs
+a plain ``Sequential`` MLP as one autograd node (``_fused_mlp``). The stack's own module is
+called on every call, so hooks, attributes and modes changed at any time are seen.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from torch.func import functional_call, vmap
+from torch.utils import _pytree as pytree
 
 from phalanx._backends import BackendRefusal
+from phalanx._backends._rules import CORRECTNESS, BatchedOps, Rule
 
 if TYPE_CHECKING:
     from phalanx._backends import StackView
 
 
-class VmapBackend:
-    """Runs the member's ``forward`` once under ``vmap`` over the member axis.
+def vmapped(
+    view: StackView,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_dims: tuple[int | None, ...],
+    rules: dict[Any, Rule],
+    name: str,
+) -> Any:
+    """Runs the stack's module under vmap with ``rules`` routed; outputs ``(N, ...)``."""
+    params, buffers = view.state()
+    # Non-tensor outputs (a None field, a flag) are the same for every member: one trace
+    # computes them. vmap returns tensors only, so they travel beside it.
+    layout: dict[str, Any] = {}
 
-    Parameters, buffers and per-member inputs are mapped over dim 0; shared inputs and keyword
-    arguments are broadcast. Random operations draw independently for each member
-    (``randomness="different"``), reproducibly under ``torch.manual_seed``.
-    """
+    def member(params: dict, buffers: dict, *member_args: Any) -> tuple[torch.Tensor, ...]:
+        out = functional_call(view.module, (params, buffers), member_args, kwargs)
+        leaves, spec = pytree.tree_flatten(out)
+        layout["spec"] = spec
+        layout["leaves"] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
+        return tuple(t for t in leaves if isinstance(t, torch.Tensor))
+
+    try:
+        with BatchedOps(rules):
+            tensors = vmap(member, in_dims=(0, 0, *in_dims), randomness="different")(
+                params, buffers, *args
+            )
+    except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+        # What torch.func says (a missing batching rule, a member's data turned into a
+        # Python value, an in-place write of batched data into a shared tensor): the loop
+        # runs the member's code as written. Refuse, naming torch's reason.
+        text = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {text[0] if text else ''}"
+        if any(k in why for k in ("data-dependent", ".item()", "tolist", "Python value")):
+            why = (
+                "the member's forward turns its data into a Python value (a branch on a "
+                "tensor, .item(), int(), tolist()), which one call for all members cannot "
+                f"decide member by member (torch.func says: {why})"
+            )
+        refusal = BackendRefusal(
+            f"Stack.forward(): backend {name!r} cannot run this architecture under "
+            f"torch.func.vmap: {why}\nUse "
+            f"phalanx.stack(models, backend='loop'), or backend='auto', which hands over to "
+            f"the loop by itself."
+        )
+        refusal.why = why  # type: ignore[attr-defined]
+        raise refusal from e
+    it = iter(tensors)
+    leaves = [next(it) if leaf is None else leaf for leaf in layout["leaves"]]
+    return pytree.tree_unflatten(leaves, layout["spec"])
+
+
+class VmapBackend:
+    """torch.func's recipe, with phalanx's rules where torch.func's are not exact."""
 
     name = "vmap"
 
@@ -31,7 +93,6 @@ class VmapBackend:
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
     ) -> Any:
-        params, buffers = view.state()
         if torch.is_autocast_enabled("cpu"):
             # torch.func.vmap runs the member in float32 under CPU autocast, where the member
             # alone computes in the autocast dtype: not the loop's answer.
@@ -41,37 +102,7 @@ class VmapBackend:
                 "Use backend='fused' or backend='loop', or backend='auto', which hands over by "
                 "itself."
             )
-
-        if 0 in in_dims and any(
-            isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None
-            for m in view.module.modules()
-        ):
-            # Measured with torch 2.13: under vmap with per-member indices, the gradient of an
-            # embedding's padding_idx row is not zero (torch.func's batching rule for the
-            # embedding backward drops padding_idx), a silently wrong gradient.
-            raise BackendRefusal(
-                "Stack.forward(): backend 'vmap' cannot run an Embedding with padding_idx on "
-                "per-member indices: torch.func.vmap gives the padding row a gradient. Use "
-                "backend='fused' or backend='loop', or backend='auto', which hands over by itself."
-            )
-
-        def member(params: dict, buffers: dict, *member_args: Any) -> Any:
-            return functional_call(view.module, (params, buffers), member_args, kwargs)
-
-        try:
-            return vmap(member, in_dims=(0, 0, *in_dims), randomness="different")(
-                params, buffers, *args
-            )
-        except (RuntimeError, ValueError, NotImplementedError) as e:
-            # Whatever torch.func says (a missing batching rule, data-dependent control flow,
-            # .item(), an in-place write into an unbatched tensor), the loop runs the member's
-            # code as written: refuse, and let the caller hand over.
-            raise BackendRefusal(
-                f"Stack.forward(): backend 'vmap' cannot run this architecture: torch.func.vmap "
-                f"raised {type(e).__name__}: {str(e).strip().splitlines()[0]}\nUse "
-                f"phalanx.stack(models, backend='loop'), or backend='auto', which hands over to "
-                f"the loop by itself."
-            ) from e
+        return vmapped(view, args, kwargs, in_dims, CORRECTNESS, self.name)
 
 
 BACKEND = VmapBackend()

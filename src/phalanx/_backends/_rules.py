@@ -1,0 +1,415 @@
+"""Batching rules of phalanx's own: the layers whose cost or correctness torch.func gets wrong.
+
+The ``fused`` and ``vmap`` backends run the member's own ``forward`` under
+``torch.func.vmap`` over the member axis, so everything a forward does is per member by
+construction: a mean over the batch is each member's mean, ``x[0]`` is each member's first
+sample, and turning a member's data into a Python value (``bool``, ``.item()``) raises where
+it happens instead of deciding once for all members. On top of that, :class:`BatchedOps`, a
+``TorchFunctionMode`` pushed for the duration of one call (thread-local, like the vmap
+levels themselves), routes a few functions to batching rules of phalanx's own, each written as
+a ``torch.autograd.Function`` with a ``vmap`` staticmethod (torch's public extension point):
+
+- correctness (both backends): convolutions run one per member (one grouped convolution
+  over ``N * C`` channels, torch.func's rule, gives weight gradients up to 37,000x further from
+  a float64 loop than the float32 loop is); embeddings check every id against the member's
+  own table and raise ``IndexError`` as the module does (torch.func's rule offsets ids into
+  one flattened table, so an id ``V`` of member 0 silently reads member 1's row 0), and keep
+  ``padding_idx`` rows out of the gradient.
+- speed (``fused`` only): Linear as one GEMM against every member's weights for a shared
+  input, else one ``bmm`` whose weight gradient comes out in the stacked weight's own layout
+  (``_bmm``); BatchNorm as one call over ``N * C`` channels; recurrent layers, which
+  torch.func cannot batch, member by member with torch's own kernels.
+
+A rule is a batching rule in the ordinary sense: it is told which dim of each argument is
+batched and computes every batch element exactly as the function would alone, whatever that
+batch is (the members, or a ``torch.func.vmap`` of the user's wrapped around the stack). Off
+the vmap path (no argument batched) a rule's function runs as itself; its backward then
+recomputes the function with autograd, so first and second derivatives are the function's
+own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from phalanx import _torch_compat as compat
+from phalanx._backends._bmm import linear_bmm
+
+Dims = Sequence[int | None]
+
+
+def _first(t: torch.Tensor | None, d: int | None, n: int) -> torch.Tensor | None:
+    """``t`` with its batch dim first, ``(n, ...)``; an unbatched ``t`` expanded to it."""
+    if t is None:
+        return None
+    return t.movedim(d, 0) if d is not None else t.expand(n, *t.shape)
+
+
+# ----------------------------------------------------------------------------------- the rules
+
+
+def _linear(n: int, dims: Dims, x, w, b=None):
+    xd, wd, bd = dims
+    if wd is None and bd is None:  # only the input is batched: its batch is one more dim
+        return F.linear(x, w, b), xd
+    w = _first(w, wd, n)  # (N, out, in)
+    b = _first(b, bd, n)  # (N, out) | None
+    out_f, in_f = w.shape[1], w.shape[2]
+    if xd is None:  # a shared input: one GEMM against every member's weights
+        flat_b = None if b is None else b.reshape(-1)
+        y = F.linear(x, w.reshape(n * out_f, in_f), flat_b)  # (*, N * out)
+        return y.unflatten(-1, (n, out_f)), x.dim() - 1
+    x = x.movedim(xd, 0)
+    y = linear_bmm(x.reshape(n, -1, in_f), w, b)
+    return y.reshape(*x.shape[:-1], out_f), 0
+
+
+def _bilinear(n: int, dims: Dims, x1, x2, w, b=None):
+    if dims[2] is None and dims[3] is None:
+        return _per_member(n, dims, F.bilinear, x1, x2, w, b)
+    a, c = _first(x1, dims[0], n), _first(x2, dims[1], n)  # (N, *, in1), (N, *, in2)
+    w = _first(w, dims[2], n)  # (N, out, in1, in2)
+    y = torch.einsum("nbi,noij,nbj->nbo", a.reshape(n, -1, a.shape[-1]), w,
+                     c.reshape(n, -1, c.shape[-1]))  # fmt: skip
+    if b is not None:
+        y = y + _first(b, dims[3], n).unsqueeze(1)
+    return y.reshape(*a.shape[:-1], w.shape[1]), 0
+
+
+def _check_ids(ids: torch.Tensor, rows: int) -> None:
+    """Raises as ``nn.Embedding`` does when an id is outside ``[0, rows)``: an id outside a
+    member's table must never read another member's rows."""
+    if ids.numel() == 0:
+        return
+    low, high = torch.aminmax(ids)
+    if ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(low < 0) or bool(high >= rows):
+            raise IndexError(
+                f"index out of range in self: an embedding of {rows} rows got ids from "
+                f"{int(low)} to {int(high)}"
+            )
+        return
+    compat.assert_async((low >= 0) & (high < rows), "index out of range in self")
+
+
+def _embedding(n: int, dims: Dims, ids, w, padding_idx, max_norm, norm_type, scale, sparse):
+    idd, wd = dims[0], dims[1]
+    if wd is None:
+        y = F.embedding(ids, w, padding_idx, max_norm, norm_type, scale, sparse)
+        return y, idd
+    if max_norm is not None or sparse:  # renormalises rows in place / sparse gradients
+        return _per_member(
+            n, dims, F.embedding, ids, w, padding_idx, max_norm, norm_type, scale, sparse
+        )
+    w = w.movedim(wd, 0)  # (N, V, D)
+    v, d = w.shape[1], w.shape[2]
+    _check_ids(ids, v)
+    ids = _first(ids, idd, n)
+    offsets = torch.arange(n, device=ids.device).mul_(v).view(n, *([1] * (ids.dim() - 1)))
+    y = F.embedding(ids + offsets, w.reshape(n * v, d), scale_grad_by_freq=scale)
+    if padding_idx is not None:  # rows at padding_idx take no gradient, as in nn.Embedding
+        y = torch.where((ids == padding_idx).unsqueeze(-1), y.detach(), y)
+    return y, 0
+
+
+_EMBEDDING_BAG = (
+    "input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode",
+    "sparse", "per_sample_weights", "include_last_offset", "padding_idx",
+)  # fmt: skip
+
+
+def _embedding_bag(n: int, dims: Dims, *args):
+    a = dict(zip(_EMBEDDING_BAG, args))
+    d = dict(zip(_EMBEDDING_BAG, dims))
+    if d["weight"] is not None and a["input"].dim() - (d["input"] is not None) == 2:
+        w = a["weight"].movedim(d["weight"], 0)
+        _check_ids(a["input"], w.shape[1])
+    return _per_member(n, dims, F.embedding_bag, *args)
+
+
+def _conv(func: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    def rule(n: int, dims: Dims, x, w, *rest):
+        if all(d is None for d in dims[1:]):  # shared weights: the batch folds into the input's
+            xd = dims[0]
+            xs = x.movedim(xd, 0)
+            y = func(xs.flatten(0, 1), w, *rest)
+            return y.unflatten(0, (n, -1)), 0
+        return _per_member(n, dims, func, x, w, *rest)
+
+    return rule
+
+
+def _batch_norm(n: int, dims: Dims, x, mean, var, w, b, training, momentum, eps):
+    xd = dims[0]
+    if all(d is None for d in dims[1:5]):
+        xs = x.movedim(xd, 0)
+        y = F.batch_norm(xs.flatten(0, 1), mean, var, w, b, training, momentum, eps)
+        return y.unflatten(0, (n, -1)), 0
+    if any(d is None for d, t in zip(dims[1:5], (mean, var, w, b)) if t is not None):
+        return _per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
+    xs = _first(x, xd, n)  # (N, B, C, *sp)
+    if xs.dim() < 3:
+        return _per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
+    stats = [_first(t, d, n) for t, d in zip((mean, var), dims[1:3])]
+    if any(t is not None and not t.is_contiguous() for t in stats):
+        # the running statistics are updated in place through a flat view of them
+        return _per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
+    channels = xs.transpose(0, 1).flatten(1, 2)  # (B, N * C, *sp)
+    y = F.batch_norm(
+        channels,
+        None if stats[0] is None else stats[0].view(-1),
+        None if stats[1] is None else stats[1].view(-1),
+        None if w is None else _first(w, dims[3], n).reshape(-1),
+        None if b is None else _first(b, dims[4], n).reshape(-1),
+        training,
+        momentum,
+        eps,
+    )
+    return y.unflatten(1, (n, -1)).transpose(0, 1), 0
+
+
+def _per_member(n: int, dims: Dims, func: Callable[..., Any], *args: Any):
+    """``func`` on each batch element in turn: exact by construction, for what has no faster
+    exact rule. Outputs (a tensor or a tuple of them) are stacked on dim 0."""
+    unbound = [
+        a.movedim(d, 0).unbind(0) if d is not None and isinstance(a, torch.Tensor) else None
+        for a, d in zip(args, dims)
+    ]
+    outs = []
+    for i in range(n):
+        outs.append(func(*(a if u is None else u[i] for a, u in zip(args, unbound))))
+    if isinstance(outs[0], torch.Tensor):
+        return torch.stack(outs), 0
+    stacked = tuple(torch.stack(col) for col in zip(*outs))
+    return stacked, (0,) * len(stacked)
+
+
+# --------------------------------------------------------------------------- the Function shell
+
+
+def _tensors(args: Sequence[Any]) -> list[int]:
+    return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+
+def _function(name: str, func: Callable[..., Any], rule: Callable[..., Any]) -> type:
+    """An autograd.Function computing ``func``, batched under vmap by ``rule``."""
+
+    def forward(*args: Any) -> Any:
+        return func(*args)
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        where = _tensors(inputs)
+        ctx.where = where
+        ctx.inputs = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+        ctx.save_for_backward(*(inputs[i] for i in where))
+
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        # Off the vmap path only: recompute ``func`` with autograd and differentiate that,
+        # so the gradients (and their own derivatives under create_graph) are ``func``'s.
+        saved = ctx.saved_tensors
+        inputs = list(ctx.inputs)
+        wanted = [
+            i for i, need in zip(ctx.where, [ctx.needs_input_grad[i] for i in ctx.where]) if need
+        ]
+        with torch.enable_grad():
+            leaves = {}
+            for i, t in zip(ctx.where, saved):
+                leaves[i] = t.detach().requires_grad_(i in wanted) if t.is_floating_point() else t
+                inputs[i] = leaves[i]
+            out = func(*inputs)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            got = (
+                torch.autograd.grad(
+                    [o for o, _ in pairs],
+                    [leaves[i] for i in wanted],
+                    [g for _, g in pairs],
+                    create_graph=torch.is_grad_enabled(),
+                    allow_unused=True,
+                )
+                if pairs and wanted
+                else [None] * len(wanted)
+            )
+        result: list[Any] = [None] * len(inputs)
+        for i, g in zip(wanted, got):
+            result[i] = g
+        return tuple(result)
+
+    def vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
+        return rule(info.batch_size, in_dims, *args)
+
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "vmap": staticmethod(vmap),
+        },
+    )
+
+
+Rule = Callable[[tuple, dict], Any]
+"""Takes a routed function's ``args`` and ``kwargs`` and computes it."""
+
+
+def _positional(
+    name: str, func: Callable[..., Any], rule: Callable[..., Any], names, defaults
+) -> Rule:
+    """A rule for a function of fixed arguments, called through one Function."""
+    fn = _function(name, func, rule)
+
+    def route(args: tuple, kwargs: dict) -> Any:
+        values = dict(zip(names, args))
+        values.update(kwargs)
+        return fn.apply(*(values.get(k, defaults.get(k)) for k in names))
+
+    return route
+
+
+def _recurrent(func: Callable[..., Any], pairs: bool) -> Rule:
+    """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` (the tensor and the
+    PackedSequence forms), member by member with torch's own kernels: torch.func has no rule
+    for them. Their states and weights come as lists, flattened here for the Function; one
+    Function per layout (how many states and weights)."""
+    made: dict[tuple[int, int, int, int], type] = {}
+
+    def route(args: tuple, kwargs: dict) -> Any:
+        if kwargs:
+            args = (*args, *kwargs.values())
+        first = next(i for i, a in enumerate(args) if isinstance(a, (list, tuple)))
+        at = first if pairs else first - 1  # where hx is: an LSTM's is the first list
+        hx, weights, rest = args[at], args[at + 1], args[at + 2 :]
+        states = list(hx) if pairs else [hx]
+        layout = (at, len(states), len(weights), len(rest))
+        if layout not in made:
+            k, m = layout[1], layout[2]
+
+            def call(*xs: Any) -> tuple:
+                st, ws = xs[at : at + k], xs[at + k : at + k + m]
+                out = func(*xs[:at], list(st) if pairs else st[0], list(ws), *xs[at + k + m :])
+                return tuple(out)
+
+            made[layout] = _function(
+                f"{func.__name__}_members", call, lambda n, d, *a: _per_member(n, d, call, *a)
+            )
+        return made[layout].apply(*args[:at], *states, *weights, *rest)
+
+    return route
+
+
+_CONV_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+_CONVT_NAMES = (
+    "input",
+    "weight",
+    "bias",
+    "stride",
+    "padding",
+    "output_padding",
+    "groups",
+    "dilation",
+)
+_CONVT_DEFAULTS = {
+    "bias": None,
+    "stride": 1,
+    "padding": 0,
+    "output_padding": 0,
+    "groups": 1,
+    "dilation": 1,
+}
+_EMB_NAMES = (
+    "input",
+    "weight",
+    "padding_idx",
+    "max_norm",
+    "norm_type",
+    "scale_grad_by_freq",
+    "sparse",
+)
+_EMB_DEFAULTS = {
+    "padding_idx": None,
+    "max_norm": None,
+    "norm_type": 2.0,
+    "scale_grad_by_freq": False,
+    "sparse": False,
+}
+_EB_DEFAULTS = {
+    "offsets": None, "max_norm": None, "norm_type": 2, "scale_grad_by_freq": False, "mode": "mean",
+    "sparse": False, "per_sample_weights": None, "include_last_offset": False, "padding_idx": None,
+}  # fmt: skip
+_BN_NAMES = (
+    "input",
+    "running_mean",
+    "running_var",
+    "weight",
+    "bias",
+    "training",
+    "momentum",
+    "eps",
+)
+_BN_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+
+def _embedding_func(ids, w, padding_idx, max_norm, norm_type, scale, sparse):
+    return F.embedding(ids, w, padding_idx, max_norm, norm_type, scale, sparse)
+
+
+def _conv_rules() -> dict[Any, Rule]:
+    rules = {}
+    for f in (F.conv1d, F.conv2d, F.conv3d):
+        rules[f] = _positional(f.__name__, f, _conv(f), _CONV_NAMES, _CONV_DEFAULTS)
+    for f in (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
+        rules[f] = _positional(f.__name__, f, _conv(f), _CONVT_NAMES, _CONVT_DEFAULTS)
+    return rules
+
+
+CORRECTNESS: dict[Any, Rule] = {
+    **_conv_rules(),
+    F.embedding: _positional("embedding", _embedding_func, _embedding, _EMB_NAMES, _EMB_DEFAULTS),
+    F.embedding_bag: _positional(
+        "embedding_bag", F.embedding_bag, _embedding_bag, _EMBEDDING_BAG, _EB_DEFAULTS
+    ),
+}
+"""The rules both backends use: where torch.func's own rule is not exact."""
+
+SPEED: dict[Any, Rule] = {
+    **CORRECTNESS,
+    F.linear: _positional("linear", F.linear, _linear, ("input", "weight", "bias"), {"bias": None}),
+    F.bilinear: _positional(
+        "bilinear", F.bilinear, _bilinear, ("input1", "input2", "weight", "bias"), {"bias": None}
+    ),
+    F.batch_norm: _positional("batch_norm", F.batch_norm, _batch_norm, _BN_NAMES, _BN_DEFAULTS),
+    torch.lstm: _recurrent(torch.lstm, pairs=True),
+    torch.gru: _recurrent(torch.gru, pairs=False),
+    torch.rnn_tanh: _recurrent(torch.rnn_tanh, pairs=False),
+    torch.rnn_relu: _recurrent(torch.rnn_relu, pairs=False),
+}
+"""The fused backend's rules: the correctness rules and the batched layers."""
+
+
+class BatchedOps(TorchFunctionMode):
+    """Routes the functions in ``rules`` to phalanx's batching rules for one call."""
+
+    def __init__(self, rules: dict[Any, Rule]) -> None:
+        super().__init__()
+        self.rules = rules
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        rule = self.rules.get(func)
+        if rule is None:
+            return func(*args, **(kwargs or {}))
+        return rule(tuple(args), kwargs or {})
+
+
+@contextlib.contextmanager
+def batched_ops(rules: dict[Any, Rule]) -> Iterator[None]:
+    with BatchedOps(rules):
+        yield

@@ -1,0 +1,56 @@
+"""Every private torch API phalanx uses, behind one seam, with the torch it was checked on.
+
+Each function here reads something torch does not expose publicly. They were written against
+torch 2.13; where a name is missing in another release the function degrades to the safe
+answer (the one that keeps phalanx on its exact general path) rather than failing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+CHECKED_ON = "2.13"
+"""The torch release these functions were read from."""
+
+
+def transforms_active() -> bool:
+    """True inside a ``torch.func`` transform (vmap, grad, jacrev, jvp...).
+
+    ``torch._C._functorch.maybe_current_level`` is None outside every transform.
+    """
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return True if level is None else level() is not None
+
+
+def has_tangents(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when forward-mode AD is on and one of ``tensors`` carries a tangent."""
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", 0) < 0:
+        return False
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def global_module_hooks() -> bool:
+    """True when a global module hook (``register_module_forward_hook`` ...) is registered."""
+    from torch.nn.modules import module
+
+    names = (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
+    return any(getattr(module, name, None) for name in names)
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async``: raises on the device (no host sync), traceable."""
+    torch._assert_async(condition, message)
+
+
+def version(t: torch.Tensor) -> int:
+    """``Tensor._version``: how often ``t`` was written in place."""
+    return t._version
