@@ -1,9 +1,10 @@
 """Property-based conformance: generated members against the loop, on every backend.
 
 Hypothesis builds members from the supported layers and the functional idioms real models
-use (reshapes, cat, slicing, pooling, means over feature dims) and, now and then, an idiom
-that mixes samples across the batch, which a backend must either run exactly (the loop,
-vmap) or refuse (fused); ``auto`` must always give the loop's answer. Outputs, parameter
+use (reshapes, cat, slicing, pooling, means over feature dims, raw parameters), idioms that
+mix samples across the batch (which every backend must run per member), branches on the
+member's data (which fused and vmap must refuse where they happen, and ``auto`` hand over),
+settings changed between calls, and embeddings given out-of-range ids. Outputs, parameter
 gradients and second derivatives (a gradient penalty) are compared member by member.
 """
 
@@ -41,6 +42,8 @@ class Block(nn.Module):
             self.conv = nn.Conv1d(1, 2, 3, padding=1)
         if kind == "raw":
             self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        if kind == "setting":
+            self.k = 1.0  # changed through stack.modules() between two calls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kind
@@ -65,6 +68,10 @@ class Block(nn.Module):
             return self.fc(x) * self.scale
         if k == "mixes_batch":
             return x - x.mean(0)
+        if k == "branch":  # decided on the member's own data
+            return x if x.sum() > 0 else -x
+        if k == "setting":
+            return x * self.k
         raise AssertionError(k)
 
 
@@ -79,7 +86,10 @@ class Generated(nn.Module):
 
 
 KINDS = ["linear", "cat", "slice", "reshape", "pool", "conv", "feature_mean", "layernorm",
-         "batchnorm", "raw", "mixes_batch"]  # fmt: skip
+         "batchnorm", "raw", "mixes_batch", "branch", "setting"]  # fmt: skip
+
+
+WEIGHTED = {"linear", "cat", "slice", "conv", "layernorm", "batchnorm", "raw"}
 
 
 @settings(
@@ -105,42 +115,71 @@ def test_generated_members_match_the_loop(kinds, n, batch, train, per_member, ba
     members = [Generated(kinds).train(train) for _ in range(n)]
     reference = copy.deepcopy(members)
     stack = phalanx.stack(members, backend=backend)
+    dims = 0 if per_member else None
     x = torch.randn(n, batch, WIDTH) if per_member else torch.randn(batch, WIDTH)
-    xs = x.clone().requires_grad_(True)
-
-    mixes = "mixes_batch" in kinds
+    # A branch decides on member-dependent data once the input is per-member or a block
+    # holding weights came before it; on a shared input alone it is the same for every member.
+    first = kinds.index("branch") if "branch" in kinds else None
+    branches = first is not None and (
+        per_member or any(k in WEIGHTED for k in kinds[:first])
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # auto announces a hand-over; that is tested elsewhere
         try:
-            out = stack(xs, in_dims=0 if per_member else None)
+            with torch.no_grad():
+                stack(x, in_dims=dims)  # a first call, before the settings change
         except BackendRefusal:
-            # Only the fused backend may refuse, and only a forward that mixes the batch
-            # (or, under n == 1 vacuously, nothing): the refusal must be right.
-            assert backend == "fused" and mixes, "an exact backend refused a per-sample model"
+            # Only fused and vmap may refuse, and only a branch on the member's data.
+            assert backend in ("fused", "vmap") and branches, "an exact backend refused"
             return
+        assert not (branches and backend in ("fused", "vmap")), "a branch on data ran batched"
+        for m in [*stack.modules(), *(b for r in reference for b in r.modules())]:
+            if isinstance(m, Block) and m.kind == "setting":
+                m.k = 3.0
+        for r in reference:  # the first call's BatchNorm update, in the members too
+            with torch.no_grad():
+                r(x[reference.index(r)] if per_member else x)
+            for m in r.modules():
+                if isinstance(m, Block) and m.kind == "setting":
+                    m.k = 3.0
+        xs = x.clone().requires_grad_(True)
+        out = stack(xs, in_dims=dims)
 
     (g,) = torch.autograd.grad(out.square().sum(), xs, create_graph=True)
     (out.sum() + g.square().sum()).backward()
     got = {name: p.grad for name, p in stack.module.named_parameters()}
-    out32, grads32 = _loop(reference, x, per_member, torch.float32)
     out64, grads64 = _loop(reference, x, per_member, torch.float64)
-    _as_close_as_the_loop(out, out32, out64, "outputs")
-    for name in grads32[0]:
+    # The float32 loop's distance, twice: as given, and with every float32 weight nudged by
+    # one ulp (a BatchNorm over two samples turns rounding into large differences, and one
+    # run of the loop may happen to be lucky).
+    runs32 = [_loop(reference, x, per_member, torch.float32, nudge=k) for k in (False, True)]
+    _as_close_as_the_loop(out, [o for o, _ in runs32], out64, "outputs")
+    for name in grads64[0]:
         assert got[name] is not None, name
         # Judged against the float32 loop's largest error over the members: one member's own
         # error is a single lucky or unlucky draw.
         _as_close_as_the_loop(
             got[name],
-            torch.stack([g[name] for g in grads32]),
+            [torch.stack([g[name] for g in grads]) for _, grads in runs32],
             torch.stack([g[name] for g in grads64]),
             f"grad {name}",
         )
 
 
-def _loop(members: list[nn.Module], x: torch.Tensor, per_member: bool, dtype: torch.dtype):
+def _loop(
+    members: list[nn.Module], x: torch.Tensor, per_member: bool, dtype: torch.dtype, nudge=False
+):
     """The N modules run one by one in ``dtype``: outputs, and each member's gradients of the
-    same loss (outputs plus a gradient penalty) as the stack's."""
+    same loss (outputs plus a gradient penalty) as the stack's. With ``nudge`` every weight is
+    first moved one ulp up or down at random."""
     members = [copy.deepcopy(m).to(dtype) for m in members]
+    if nudge:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for m in members:
+                for p in m.parameters():
+                    up = torch.rand(p.shape, generator=gen) < 0.5
+                    p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf)))
     n = len(members)
     ref_x = [(x[i] if per_member else x).to(dtype).requires_grad_(True) for i in range(n)]
     outs = [m(xi) for m, xi in zip(members, ref_x)]
@@ -152,21 +191,64 @@ def _loop(members: list[nn.Module], x: torch.Tensor, per_member: bool, dtype: to
     return torch.stack(outs), grads
 
 
-def _as_close_as_the_loop(got, loop32, loop64, what: str, factor: float = 4.0) -> None:
+def _as_close_as_the_loop(got, runs32, loop64, what: str, factor: float = 4.0) -> None:
     """Equal to float rounding: no further from the float64 loop than a small factor over the
-    float32 loop's own distance from it (plus a few ulps where the loop happens to be exact)."""
-    got, loop32 = got.detach().double(), loop32.detach().double()
-    loop64 = loop64.detach()
+    float32 loop's own distance from it (the largest over ``runs32``; plus a few ulps where
+    the loop happens to be exact)."""
+    got, loop64 = got.detach().double(), loop64.detach()
     ulps = 8 * torch.finfo(torch.float32).eps * (1 + loop64.abs().max())
-    err, own = (got - loop64).abs().max(), (loop32 - loop64).abs().max()
+    err = (got - loop64).abs().max()
+    own = max((r.detach().double() - loop64).abs().max() for r in runs32)
     assert err <= factor * own + ulps, (
         f"{what}: {err:.3g} from the float64 loop, the float32 loop {own:.3g}"
     )
 
 
 def test_the_generator_does_exercise_a_refusal():
-    """The property above must be able to fail: a batch-mixing member is refused by fused."""
+    """The property above must be able to fail: a branch on data is refused by fused."""
     torch.manual_seed(0)
-    stack = phalanx.stack([Generated(["linear", "mixes_batch"]) for _ in range(3)], backend="fused")
-    with pytest.raises(BackendRefusal):
+    stack = phalanx.stack([Generated(["linear", "branch"]) for _ in range(3)], backend="fused")
+    with pytest.raises(BackendRefusal, match="turns its data into a Python value"):
         stack(torch.randn(4, WIDTH))
+
+
+class Lookup(nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(rows, 3)
+        self.bag = nn.EmbeddingBag(rows, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).sum(1) + self.bag(ids)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(1, 4),
+    rows=st.integers(2, 6),
+    bad=st.one_of(st.none(), st.tuples(st.integers(0, 3), st.sampled_from(["high", "negative"]))),
+    per_member=st.booleans(),
+    backend=st.sampled_from(["auto", "fused", "vmap", "loop"]),
+)
+def test_out_of_range_ids_raise_as_the_module_does_and_change_nothing(
+    n, rows, bad, per_member, backend
+):
+    torch.manual_seed(0)
+    members = [Lookup(rows) for _ in range(n)]
+    stack = phalanx.stack(copy.deepcopy(members), backend=backend)
+    ids = torch.randint(0, rows, (n, 4, 3) if per_member else (4, 3))
+    if bad is not None:
+        member, how = bad
+        where = (min(member, n - 1), 1, 2) if per_member else (1, 2)
+        ids[where] = rows if how == "high" else -1
+    before = [p.detach().clone() for p in stack.parameters()]
+    if bad is None:
+        out = stack(ids, in_dims=0 if per_member else None)
+        expected = torch.stack([m(ids[i] if per_member else ids) for i, m in enumerate(members)])
+        torch.testing.assert_close(out, expected)
+        return
+    with pytest.raises((IndexError, RuntimeError), match="index out of range|out of bounds"):
+        out = stack(ids, in_dims=0 if per_member else None)
+        out.sum().backward()  # were a row of another member read, it would train it
+    for b, p in zip(before, stack.parameters()):
+        assert torch.equal(b, p.detach()) and p.grad is None
