@@ -387,3 +387,27 @@ def test_auto_leaves_the_gradients_as_it_found_them():
     fresh(x).sum().backward()
     for (k, p), q in zip(stack.named_parameters(), fresh.parameters()):
         assert_close(p.grad, q.grad, msg=k)
+
+
+class Options:
+    def __init__(self, pad: int, scale: float) -> None:
+        self.pad, self.scale = pad, scale
+
+
+class Configured(nn.Module):
+    def __init__(self, pad: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.config = Options(pad, scale)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.config.scale
+
+
+def test_config_objects_that_differ_are_refused():
+    # A Hugging Face PretrainedConfig is such an object: compared field by field, not by type.
+    with pytest.raises(ValueError, match=r"member 1 the root module has config="):
+        phalanx.stack([Configured(0), Configured(1)])
+    with pytest.raises(ValueError, match=r"member 2 the root module has config="):
+        phalanx.stack([Configured(0, 2.0), Configured(0, 2.0), Configured(0, 3.0)])
+    phalanx.stack([Configured(0, 2.0), Configured(0, 2.0)])  # equal configs stack

@@ -129,9 +129,41 @@ class Stack(nn.Module):
 
     def _stacked_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The stacked parameters and buffers by name, each ``(N, *shape)``."""
-        params = {name: owner._parameters[leaf] for name, owner, leaf in self._param_slots}
-        buffers = {name: owner._buffers[leaf] for name, owner, leaf in self._buffer_slots}
+        try:
+            params = {name: owner._parameters[leaf] for name, owner, leaf in self._param_slots}
+            buffers = {name: owner._buffers[leaf] for name, owner, leaf in self._buffer_slots}
+        except KeyError as e:
+            raise RuntimeError(
+                f"phalanx: the stack's tensor {e.args[0]!r} is gone from its module: the module "
+                f"tree was changed after phalanx.stack() (weight_norm, a parametrization, a "
+                f"replaced submodule). Change the members before stacking them, e.g. "
+                f"phalanx.stack([weight_norm(m) for m in models])."
+            ) from None
+        if any(p is None for p in params.values()):
+            raise RuntimeError(
+                "phalanx: a stacked parameter of the stack's module was set to None after "
+                "phalanx.stack(); change the members before stacking them."
+            )
         return params, buffers  # type: ignore[return-value]
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> Stack:  # type: ignore[override]
+        """Calls ``fn`` on every submodule of each member in turn, as on N separate modules.
+
+        ``stack.apply(init_fn)`` initialises each member as ``init_fn`` initialises one
+        module: a fan-in is the member's own, not that of the stacked ``(N, out, in)`` tensor
+        (``nn.Module.apply`` on the stacked tensors would get it wrong). What ``fn`` writes
+        into parameters and buffers is kept; other changes it makes are not.
+        """
+        params, buffers = self._stacked_state()
+        with torch.no_grad():
+            for i in range(self.num_members):
+                member = self._member_module(i)
+                member.apply(fn)
+                for name, p in params.items():
+                    p[i].copy_(member.get_parameter(name))
+                for name, b in buffers.items():
+                    b[i].copy_(member.get_buffer(name))
+        return self
 
     @property
     def backend(self) -> str:
@@ -180,7 +212,13 @@ class Stack(nn.Module):
         """
         dims = self._normalize_in_dims(in_dims, args)
         self._check_devices(args, kwargs)
-        return get_backend(self._requested).forward(self._view, args, kwargs, dims)
+        backend = get_backend(self._requested)
+        if torch.compiler.is_compiling():
+            return backend.forward(self._view, args, kwargs, dims)
+        # Every backend runs the stack's one module tree with each call's tensors swapped in
+        # (torch.func.functional_call), so two threads must not run it at once.
+        with self._view.lock:
+            return backend.forward(self._view, args, kwargs, dims)
 
     def _normalize_in_dims(self, in_dims: InDims, args: tuple[Any, ...]) -> tuple[int | None, ...]:
         where = "Stack.forward()"

@@ -171,15 +171,20 @@ def _kind(module: nn.Module) -> type:
 
 # What every nn.Module keeps in its __dict__: not the member's own settings.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}
+_DEPTH = 6  # how deep objects held as attributes are compared
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
 
 
-def _same_value(a: Any, b: Any, registered: frozenset[int] = frozenset()) -> bool:
+def _same_value(a: Any, b: Any, registered: frozenset[int] = frozenset(), depth: int = 0) -> bool:
     """Whether two attribute values are the same setting, as far as one can tell.
 
     Tensors in ``registered`` (the members' own parameters and buffers, which LSTM keeps a
-    list of) are the members' weights, not settings.
+    list of) are the members' weights, not settings. Objects (a Hugging Face
+    ``PretrainedConfig``, a dataclass of options) are compared by their own ``==`` where they
+    define one, else attribute by attribute.
     """
+    if depth > _DEPTH:
+        return True
     if isinstance(a, weakref.ReferenceType) or isinstance(b, weakref.ReferenceType):
         return type(a) is type(b)
     if id(a) in registered and id(b) in registered:
@@ -198,15 +203,29 @@ def _same_value(a: Any, b: Any, registered: frozenset[int] = frozenset()) -> boo
         return (
             type(a) is type(b)
             and len(a) == len(b)
-            and all(_same_value(x, y, registered) for x, y in zip(a, b))
+            and all(_same_value(x, y, registered, depth + 1) for x, y in zip(a, b))
         )
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k], registered) for k in a)
+        return a.keys() == b.keys() and all(
+            _same_value(a[k], b[k], registered, depth + 1) for k in a
+        )
     if isinstance(a, nn.Module) or isinstance(b, nn.Module):
         return type(a) is type(b)  # submodules are compared on their own
     if callable(a) or callable(b):
         return _hook_identity(a) == _hook_identity(b)
-    return type(a) is type(b)
+    if type(a) is not type(b):
+        return False
+    if a is b or type(a).__module__.split(".")[0] in ("torch", "builtins"):
+        return True  # torch's own objects (a ScriptModule's C++ half) are compared by type
+    if type(a).__eq__ is not object.__eq__:
+        try:
+            return bool(a == b)
+        except Exception:  # an __eq__ that cannot compare these: fall back to the attributes
+            pass
+    fields_a, fields_b = getattr(a, "__dict__", None), getattr(b, "__dict__", None)
+    if isinstance(fields_a, dict) and isinstance(fields_b, dict):
+        return _same_value(fields_a, fields_b, registered, depth + 1)
+    return True
 
 
 def _hook_identity(fn: Any) -> Any:

@@ -14,6 +14,7 @@ Backends are looked up by name and imported on first use.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -30,6 +31,28 @@ class BackendRefusal(RuntimeError):
     """A backend cannot run this architecture or this input exactly; the message says why."""
 
 
+class CallLock:
+    """A re-entrant lock that copies and pickles as a fresh lock (a stack may be deep-copied)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def __deepcopy__(self, memo: dict) -> CallLock:
+        return CallLock()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._lock = threading.RLock()
+
+
 class StackView:
     """What a backend may see of a stack: read-only, except for its own cache.
 
@@ -38,6 +61,7 @@ class StackView:
         module: member 0's architecture holding the stacked tensors ``(N, *shape)``.
         template: member 0's architecture on the ``meta`` device (ties kept).
         cache: one dictionary per backend name, for what a backend keeps between calls.
+        lock: held for the duration of each call: backends run one module tree.
     """
 
     def __init__(
@@ -52,6 +76,7 @@ class StackView:
         self.template = template
         self._state = state
         self.cache: dict[str, dict[str, Any]] = {}
+        self.lock = CallLock()
 
     def __len__(self) -> int:
         return self.num_members

@@ -8,6 +8,9 @@ import torch
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from phalanx import _torch_compat as compat
+from phalanx._backends._state import PerMemberAttributes
+
 if TYPE_CHECKING:
     from phalanx._backends import StackView
 
@@ -62,12 +65,32 @@ class LoopBackend:
         # unbind gives all N views in one autograd node, so backward builds one stacked grad
         # instead of N zero-padded ones.
         param_views = {k: v.unbind(0) for k, v in params.items()}
+        attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
+        shared = [(k, a) for k, (a, d) in enumerate(zip(args, in_dims)) if d is None]
+        shared = [(k, a, compat.version(a)) for k, a in shared if isinstance(a, torch.Tensor)]
+        originals: dict[int, torch.Tensor] = {}
         outputs = []
         for i in range(view.num_members):
             state = {k: v[i] for k, v in param_views.items()}
             state.update({k: v[i] for k, v in buffers.items()})
             member_args = tuple(a[i] if d == 0 else a for a, d in zip(args, in_dims))
-            outputs.append(functional_call(view.module, state, member_args, kwargs))
+            if originals:  # member 0 wrote into a shared input: each member sees it as given
+                member_args = tuple(
+                    originals[k].clone() if k in originals else a for k, a in enumerate(member_args)
+                )
+            elif i == 0 and shared:
+                with torch.no_grad():
+                    before = {k: a.clone() for k, a, _ in shared}
+            outputs.append(
+                attributes.run(
+                    i,
+                    view.module,
+                    lambda: functional_call(view.module, state, member_args, kwargs),  # noqa: B023
+                )
+            )
+            if i == 0 and shared:
+                originals = {k: before[k] for k, a, v in shared if compat.version(a) != v}
+                del before
         return stack_outputs(outputs, "Stack.forward()")
 
 

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from phalanx._backends import BackendRefusal
 from phalanx._backends._rules import CORRECTNESS, BatchedOps, Rule
+from phalanx._backends._state import holds_tensor, hooked, put_back, snapshot, written
 
 if TYPE_CHECKING:
     from phalanx._backends import StackView
@@ -39,7 +40,14 @@ def vmapped(
     name: str,
 ) -> Any:
     """Runs the stack's module under vmap with ``rules`` routed; outputs ``(N, ...)``."""
+    hooks = hooked(view.module)
+    if hooks:
+        # A hook runs once per member in the loop, on that member's tensors; under vmap it
+        # would run once, on all members' batched tensors, and what it keeps would escape.
+        where = "global module hooks" if hooks[0] == "*" else f"hooks on {hooks[0]!r}"
+        _refuse(name, f"the member holds {where}, which must run once per member")
     params, buffers = view.state()
+    before = snapshot(view.module)
     # Non-tensor outputs (a None field, a flag) are the same for every member: one trace
     # computes them. vmap returns tensors only, so they travel beside it.
     layout: dict[str, Any] = {}
@@ -68,17 +76,30 @@ def vmapped(
                 "tensor, .item(), int(), tolist()), which one call for all members cannot "
                 f"decide member by member (torch.func says: {why})"
             )
-        refusal = BackendRefusal(
-            f"Stack.forward(): backend {name!r} cannot run this architecture under "
-            f"torch.func.vmap: {why}\nUse "
-            f"phalanx.stack(models, backend='loop'), or backend='auto', which hands over to "
-            f"the loop by itself."
+        put_back([c for c in written(before) if holds_tensor(c[0].__dict__.get(c[1]))])
+        _refuse(name, why, e)
+    stored = [c for c in written(before) if holds_tensor(c[0].__dict__.get(c[1]))]
+    if stored:
+        put_back(stored)
+        module, key, _ = stored[0]
+        _refuse(
+            name,
+            f"the member's forward stores a tensor on {type(module).__name__} as {key!r} "
+            f"(state kept between calls), which one vmapped call cannot keep per member",
         )
-        refusal.why = why  # type: ignore[attr-defined]
-        raise refusal from e
     it = iter(tensors)
     leaves = [next(it) if leaf is None else leaf for leaf in layout["leaves"]]
     return pytree.tree_unflatten(leaves, layout["spec"])
+
+
+def _refuse(name: str, why: str, cause: BaseException | None = None) -> None:
+    refusal = BackendRefusal(
+        f"Stack.forward(): backend {name!r} cannot run this architecture under "
+        f"torch.func.vmap: {why}\nUse phalanx.stack(models, backend='loop'), or "
+        f"backend='auto', which hands over to the loop by itself."
+    )
+    refusal.why = why  # type: ignore[attr-defined]
+    raise refusal from cause
 
 
 class VmapBackend:
