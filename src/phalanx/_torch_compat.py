@@ -54,3 +54,9 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
 def version(t: torch.Tensor) -> int:
     """``Tensor._version``: how often ``t`` was written in place."""
     return t._version
+
+
+def is_wrapped(t: torch.Tensor) -> bool:
+    """True for a torch.func wrapper (a batched or grad-tracking tensor), False for a plain one."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return True if check is None else bool(check(t))

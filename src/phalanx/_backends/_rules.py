@@ -30,8 +30,7 @@ own.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +79,31 @@ def _bilinear(n: int, dims: Dims, x1, x2, w, b=None):
     if b is not None:
         y = y + _first(b, dims[3], n).unsqueeze(1)
     return y.reshape(*a.shape[:-1], w.shape[1]), 0
+
+
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {
+    "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False,
+}  # fmt: skip
+
+
+def _attention(n: int, dims: Dims, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):
+    """The members merged into the first batch dim: attention is per (sample, head) anyway."""
+    q, k, v = (_first(t, d, n) for t, d in zip((q, k, v), dims[:3]))
+    if q.dim() < 4:  # one member's (T, D): no batch dim of its own to merge into
+        return _per_member(
+            n, (0, 0, 0, dims[3]), F.scaled_dot_product_attention, q, k, v, mask,
+            dropout_p, is_causal, scale, enable_gqa,
+        )  # fmt: skip
+    if mask is not None:
+        m = _first(mask, dims[3], n)
+        m = m.expand(n, *torch.broadcast_shapes(m.shape[1:], (*q.shape[1:-1], k.shape[-2])))
+        mask = m.flatten(0, 1)
+    y = F.scaled_dot_product_attention(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask, dropout_p, is_causal,
+        scale=scale, enable_gqa=enable_gqa,
+    )  # fmt: skip
+    return y.unflatten(0, (n, -1)), 0
 
 
 def _check_ids(ids: torch.Tensor, rows: int) -> None:
@@ -386,6 +410,13 @@ SPEED: dict[Any, Rule] = {
     F.bilinear: _positional(
         "bilinear", F.bilinear, _bilinear, ("input1", "input2", "weight", "bias"), {"bias": None}
     ),
+    F.scaled_dot_product_attention: _positional(
+        "scaled_dot_product_attention",
+        F.scaled_dot_product_attention,
+        _attention,
+        _SDPA,
+        _SDPA_DEFAULTS,
+    ),
     F.batch_norm: _positional("batch_norm", F.batch_norm, _batch_norm, _BN_NAMES, _BN_DEFAULTS),
     torch.lstm: _recurrent(torch.lstm, pairs=True),
     torch.gru: _recurrent(torch.gru, pairs=False),
@@ -403,13 +434,22 @@ class BatchedOps(TorchFunctionMode):
         self.rules = rules
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.requires_grad_ and _fresh_leaf(args, kwargs):
+            # A constant the forward made itself (``h0 = zeros(...).requires_grad_()``, as
+            # GRU tutorials write it): a leaf no one outside the forward can differentiate
+            # against. torch.func refuses ``requires_grad_`` inside a transform; leave it as is.
+            return args[0]
         rule = self.rules.get(func)
         if rule is None:
             return func(*args, **(kwargs or {}))
         return rule(tuple(args), kwargs or {})
 
 
-@contextlib.contextmanager
-def batched_ops(rules: dict[Any, Rule]) -> Iterator[None]:
-    with BatchedOps(rules):
-        yield
+def _fresh_leaf(args: Any, kwargs: Any) -> bool:
+    want = (
+        kwargs.get("requires_grad", args[1] if len(args) > 1 else True)
+        if kwargs
+        else (args[1] if len(args) > 1 else True)
+    )
+    t = args[0]
+    return bool(want) and not t.requires_grad and not compat.is_wrapped(t)
