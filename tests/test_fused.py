@@ -408,3 +408,63 @@ def test_batched_linear_is_twice_differentiable_and_grads_keep_the_weight_layout
     assert torch.autograd.gradgradcheck(fn, inputs)
     (gw,) = torch.autograd.grad(linear_bmm(x, w, b).sum(), w)
     assert gw.stride() == w.stride(), "laid out unlike the weight: AccumulateGrad would copy it"
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+class Encoder(nn.Module):
+    """A TransformerEncoderLayer with the masks real text models pass."""
+
+    def __init__(self, masks: str, batch_first: bool = True) -> None:
+        super().__init__()
+        self.masks, self.batch_first = masks, batch_first
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        kwargs: dict = {}
+        if "padding" in self.masks:
+            kwargs["src_key_padding_mask"] = pad
+        if "causal" in self.masks:
+            kwargs["src_mask"] = nn.Transformer.generate_square_subsequent_mask(t)
+            kwargs["is_causal"] = True
+        if not self.batch_first:
+            return self.layer(x.transpose(0, 1), **kwargs).transpose(0, 1)
+        return self.layer(x, **kwargs)
+
+
+class Attention(nn.Module):
+    def __init__(self, need_weights: bool) -> None:
+        super().__init__()
+        self.need_weights = need_weights
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, bias=True)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        out, w = self.attn(x, x, x, key_padding_mask=pad, need_weights=self.need_weights)
+        return out if w is None else out + w.sum(-1, keepdim=True)
+
+
+def _padding(b: int) -> torch.Tensor:
+    pad = torch.zeros(b, 5, dtype=torch.bool)
+    pad[::2, 3:] = True  # every other sample is shorter
+    return pad
+
+
+ATTENTION = [
+    Arch("encoder_plain", lambda: Encoder(""), lambda b: (torch.randn(b, 5, 8), _padding(b))),
+    Arch("encoder_padding", lambda: Encoder("padding"), lambda b: (torch.randn(b, 5, 8), _padding(b))),
+    Arch("encoder_causal_seq_first", lambda: Encoder("causal", batch_first=False),
+         lambda b: (torch.randn(b, 5, 8), _padding(b))),
+    Arch("encoder_padding_causal", lambda: Encoder("padding causal"),
+         lambda b: (torch.randn(b, 5, 8), _padding(b))),
+    Arch("mha_with_weights", lambda: Attention(True), lambda b: (torch.randn(b, 5, 8), _padding(b))),
+    Arch("mha_no_weights", lambda: Attention(False), lambda b: (torch.randn(b, 5, 8), _padding(b))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("arch", ATTENTION, ids=[a.name for a in ATTENTION])
+@pytest.mark.filterwarnings("ignore:Support for mismatched src_key_padding_mask")
+def test_attention_matches_the_loop(arch, mode):
+    check_forward_and_gradients("fused", arch, mode, 3, True)

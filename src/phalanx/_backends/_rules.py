@@ -106,6 +106,105 @@ def _attention(n: int, dims: Dims, q, k, v, mask, dropout_p, is_causal, scale, e
     return y.unflatten(0, (n, -1)), 0
 
 
+_MHA = (
+    "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight",
+    "in_proj_bias", "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight",
+    "out_proj_bias", "training", "key_padding_mask", "need_weights", "attn_mask",
+    "use_separate_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "static_k",
+    "static_v", "average_attn_weights", "is_causal",
+)  # fmt: skip
+_MHA_DEFAULTS = {
+    "training": True, "key_padding_mask": None, "need_weights": True, "attn_mask": None,
+    "use_separate_proj_weight": False, "q_proj_weight": None, "k_proj_weight": None,
+    "v_proj_weight": None, "static_k": None, "static_v": None, "average_attn_weights": True,
+    "is_causal": False,
+}  # fmt: skip
+
+
+def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as torch's attention takes it: -inf where True, else 0."""
+    if mask is None or mask.is_floating_point():
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, -torch.inf)
+
+
+def _mha(n: int, dims: Dims, *args):
+    """``F.multi_head_attention_forward`` (nn.MultiheadAttention, TransformerEncoderLayer):
+    the projections as batched linears and the attention of all members as one call.
+
+    Python-level functionals run their body with the mode popped (a TorchFunctionMode sees
+    only the outermost call), so without this rule the attention inside would go through
+    torch.func's rules, a loop over the members. The common configuration runs batched here;
+    any other (separate projection weights, bias_k / bias_v, add_zero_attn, static keys,
+    attention weights asked for) runs member by member with torch's own function.
+    """
+    a, d = dict(zip(_MHA, args)), dict(zip(_MHA, dims))
+    common = (
+        not a["use_separate_proj_weight"]
+        and a["bias_k"] is None
+        and a["bias_v"] is None
+        and not a["add_zero_attn"]
+        and a["static_k"] is None
+        and a["static_v"] is None
+        and not a["need_weights"]
+        and a["in_proj_weight"] is not None
+        and a["query"].dim() - (d["query"] is not None) == 3
+    )
+    if not common:
+        return _per_member(n, dims, F.multi_head_attention_forward, *args)
+    q, k, v = (_first(a[x], d[x], n) for x in ("query", "key", "value"))  # (N, T, B, E)
+    _, t, b, e = q.shape
+    src = k.shape[1]
+    heads = a["num_heads"]
+    head_dim = e // heads
+    w = _first(a["in_proj_weight"], d["in_proj_weight"], n)  # (N, 3E, E)
+    bias = _first(a["in_proj_bias"], d["in_proj_bias"], n)  # (N, 3E) | None
+    wq, wk, wv = w.chunk(3, dim=1)
+    bq, bk, bv = (None, None, None) if bias is None else bias.chunk(3, dim=1)
+
+    def project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        length = x.shape[1]
+        y = linear_bmm(x.reshape(n, length * b_, e), w, b)
+        # (N, L, B, E) -> (N * B, heads, L, head_dim), as torch's view(L, B * heads, hd)
+        return (
+            y.view(n, length, b_ * heads, head_dim)
+            .transpose(1, 2)
+            .reshape(n * b_, heads, length, head_dim)
+        )
+
+    b_ = b
+    qh, kh, vh = project(q, wq, bq), project(k, wk, bk), project(v, wv, bv)
+    dtype = q.dtype
+    is_causal = a["is_causal"]
+    kpm = a["key_padding_mask"]
+    mask = a["attn_mask"]
+    if is_causal and mask is None:
+        return _per_member(n, dims, F.multi_head_attention_forward, *args)  # torch's error
+    if kpm is not None:
+        kpm = _float_mask(_first(kpm, d["key_padding_mask"], n), dtype)  # (N, B, S)
+    if is_causal and kpm is None:
+        mask = None
+    else:
+        is_causal = False
+        if mask is not None:
+            m = _float_mask(_first(mask, d["attn_mask"], n), dtype)
+            # (N, T, S) for a 2-D mask, else (N, B * heads, T, S)
+            mask = m.view(n, 1, 1, t, src) if m.dim() == 3 else m.view(n, b, heads, t, src)
+    if kpm is not None:
+        kp = kpm.view(n, b, 1, 1, src)
+        mask = kp if mask is None else mask + kp
+    if mask is not None:
+        mask = mask.expand(n, b, heads, t, src).reshape(n * b, heads, t, src)
+    dropout = a["dropout_p"] if a["training"] else 0.0
+    out = F.scaled_dot_product_attention(qh, kh, vh, mask, dropout, is_causal)
+    # (N * B, heads, T, hd) -> (N, T * B, E), as torch's permute(2, 0, 1, 3).view(T * B, E)
+    out = out.view(n, b, heads, t, head_dim).permute(0, 3, 1, 2, 4).reshape(n, t * b, e)
+    wo = _first(a["out_proj_weight"], d["out_proj_weight"], n)
+    bo = _first(a["out_proj_bias"], d["out_proj_bias"], n)
+    y = linear_bmm(out, wo, bo).view(n, t, b, wo.shape[1])
+    return (y, None), (0, None)
+
+
 def _check_ids(ids: torch.Tensor, rows: int) -> None:
     """Raises as ``nn.Embedding`` does when an id is outside ``[0, rows)``: an id outside a
     member's table must never read another member's rows."""
@@ -416,6 +515,9 @@ SPEED: dict[Any, Rule] = {
         _attention,
         _SDPA,
         _SDPA_DEFAULTS,
+    ),
+    F.multi_head_attention_forward: _positional(
+        "multi_head_attention_forward", F.multi_head_attention_forward, _mha, _MHA, _MHA_DEFAULTS
     ),
     F.batch_norm: _positional("batch_norm", F.batch_norm, _batch_norm, _BN_NAMES, _BN_DEFAULTS),
     torch.lstm: _recurrent(torch.lstm, pairs=True),
