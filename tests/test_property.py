@@ -245,7 +245,7 @@ def test_out_of_range_ids_raise_as_the_module_does_and_change_nothing(
         expected = torch.stack([m(ids[i] if per_member else ids) for i, m in enumerate(members)])
         torch.testing.assert_close(out, expected)
         return
-    with pytest.raises((IndexError, RuntimeError), match="index out of range|out of bounds"):
+    with pytest.raises((IndexError, RuntimeError), match=r"index out of range|out of bounds"):
         out = stack(ids, in_dims=0 if per_member else None)
         out.sum().backward()  # were a row of another member read, it would train it
     for b, p in zip(before, stack.parameters()):
