@@ -24,6 +24,13 @@ def transforms_active() -> bool:
     return True if level is None else level() is not None
 
 
+def forward_ad_active() -> bool:
+    """True inside ``torch.autograd.forward_ad.dual_level()``."""
+    from torch.autograd import forward_ad
+
+    return getattr(forward_ad, "_current_level", -1) >= 0
+
+
 def has_tangents(tensors: Iterable[torch.Tensor]) -> bool:
     """True when forward-mode AD is on and one of ``tensors`` carries a tangent."""
     from torch.autograd import forward_ad

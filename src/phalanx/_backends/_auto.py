@@ -45,17 +45,28 @@ def user_stacklevel() -> int:
     return level
 
 
-class _Undo:
-    """What an attempt by the fused backend may change, recorded so that it can be undone."""
+SNAPSHOT_BYTES = 8 << 20
+"""Buffers and inputs up to this size are saved before every call, larger ones on the first."""
 
-    def __init__(self, view: StackView, args: tuple, kwargs: dict, full: bool) -> None:
+
+class _Undo:
+    """What an attempt by the fused backend may change, saved so that it can be undone.
+
+    Writes inside ``torch.func.vmap`` do not always move a tensor's version counter (a
+    BatchNorm's running statistics, updated by a batching rule, do not), so what may be
+    written is saved outright: the buffers and the inputs, on the first call whatever their
+    size, on later calls when they total at most ``SNAPSHOT_BYTES``.
+    """
+
+    def __init__(self, view: StackView, args: tuple, kwargs: dict, first: bool) -> None:
         _, buffers = view.state()
-        self.buffers = list(buffers.values())
-        self.inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        self.versions = [compat.version(t) for t in (*self.buffers, *self.inputs)]
-        self.full = full
-        with torch.no_grad():
-            self.saved = [t.clone() for t in (*self.buffers, *self.inputs)] if full else []
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.tensors = [*buffers.values(), *inputs]
+        size = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.saved: list[torch.Tensor] | None = None
+        if first or size <= SNAPSHOT_BYTES:
+            with torch.no_grad():
+                self.saved = [t.clone() for t in self.tensors]
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
 
@@ -63,23 +74,18 @@ class _Undo:
         torch.set_rng_state(self.cpu)
         if self.cuda:
             torch.cuda.set_rng_state_all(self.cuda)
-        tensors = (*self.buffers, *self.inputs)
-        written = [
-            k for k, (t, v) in enumerate(zip(tensors, self.versions)) if compat.version(t) != v
-        ]
-        if not written:
-            return
-        if not self.full:
+        if self.saved is None:
             raise RuntimeError(
                 f"Stack.forward(): backend 'auto' cannot hand this call over to the loop: "
-                f"backend 'fused' failed ({_reason(failure)}) after the member's forward had "
-                f"written into {len(written)} of its buffers or inputs in place, which cannot "
-                f"be put back. Nothing else ran. Pass backend='loop' to phalanx.stack() for "
-                f"this model."
+                f"backend 'fused' failed ({_reason(failure)}) after the member's forward may "
+                f"have written into its buffers or inputs, which are too large to have been "
+                f"saved on every call. Nothing else ran. Pass backend='loop' to "
+                f"phalanx.stack() for this model."
             ) from failure
         with torch.no_grad():
-            for k in written:
-                tensors[k].copy_(self.saved[k])
+            for t, saved in zip(self.tensors, self.saved):
+                if not torch.equal(t, saved):
+                    t.copy_(saved)
 
 
 class AutoBackend:
@@ -94,7 +100,7 @@ class AutoBackend:
 
     @staticmethod
     def _context() -> tuple[bool, bool]:
-        return torch.is_grad_enabled(), compat.transforms_active()
+        return torch.is_grad_enabled(), compat.transforms_active() or compat.forward_ad_active()
 
     def current(self, view: StackView) -> str:
         """The backend ``auto`` runs now: "fused", or "loop" where fused refused."""
@@ -113,7 +119,7 @@ class AutoBackend:
             return get_backend("loop").forward(view, args, kwargs, in_dims)
         if torch.compiler.is_compiling():
             return get_backend("fused").forward(view, args, kwargs, in_dims)
-        undo = _Undo(view, args, kwargs, full=not state["settled"])
+        undo = _Undo(view, args, kwargs, first=not state["settled"])
         try:
             out = get_backend("fused").forward(view, args, kwargs, in_dims)
         except Exception as e:
@@ -133,7 +139,7 @@ class AutoBackend:
         grad, transformed = context
         where = "with grad enabled" if grad else "under torch.no_grad"
         if transformed:
-            where += " inside a torch.func transform"
+            where += " inside a torch.func transform or forward-mode AD"
         warnings.warn(
             f"phalanx: backend 'fused' cannot run this model exactly ({reason}); backend "
             f"'auto' runs 'loop' instead {where}. Pass backend='loop' to phalanx.stack() to "

@@ -29,7 +29,13 @@ def linear_ops(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 class _LinearBmm(torch.autograd.Function):
-    """:func:`linear_ops` with a backward that lays the weight gradient out like the weight."""
+    """:func:`linear_ops` with a backward that lays the weight gradient out like the weight.
+
+    Its forward, backward and jvp are plain torch operations, so torch.func batches it by
+    itself (``generate_vmap_rule``) under a ``vmap`` of the user's around the stack.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -39,6 +45,7 @@ class _LinearBmm(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         x, w, b = inputs
         ctx.save_for_backward(x, w)
+        ctx.save_for_forward(x, w)
         ctx.has_bias = b is not None
 
     @staticmethod
@@ -49,6 +56,18 @@ class _LinearBmm(torch.autograd.Function):
         gw = torch.bmm(g.transpose(1, 2), x) if need_w else None
         gb = g.sum(1) if ctx.has_bias and need_b else None
         return gx, gw, gb
+
+    @staticmethod
+    def jvp(ctx: Any, tx: torch.Tensor | None, tw: torch.Tensor | None, tb: Any) -> torch.Tensor:
+        x, w = ctx.saved_tensors
+        out = torch.zeros(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, device=x.device)
+        if tx is not None:
+            out = out + torch.bmm(tx, w.transpose(1, 2))
+        if tw is not None:
+            out = out + torch.bmm(x, tw.transpose(1, 2))
+        if tb is not None:
+            out = out + tb.unsqueeze(1)
+        return out
 
 
 def linear_bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -331,6 +331,24 @@ def _function(name: str, func: Callable[..., Any], rule: Callable[..., Any]) -> 
         ctx.where = where
         ctx.inputs = [None if isinstance(a, torch.Tensor) else a for a in inputs]
         ctx.save_for_backward(*(inputs[i] for i in where))
+        ctx.save_for_forward(*(inputs[i] for i in where))
+
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        # Forward-mode AD off the vmap path: torch.func.jvp of ``func`` itself.
+        inputs = list(ctx.inputs)
+        for i, t in zip(ctx.where, ctx.saved_tensors):
+            inputs[i] = t
+        moving = [i for i in ctx.where if tangents[i] is not None]
+
+        def along(*xs: torch.Tensor) -> Any:
+            full = list(inputs)
+            for i, x in zip(moving, xs):
+                full[i] = x
+            return func(*full)
+
+        primals = tuple(inputs[i] for i in moving)
+        _, out = torch.func.jvp(along, primals, tuple(tangents[i] for i in moving))
+        return out
 
     def backward(ctx: Any, *grads: Any) -> tuple:
         # Off the vmap path only: recompute ``func`` with autograd and differentiate that,
@@ -374,6 +392,7 @@ def _function(name: str, func: Callable[..., Any], rule: Callable[..., Any]) -> 
             "forward": staticmethod(forward),
             "setup_context": staticmethod(setup_context),
             "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
             "vmap": staticmethod(vmap),
         },
     )
