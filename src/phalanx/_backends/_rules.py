@@ -159,21 +159,22 @@ def _mha(n: int, dims: Dims, *args):
     head_dim = e // heads
     w = _first(a["in_proj_weight"], d["in_proj_weight"], n)  # (N, 3E, E)
     bias = _first(a["in_proj_bias"], d["in_proj_bias"], n)  # (N, 3E) | None
-    wq, wk, wv = w.chunk(3, dim=1)
-    bq, bk, bv = (None, None, None) if bias is None else bias.chunk(3, dim=1)
 
-    def project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        length = x.shape[1]
-        y = linear_bmm(x.reshape(n, length * b_, e), w, b)
-        # (N, L, B, E) -> (N * B, heads, L, head_dim), as torch's view(L, B * heads, hd)
-        return (
-            y.view(n, length, b_ * heads, head_dim)
-            .transpose(1, 2)
-            .reshape(n * b_, heads, length, head_dim)
-        )
+    def heads_of(y: torch.Tensor, length: int) -> torch.Tensor:
+        """(N, B * L, E) projections -> (N * B, heads, L, head_dim)."""
+        return y.view(n * b, length, heads, head_dim).transpose(1, 2)
 
-    b_ = b
-    qh, kh, vh = project(q, wq, bq), project(k, wk, bk), project(v, wv, bv)
+    # Sample-major (N, B, L, E): a batch-first module's input is that already, a view.
+    if a["query"] is a["key"] is a["value"]:  # self-attention: one GEMM for q, k and v
+        x = q.transpose(1, 2).reshape(n, b * t, e)
+        qkv = linear_bmm(x, w, bias)  # (N, B * T, 3E)
+        qh, kh, vh = (heads_of(part, t) for part in qkv.chunk(3, dim=-1))
+    else:
+        wq, wk, wv = w.chunk(3, dim=1)
+        bq, bk, bv = (None, None, None) if bias is None else bias.chunk(3, dim=1)
+        qh = heads_of(linear_bmm(q.transpose(1, 2).reshape(n, b * t, e), wq, bq), t)
+        kh = heads_of(linear_bmm(k.transpose(1, 2).reshape(n, b * src, e), wk, bk), src)
+        vh = heads_of(linear_bmm(v.transpose(1, 2).reshape(n, b * src, e), wv, bv), src)
     dtype = q.dtype
     is_causal = a["is_causal"]
     kpm = a["key_padding_mask"]
@@ -197,12 +198,12 @@ def _mha(n: int, dims: Dims, *args):
         mask = mask.expand(n, b, heads, t, src).reshape(n * b, heads, t, src)
     dropout = a["dropout_p"] if a["training"] else 0.0
     out = F.scaled_dot_product_attention(qh, kh, vh, mask, dropout, is_causal)
-    # (N * B, heads, T, hd) -> (N, T * B, E), as torch's permute(2, 0, 1, 3).view(T * B, E)
-    out = out.view(n, b, heads, t, head_dim).permute(0, 3, 1, 2, 4).reshape(n, t * b, e)
+    # (N * B, heads, T, hd) -> (N, B * T, E), the heads side by side as torch puts them
+    out = out.transpose(1, 2).reshape(n, b * t, e)
     wo = _first(a["out_proj_weight"], d["out_proj_weight"], n)
     bo = _first(a["out_proj_bias"], d["out_proj_bias"], n)
-    y = linear_bmm(out, wo, bo).view(n, t, b, wo.shape[1])
-    return (y, None), (0, None)
+    y = linear_bmm(out, wo, bo).view(n, b, t, wo.shape[1])
+    return (y.transpose(1, 2), None), (0, None)  # (N, T, B, E), a view
 
 
 def _check_ids(ids: torch.Tensor, rows: int) -> None:

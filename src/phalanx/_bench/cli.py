@@ -68,6 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--members", type=int, default=16, help="N for --real")
     parser.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="time the dynamic-shape workloads instead (W8 text with a new length each step, "
+        "GRU windows of varying length, a short last batch): the default path against the "
+        "fused-Adam loop over the first epoch and in steady state; with --threads, --json, "
+        "--memory (the first step's peak memory, each in a fresh process)",
+    )
+    parser.add_argument("--memory", action="store_true", help="with --dynamic: peak memory too")
+    parser.add_argument(
         "--compile-backend",
         default="inductor",
         metavar="NAME",
@@ -157,6 +166,13 @@ def run(args: argparse.Namespace) -> int:
         0 on success, 1 when a contender gave a wrong answer, 2 on a usage error (an unknown
         workload or phase, ``--device cuda`` without a GPU, ``--procs`` unavailable).
     """
+    if args.dynamic:
+        from phalanx._bench.dynamic import main as dynamic_main
+
+        argv = ["--threads", str(args.threads)] if args.threads else []
+        argv += ["--json", args.json] if args.json else []
+        argv += ["--memory"] if args.memory else []
+        return dynamic_main(argv)
     if args.real:
         from phalanx._bench.real_suite import main as real_main
 
