@@ -467,3 +467,75 @@ ATTENTION = [
 @pytest.mark.filterwarnings("ignore:Support for mismatched src_key_padding_mask")
 def test_attention_matches_the_loop(arch, mode):
     check_forward_and_gradients("fused", arch, mode, 3, True)
+
+
+class Bags(nn.Module):
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(13, 4, **kw)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(ids))
+
+
+class OffsetBags(nn.Module):
+    """The text classification tutorial's call: flat ids with bag offsets."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(13, 4, mode=mode)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.bag(ids, offsets)
+
+
+BAGS = [
+    Arch("bag_mean", lambda: Bags(), lambda b: (torch.randint(0, 13, (b, 5)),)),
+    Arch("bag_sum_scaled", lambda: Bags(mode="sum", scale_grad_by_freq=True),
+         lambda b: (torch.randint(0, 13, (b, 5)),)),
+    Arch("bag_max_padding", lambda: Bags(mode="max", padding_idx=0),
+         lambda b: (torch.randint(0, 13, (b, 5)),)),
+    Arch("bag_offsets", lambda: OffsetBags("mean"),
+         lambda b: (torch.randint(0, 13, (3 * b,)), torch.arange(b) * 3)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("arch", BAGS, ids=[a.name for a in BAGS])
+def test_embedding_bags_match_the_loop(arch, mode):
+    check_forward_and_gradients("fused", arch, mode, 3, True)
+
+
+class Lookups(nn.Module):
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(13, 4, **kw)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).sum(1)
+
+
+LOOKUPS = [
+    Arch("embedding_scaled", lambda: Lookups(scale_grad_by_freq=True),
+         lambda b: (torch.randint(0, 13, (b, 5)),)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("arch", LOOKUPS, ids=[a.name for a in LOOKUPS])
+def test_embedding_options_match_the_loop(arch, mode):
+    check_forward_and_gradients("fused", arch, mode, 3, True)
+
+
+@pytest.mark.parametrize("per_member", [False, True])
+def test_embedding_max_norm_renormalises_each_members_rows_as_the_module_does(per_member):
+    torch.manual_seed(0)
+    members = [Lookups(max_norm=1.0) for _ in range(3)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    ids = torch.randint(0, 13, (3, 4, 5) if per_member else (4, 5))
+    out = stack(ids, in_dims=0 if per_member else None)
+    expected = torch.stack([m(ids[i] if per_member else ids) for i, m in enumerate(members)])
+    assert_close(out, expected)
+    for i, m in enumerate(members):  # the looked-up rows were renormalised in place
+        assert_close(stack.module.embed.weight[i], m.embed.weight)

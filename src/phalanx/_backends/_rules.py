@@ -227,14 +227,18 @@ def _embedding(n: int, dims: Dims, ids, w, padding_idx, max_norm, norm_type, sca
     if wd is None:
         y = F.embedding(ids, w, padding_idx, max_norm, norm_type, scale, sparse)
         return y, idd
-    if max_norm is not None or sparse:  # renormalises rows in place / sparse gradients
+    if sparse or scale:  # sparse gradients, or gradients scaled by counts in the flat table
         return _per_member(
-            n, dims, F.embedding, ids, w, padding_idx, max_norm, norm_type, scale, sparse
+            n, dims, _embedding_func, ids, w, padding_idx, max_norm, norm_type, scale, sparse
         )
     w = w.movedim(wd, 0)  # (N, V, D)
     v, d = w.shape[1], w.shape[2]
     _check_ids(ids, v)
     ids = _first(ids, idd, n)
+    if max_norm is not None:  # as F.embedding: the rows looked up are renormalised in place
+        with torch.no_grad():
+            for i in range(n):
+                torch.embedding_renorm_(w[i], ids[i], max_norm, norm_type)
     offsets = torch.arange(n, device=ids.device).mul_(v).view(n, *([1] * (ids.dim() - 1)))
     y = F.embedding(ids + offsets, w.reshape(n * v, d), scale_grad_by_freq=scale)
     if padding_idx is not None:  # rows at padding_idx take no gradient, as in nn.Embedding
@@ -249,12 +253,42 @@ _EMBEDDING_BAG = (
 
 
 def _embedding_bag(n: int, dims: Dims, *args):
-    a = dict(zip(_EMBEDDING_BAG, args))
-    d = dict(zip(_EMBEDDING_BAG, dims))
-    if d["weight"] is not None and a["input"].dim() - (d["input"] is not None) == 2:
-        w = a["weight"].movedim(d["weight"], 0)
-        _check_ids(a["input"], w.shape[1])
-    return _per_member(n, dims, F.embedding_bag, *args)
+    """Every member's bags in one call: ids offset into the members' tables side by side,
+    after every id is checked against the member's own table (as the module raises)."""
+    a, d = dict(zip(_EMBEDDING_BAG, args)), dict(zip(_EMBEDDING_BAG, dims))
+    ids, w, offsets = a["input"], a["weight"], a["offsets"]
+    if (
+        d["weight"] is None
+        or a["max_norm"] is not None
+        or a["padding_idx"] is not None  # one padding id per member: not one in the flat table
+        or a["include_last_offset"]
+        or a["scale_grad_by_freq"]  # counts in the flat table's backward differ (measured)
+        or (a["per_sample_weights"] is not None and d["per_sample_weights"] is None)
+    ):
+        return _per_member(n, dims, F.embedding_bag, *args)
+    w = w.movedim(d["weight"], 0)  # (N, V, D)
+    v, dim = w.shape[1], w.shape[2]
+    _check_ids(ids, v)
+    ids = _first(ids, d["input"], n)
+    base = torch.arange(n, device=ids.device).mul_(v)
+    psw = a["per_sample_weights"]
+    psw = None if psw is None else _first(psw, d["per_sample_weights"], n).reshape(-1)
+    if ids.dim() == 3 and offsets is None:  # (N, B, L): fixed-length bags
+        flat, flat_offsets = (ids + base.view(n, 1, 1)).reshape(-1, ids.shape[-1]), None
+        psw = None if psw is None else psw.view(flat.shape)
+    elif ids.dim() == 2 and offsets is not None:  # (N, L) with (N, B) offsets
+        length = ids.shape[1]
+        flat = (ids + base.view(n, 1)).reshape(-1)
+        offs = _first(offsets, d["offsets"], n)
+        flat_offsets = offs + torch.arange(n, device=ids.device).mul_(length).view(n, 1)
+        flat_offsets = flat_offsets.reshape(-1)
+    else:
+        return _per_member(n, dims, F.embedding_bag, *args)
+    y = F.embedding_bag(
+        flat, w.reshape(n * v, dim), flat_offsets, scale_grad_by_freq=a["scale_grad_by_freq"],
+        mode=a["mode"], sparse=a["sparse"], per_sample_weights=psw,
+    )  # fmt: skip
+    return y.unflatten(0, (n, -1)), 0
 
 
 def _conv(func: Callable[..., torch.Tensor]) -> Callable[..., Any]:
