@@ -230,3 +230,15 @@ def test_dropout_between_layers_draws_per_member():
     stack = phalanx.stack([copy.deepcopy(base) for _ in range(2)], backend="fused")
     out, _ = stack(torch.randn(B, T, IN))
     assert not torch.equal(out[0], out[1]), "identical members drew one dropout mask"
+
+
+@pytest.mark.parametrize("mode", ["GRU", "RNN_TANH", "RNN_RELU"])
+def test_gru_and_rnn_run_as_one_recurrence_for_all_members(mode, monkeypatch):
+    from phalanx._backends import _recurrence
+
+    taken = []
+    recurrence = _recurrence._recurrence
+    monkeypatch.setattr(_recurrence, "_recurrence", lambda *a: taken.append(1) or recurrence(*a))
+    check(mode, dict(num_layers=2, batch_first=True, bidirectional=True), per_member=True,
+          states=True, penalty=True)  # fmt: skip
+    assert taken, "the batched recurrence did not run"

@@ -146,7 +146,7 @@ class Stack(nn.Module):
             )
         return params, buffers  # type: ignore[return-value]
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> Stack:  # type: ignore[override]
+    def apply(self, fn: Callable[[nn.Module], None]) -> Stack:
         """Calls ``fn`` on every submodule of each member in turn, as on N separate modules.
 
         ``stack.apply(init_fn)`` initialises each member as ``init_fn`` initialises one

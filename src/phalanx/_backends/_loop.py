@@ -66,8 +66,11 @@ class LoopBackend:
         # instead of N zero-padded ones.
         param_views = {k: v.unbind(0) for k, v in params.items()}
         attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
-        shared = [(k, a) for k, (a, d) in enumerate(zip(args, in_dims)) if d is None]
-        shared = [(k, a, compat.version(a)) for k, a in shared if isinstance(a, torch.Tensor)]
+        shared = [
+            (k, a, compat.version(a))
+            for k, (a, d) in enumerate(zip(args, in_dims))
+            if d is None and isinstance(a, torch.Tensor)
+        ]
         originals: dict[int, torch.Tensor] = {}
         outputs = []
         for i in range(view.num_members):

@@ -39,11 +39,12 @@ from torch.overrides import TorchFunctionMode
 
 from phalanx import _torch_compat as compat
 from phalanx._backends._bmm import linear_bmm
+from phalanx._backends._recurrence import batched
 
 Dims = Sequence[int | None]
 
 
-def _first(t: torch.Tensor | None, d: int | None, n: int) -> torch.Tensor | None:
+def _first(t: Any, d: int | None, n: int) -> Any:
     """``t`` with its batch dim first, ``(n, ...)``; an unbatched ``t`` expanded to it."""
     if t is None:
         return None
@@ -121,7 +122,7 @@ _MHA_DEFAULTS = {
 }  # fmt: skip
 
 
-def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def _float_mask(mask: Any, dtype: torch.dtype) -> Any:
     """A boolean mask as torch's attention takes it: -inf where True, else 0."""
     if mask is None or mask.is_floating_point():
         return mask
@@ -355,7 +356,7 @@ def _tensors(args: Sequence[Any]) -> list[int]:
     return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
 
-def _function(name: str, func: Callable[..., Any], rule: Callable[..., Any]) -> type:
+def _function(name: str, func: Callable[..., Any], rule: Callable[..., Any]) -> Any:
     """An autograd.Function computing ``func``, batched under vmap by ``rule``."""
 
     def forward(*args: Any) -> Any:
@@ -382,8 +383,7 @@ def _function(name: str, func: Callable[..., Any], rule: Callable[..., Any]) -> 
             return func(*full)
 
         primals = tuple(inputs[i] for i in moving)
-        _, out = torch.func.jvp(along, primals, tuple(tangents[i] for i in moving))
-        return out
+        return torch.func.jvp(along, primals, tuple(tangents[i] for i in moving))[1]
 
     def backward(ctx: Any, *grads: Any) -> tuple:
         # Off the vmap path only: recompute ``func`` with autograd and differentiate that,
@@ -456,7 +456,7 @@ def _recurrent(func: Callable[..., Any], pairs: bool) -> Rule:
     PackedSequence forms), member by member with torch's own kernels: torch.func has no rule
     for them. Their states and weights come as lists, flattened here for the Function; one
     Function per layout (how many states and weights)."""
-    made: dict[tuple[int, int, int, int], type] = {}
+    made: dict[tuple[int, int, int, int], Any] = {}
 
     def route(args: tuple, kwargs: dict) -> Any:
         if kwargs:
@@ -474,9 +474,17 @@ def _recurrent(func: Callable[..., Any], pairs: bool) -> Rule:
                 out = func(*xs[:at], list(st) if pairs else st[0], list(ws), *xs[at + k + m :])
                 return tuple(out)
 
-            made[layout] = _function(
-                f"{func.__name__}_members", call, lambda n, d, *a: _per_member(n, d, call, *a)
-            )
+            def rule(n: int, d: Dims, *xs: Any) -> Any:
+                if at == 1 and not pairs:  # a tensor input (not packed) and one state
+                    fast = batched(
+                        func.__name__, n, (d[0], d[1], *d[2 : 2 + m]), xs[0], xs[1],
+                        list(xs[2 : 2 + m]), tuple(xs[2 + m :]),
+                    )  # fmt: skip
+                    if fast is not None:
+                        return fast
+                return _per_member(n, d, call, *xs)
+
+            made[layout] = _function(f"{func.__name__}_members", call, rule)
         return made[layout].apply(*args[:at], *states, *weights, *rest)
 
     return route
@@ -541,6 +549,7 @@ def _embedding_func(ids, w, padding_idx, max_norm, norm_type, scale, sparse):
 
 def _conv_rules() -> dict[Any, Rule]:
     rules = {}
+    f: Any
     for f in (F.conv1d, F.conv2d, F.conv3d):
         rules[f] = _positional(f.__name__, f, _conv(f), _CONV_NAMES, _CONV_DEFAULTS)
     for f in (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
