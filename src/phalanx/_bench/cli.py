@@ -172,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         argv = ["--threads", str(args.threads)] if args.threads else []
         argv += ["--json", args.json] if args.json else []
         argv += ["--memory"] if args.memory else []
+        if args.workloads != ",".join(WORKLOADS):  # named by the user: dynamic ones
+            argv += ["--workloads", args.workloads]
         return dynamic_main(argv)
     if args.real:
         from phalanx._bench.real_suite import main as real_main
