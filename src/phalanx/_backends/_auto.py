@@ -124,12 +124,14 @@ class AutoBackend:
             out = get_backend("fused").forward(view, args, kwargs, in_dims)
         except Exception as e:
             undo.undo(e)
-            out = get_backend("loop").forward(
-                view, args, kwargs, in_dims
-            )  # its error is the user's
-            self._drop(state, context, _reason(e))
+            failure = e
+        else:
+            state["settled"] = True
             return out
-        state["settled"] = True
+        # Outside the except block: the loop's error is the member's own and is raised as
+        # such, not as one that happened while handling fused's.
+        out = get_backend("loop").forward(view, args, kwargs, in_dims)
+        self._drop(state, context, _reason(failure))
         return out
 
     @staticmethod
