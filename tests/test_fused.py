@@ -539,3 +539,23 @@ def test_embedding_max_norm_renormalises_each_members_rows_as_the_module_does(pe
     assert_close(out, expected)
     for i, m in enumerate(members):  # the looked-up rows were renormalised in place
         assert_close(stack.module.embed.weight[i], m.embed.weight)
+
+
+@pytest.mark.parametrize("backend", ["fused", "auto", "vmap"])
+def test_torch_compile_of_a_vmapped_model_gives_the_loops_results(backend):
+    # TorchDynamo cannot trace a custom Function's vmap rule (an internal error in torch
+    # 2.13): the vmapped forward runs eagerly inside the compiled call, exactly.
+    torch.manual_seed(0)
+    members = [_seq(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                    nn.Linear(144, 3)) for _ in range(3)]  # fmt: skip
+    stack = phalanx.stack(copy.deepcopy(members), backend=backend)
+    loop = phalanx.stack(copy.deepcopy(members), backend="loop")
+    x = torch.randn(5, 1, 8, 8)
+    compiled = torch.compile(stack, backend="eager")
+    out = compiled(x)
+    expected = loop(x)
+    assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for p, q in zip(stack.parameters(), loop.parameters()):
+        assert_close(p.grad, q.grad)

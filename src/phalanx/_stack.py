@@ -119,6 +119,7 @@ class Stack(nn.Module):
             reuse_freed_memory(max(t.numel() * t.element_size() for t in cpu))
 
     def _set_backend(self, name: str) -> None:
+        get_backend(name)  # imported now, not inside a torch.compile trace of the first call
         self._requested = name
         self._view.cache.clear()  # what backends learnt about the old choice
 

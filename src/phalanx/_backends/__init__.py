@@ -105,8 +105,12 @@ _loaded: dict[str, Backend] = {}
 
 
 def get_backend(name: str) -> Backend:
-    """Returns the backend called ``name`` ("auto", "fused", "vmap" or "loop")."""
-    if name not in _loaded:
-        module = importlib.import_module(_MODULES[name], __name__)
-        _loaded[name] = module.BACKEND
+    """Returns the backend called ``name`` ("auto", "fused", "vmap" or "loop").
+
+    The first call imports every backend (``auto`` calls the others): never later, inside
+    a ``torch.compile`` trace, which would trace the modules' import-time code too.
+    """
+    if not _loaded:
+        for key, module in _MODULES.items():
+            _loaded[key] = importlib.import_module(module, __name__).BACKEND
     return _loaded[name]

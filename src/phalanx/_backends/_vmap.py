@@ -39,7 +39,14 @@ def vmapped(
     rules: dict[Any, Rule],
     name: str,
 ) -> Any:
-    """Runs the stack's module under vmap with ``rules`` routed; outputs ``(N, ...)``."""
+    """Runs the stack's module under vmap with ``rules`` routed; outputs ``(N, ...)``.
+
+    Under ``torch.compile`` this runs eagerly, outside the graph (TorchDynamo cannot trace a
+    custom Function's vmap rule: an internal error in torch 2.13); the captured training
+    step (``phalanx.compile_step``) traces it with make_fx instead.
+    """
+    if torch.compiler.is_compiling():
+        return _eager(view, args, kwargs, in_dims, rules, name)
     hooks = hooked(view.module)
     if hooks:
         # A hook runs once per member in the loop, on that member's tensors; under vmap it
@@ -90,6 +97,11 @@ def vmapped(
     it = iter(tensors)
     leaves = [next(it) if leaf is None else leaf for leaf in layout["leaves"]]
     return pytree.tree_unflatten(leaves, layout["spec"])
+
+
+@torch.compiler.disable
+def _eager(*args: Any) -> Any:
+    return vmapped(*args)
 
 
 def _refuse(name: str, why: str, cause: BaseException | None = None) -> None:
