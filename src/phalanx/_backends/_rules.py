@@ -292,13 +292,23 @@ def _embedding_bag(n: int, dims: Dims, *args):
     return y.unflatten(0, (n, -1)), 0
 
 
-def _conv(func: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+def _conv(func: Callable[..., torch.Tensor], spatial: int, transposed: bool) -> Callable[..., Any]:
     def rule(n: int, dims: Dims, x, w, *rest):
         if all(d is None for d in dims[1:]):  # shared weights: the batch folds into the input's
             xd = dims[0]
             xs = x.movedim(xd, 0)
             y = func(xs.flatten(0, 1), w, *rest)
             return y.unflatten(0, (n, -1)), 0
+        if dims[0] is None and not transposed and rest[4] == 1 and dims[1] is not None:
+            bias, stride, padding, dilation, _ = rest
+            # A shared input: one ordinary convolution with every member's filters side by
+            # side, each output channel the member's own (not a grouped convolution, whose
+            # weight gradients round far from the loop's).
+            w = w.movedim(dims[1], 0)  # (N, out, in, *k)
+            b = None if bias is None else _first(bias, dims[2], n).reshape(-1)
+            y = func(x, w.flatten(0, 1), b, stride, padding, dilation, 1)
+            at = 1 if x.dim() == spatial + 2 else 0  # (B, N * out, ...) or unbatched
+            return y.unflatten(at, (n, -1)), at
         return _per_member(n, dims, func, x, w, *rest)
 
     return rule
@@ -550,10 +560,11 @@ def _embedding_func(ids, w, padding_idx, max_norm, norm_type, scale, sparse):
 def _conv_rules() -> dict[Any, Rule]:
     rules = {}
     f: Any
-    for f in (F.conv1d, F.conv2d, F.conv3d):
-        rules[f] = _positional(f.__name__, f, _conv(f), _CONV_NAMES, _CONV_DEFAULTS)
-    for f in (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
-        rules[f] = _positional(f.__name__, f, _conv(f), _CONVT_NAMES, _CONVT_DEFAULTS)
+    for k, f in enumerate((F.conv1d, F.conv2d, F.conv3d), start=1):
+        rules[f] = _positional(f.__name__, f, _conv(f, k, False), _CONV_NAMES, _CONV_DEFAULTS)
+    for k, f in enumerate((F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d), start=1):
+        rule = _conv(f, k, True)
+        rules[f] = _positional(f.__name__, f, rule, _CONVT_NAMES, _CONVT_DEFAULTS)
     return rules
 
 
