@@ -96,16 +96,17 @@ class Adam(MemberOptimizer):
 
     def _update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         # The same operations, in the same order and precision, as torch.optim's
-        # single-tensor Adam, with (N, 1, ...) tensors where it has Python floats.
+        # single-tensor Adam, with (N, 1, ...) tensors where it has Python floats. One path
+        # for every case: torch's fused Adam kernel is not used even where it would apply
+        # (one lr, equal counts), since its vectorised body and scalar tail round
+        # differently, so a member's bits would depend on its offset in the stack (on N)
+        # and on whether another member was masked.
         device = params[0].device
         states = [self.state[p] for p in params]
         steps = [s["step"] for s in states]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         torch._foreach_add_(steps, 1)
-        if self._fused_kernel_applies(group, steps):
-            self._fused_update(group, params, grads, steps, exp_avgs, exp_avg_sqs)
-            return
         grads = signed(grads, self._values(group["maximize"], device))
         lr = self._lr(group, device)
         beta1, beta2 = (self._values(b, device) for b in group["betas"])
@@ -144,49 +145,6 @@ class Adam(MemberOptimizer):
         torch._foreach_add_(denoms, views(self._values(group["eps"], device), denoms))
         neg_step_sizes = rows(-(lr / bias_correction1), params)
         torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, neg_step_sizes), denoms)
-
-    def _fused_kernel_applies(self, group: dict[str, Any], steps: list[Tensor]) -> bool:
-        """True when torch's fused Adam kernel computes exactly this step on the CPU.
-
-        That needs one value of every hyperparameter for all members and one step count per
-        parameter (a mask or a skipped member makes the counts differ). On CUDA the check
-        would cost a synchronisation, so the foreach path runs there.
-        """
-        scalars = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-        if group["member_lr"] is not None or any(isinstance(v, Tensor) for v in scalars):
-            return False
-        if isinstance(group["maximize"], Tensor) or steps[0].device.type != "cpu":
-            return False
-        step = torch.stack(steps)
-        return bool((step == step[:, :1]).all())
-
-    def _fused_update(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        steps: list[Tensor],
-        exp_avgs: list[Tensor],
-        exp_avg_sqs: list[Tensor],
-    ) -> None:
-        states = [self.state[p] for p in params]
-        kernel = torch._fused_adamw_ if self._DECOUPLED else torch._fused_adam_
-        beta1, beta2 = group["betas"]
-        kernel(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
-            [s[0] for s in steps],  # the members' common count, as a 0-d view
-            amsgrad=group["amsgrad"],
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            weight_decay=float(group["weight_decay"]),
-            eps=float(group["eps"]),
-            maximize=bool(group["maximize"]),
-        )
 
 
 class AdamW(Adam):
