@@ -580,3 +580,51 @@ def test_surgery_errors_are_named() -> None:
         match=r"param group 0 has one learning rate for all members, driven by a torch LR scheduler",
     ):
         scheduled.set_hyperparameters([0], lr=0.5)
+
+
+# ---------------------------------------------------------------------------- copies
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_continues_exactly_as_the_original(how: str) -> None:
+    """torch's Optimizer.__getstate__ keeps only defaults, state and groups; the member
+    counters and flags must travel too, or the copy cannot step."""
+    import pickle
+
+    params = make_params(torch.float32)
+    opt = phalanx.optim.Adam(params, lr=per_member([1e-1, 1e-2, 1e-3, 3e-2]), skip_nonfinite=True)
+    noise = noise_stream(params)
+    z = next(noise)
+    for p, g in zip(params, grads_from(params, z)):
+        p.grad = g
+    opt.step(mask=torch.tensor([True, False, True, True]))
+    opt.frozen[2] = True
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    assert twin.num_members == N and twin.skip_nonfinite and twin.frozen.tolist() == opt.frozen.tolist()
+    for _ in range(3):
+        z = next(noise)
+        for ps, o in ((params, opt), (twin_params, twin)):
+            for p, g in zip(ps, grads_from(ps, z)):
+                p.grad = g
+            o.step()
+    for p, q in zip(params, twin_params, strict=True):
+        assert torch.equal(p, q)
+    assert twin.state_dict()["members"]["frozen"].tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "numpy"])
+def test_hyperparameters_as_lists_or_arrays_mean_per_member_values(kind: str) -> None:
+    import numpy as np
+
+    values = [1e-1, 1e-2, 1e-3, 3e-2]
+    given = {"list": list, "tuple": tuple, "numpy": np.array}[kind](values)
+    params, other = make_params(torch.float32), make_params(torch.float32)
+    a = phalanx.optim.Adam(params, lr=given, betas=(given, 0.99))
+    b = phalanx.optim.Adam(other, lr=per_member(values), betas=(per_member(values), 0.99))
+    assert torch.equal(a.hyperparameters()["lr"], b.hyperparameters()["lr"])
+    assert torch.equal(a.hyperparameters()["betas"][0], b.hyperparameters()["betas"][0])
+    with pytest.raises(ValueError, match=r"lr has shape \(3,\); expected a number or a tensor"):
+        phalanx.optim.SGD(make_params(torch.float32), lr=[0.1, 0.2, 0.3])
+    with pytest.raises(TypeError, match=r"lr must be a number or one value per member"):
+        phalanx.optim.SGD(make_params(torch.float32), lr=[0.1, "fast", 0.3, 0.1])

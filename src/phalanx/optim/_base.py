@@ -176,6 +176,23 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         self.bad_steps = torch.zeros(n, dtype=torch.int64, device=device)
         self.frozen = torch.zeros(n, dtype=torch.bool, device=device)
 
+    # What torch's Optimizer.__getstate__ leaves out (it keeps defaults, state and groups):
+    # without them a deepcopy or pickle of the optimizer could not step.
+    _MEMBER_ATTRS = (
+        "num_members",
+        "skip_nonfinite",
+        "freeze_after",
+        "warn_skipped",
+        "last_skipped",
+        "bad_steps",
+        "frozen",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._MEMBER_ATTRS if k in self.__dict__})
+        return state
+
     # ----------------------------------------------------------------------------------------
     # Parameter groups and hyperparameters
 
@@ -196,6 +213,11 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                 )
             self.num_members = p.shape[0]
         param_group["params"] = params
+        for key in ("lr", *(name for name, _ in self._HYPER)):
+            if key in param_group:
+                param_group[key] = self._as_hyper(param_group[key], key)
+            elif key in self.defaults:
+                self.defaults[key] = self._as_hyper(self.defaults[key], key)
         lr = param_group.get("lr", self.defaults.get("lr"))
         if isinstance(lr, Tensor) and lr.dim() > 0:
             param_group["member_lr"] = lr
@@ -217,6 +239,32 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         if params:
             _hypers_to(group, params[0].device)
         self._check_group(group)
+
+    def _as_hyper(self, value: Any, name: str) -> Any:
+        """A hyperparameter given as a list, tuple or numpy array of per-member values as an
+        (N,) tensor (float64, or bool for flags); betas' pair keeps its tuple."""
+        if name == "betas" and isinstance(value, tuple | list) and len(value) == 2:
+            return tuple(self._as_hyper(v, f"{name}[{k}]") for k, v in enumerate(value))
+        if isinstance(value, Tensor | bool | int | float) or value is None:
+            return value
+        if isinstance(value, list | tuple) or type(value).__module__ == "numpy":
+            try:
+                tensor = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise TypeError(
+                    f"{self._NAME}(): {name} must be a number or one value per member (a "
+                    f"tensor, list or numpy array of shape (N,)); got {value!r} ({e})."
+                ) from None
+            if tensor.dtype == torch.bool:
+                return tensor
+            if isinstance(value, list | tuple):  # Python floats keep their double values
+                tensor = torch.tensor(value, dtype=torch.float64)
+            if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
+                raise TypeError(
+                    f"{self._NAME}(): {name} must hold numbers; got a {tensor.dtype} array."
+                )
+            return tensor.to(torch.float64) if tensor.dim() else float(tensor)
+        return value
 
     def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
         """Checks one hyperparameter: a number (or bool), or a tensor of shape (N,)."""
