@@ -601,7 +601,11 @@ def test_a_copied_optimizer_continues_exactly_as_the_original(how: str) -> None:
     opt.frozen[2] = True
     twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     twin_params = [p for g in twin.param_groups for p in g["params"]]
-    assert twin.num_members == N and twin.skip_nonfinite and twin.frozen.tolist() == opt.frozen.tolist()
+    assert (
+        twin.num_members == N
+        and twin.skip_nonfinite
+        and twin.frozen.tolist() == opt.frozen.tolist()
+    )
     for _ in range(3):
         z = next(noise)
         for ps, o in ((params, opt), (twin_params, twin)):
