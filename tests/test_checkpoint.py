@@ -84,7 +84,11 @@ def test_the_file_is_plain_safetensors_with_json_metadata(tmp_path) -> None:
     assert "optimizer.state.0.exp_avg" in keys and "optimizer.members.frozen" in keys
     assert meta["num_members"] == N and meta["extra"] == {"note": "lr sweep"}
     assert meta["loader"]["batch"] == 2 and meta["scheduler"]["last_epoch"] == 2
-    assert [p.name for p in tmp_path.iterdir()] == ["run.safetensors"]  # no temporary left
+    # no temporary left; the lock savers take turns on stays (deleting it would race)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".run.safetensors.lock",
+        "run.safetensors",
+    ]
 
 
 def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> None:
@@ -104,7 +108,7 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         phalanx.save(path, stack, optimizer=opt)
     assert path.read_bytes() == good
-    assert os.listdir(tmp_path) == ["run.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == [".run.safetensors.lock", "run.safetensors"]
 
 
 def test_loading_into_another_n_names_keys_expected_and_got(tmp_path) -> None:
@@ -447,3 +451,12 @@ def test_any_damage_loads_or_raises_checkpoint_error_never_anything_else(
     bad.write_bytes(bytes(data[: len(data) - cut % len(data)] if cut % 2 else data))
     with contextlib.suppress(CheckpointError):  # anything else fails the test
         phalanx.load(bad, stack, optimizer=opt, scheduler=sched, loader=loader)
+
+
+def test_extra_keys_that_collide_when_flattened_each_read_back_their_own(tmp_path) -> None:
+    path = tmp_path / "run.safetensors"
+    stack, *_ = build(seed=0)
+    dotted, nested = torch.tensor([1.0]), torch.tensor([2.0])
+    phalanx.save(path, stack, **{"val.loss": dotted}, val={"loss": nested})
+    extra = phalanx.load(path, build(seed=1)[0])
+    assert torch.equal(extra["val.loss"], dotted) and torch.equal(extra["val"]["loss"], nested)

@@ -395,6 +395,19 @@ def test_successive_halving_keeps_the_best_and_resumes(tmp_path):
         )
 
 
+def test_successive_halving_load_of_a_damaged_file_is_one_clear_error_changing_nothing(tmp_path):
+    stack, opt, loader = _run(4, "adam", dtype=F64)
+    halving = SuccessiveHalving(stack, opt, [2], loader=loader)
+    path = tmp_path / "sh.safetensors"
+    halving.save(str(path))
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    before = [p.detach().clone() for p in stack.parameters()]
+    with pytest.raises(phalanx.CheckpointError, match=r"SuccessiveHalving.load\(\): .* truncated"):
+        halving.load(str(path))
+    assert halving.stack is stack and halving.members == [0, 1, 2, 3]
+    assert all(torch.equal(p, q) for p, q in zip(stack.parameters(), before, strict=True))
+
+
 # ----------------------------------------------------------------------------------- plots
 
 

@@ -37,7 +37,7 @@ from phalanx._checks import (
 )
 from phalanx._files import save_atomic
 
-__all__ = ["CheckpointError", "export_members", "load", "save"]
+__all__ = ["CheckpointError", "export_members", "load", "read", "restore", "save"]
 
 _FORMAT = "phalanx.checkpoint/1"
 _PARTS = ("optimizer", "scheduler", "loader")
@@ -46,8 +46,14 @@ _PARTS = ("optimizer", "scheduler", "loader")
 def _encode(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
     """`obj` as JSON-able data; its tensors go to `tensors` under keys built from `key`."""
     if isinstance(obj, Tensor):
-        tensors[key] = obj.detach()
-        return {"__tensor__": key}
+        # Flat keys can collide ({"val.loss": t} and val={"loss": t} both make
+        # "extra.val.loss"): the JSON names the key, so a taken one gets a suffix.
+        unique, k = key, 0
+        while unique in tensors:
+            k += 1
+            unique = f"{key}~{k}"
+        tensors[unique] = obj.detach()
+        return {"__tensor__": unique}
     if obj is None or isinstance(obj, bool | int | str):
         return obj
     if isinstance(obj, float):
@@ -131,7 +137,7 @@ def save(
     save_atomic(tensors, Path(os.path.abspath(os.fspath(path))), metadata)
 
 
-def _read(path: str, where: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+def read(path: str, where: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The metadata and tensors of a phalanx checkpoint file, or a CheckpointError."""
     if not os.path.isfile(path):
         raise FileNotFoundError(
@@ -140,9 +146,11 @@ def _read(path: str, where: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
             f"phalanx.distributed.load())."
         )
     try:
+        # One open: metadata and tensors come from the same file even when a save renames a
+        # new one over `path` meanwhile (the open handle keeps reading the old one).
         with safetensors.safe_open(path, framework="pt") as f:
             raw = (f.metadata() or {}).get("phalanx")
-        tensors = safetensors.torch.load_file(path)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
     except Exception as e:  # safetensors' own error type, OSError, ...: all mean unreadable
         raise CheckpointError(
             f"{where}: '{path}' is not a readable safetensors file; it may be truncated or "
@@ -212,7 +220,21 @@ def load(
     """
     where = "phalanx.load()"
     path = os.fspath(path)
-    meta, tensors = _read(path, where)
+    meta, tensors = read(path, where)
+    return restore(where, path, meta, tensors, stack, optimizer, scheduler, loader)
+
+
+def restore(
+    where: str,
+    path: str,
+    meta: dict[str, Any],
+    tensors: dict[str, Tensor],
+    stack: nn.Module,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    loader: Any = None,
+) -> dict[str, Any]:
+    """`load` of a checkpoint already `read`: checks everything, then writes; the extras."""
     stack_state = {k[len("stack/") :]: v for k, v in tensors.items() if k.startswith("stack/")}
     check_stack(where, path, stack, stack_state, meta.get("num_members"))
     parts = {"optimizer": optimizer, "scheduler": scheduler, "loader": loader}

@@ -6,21 +6,37 @@ flushed to disk and renamed over the destination in one atomic step. safetensors
 through a temporary file of its own (``.tmpXXXXXX``, whose name says nothing about the
 checkpoint); putting it inside our directory means the one name proves what every leftover
 belongs to, so a later save of the same checkpoint can remove what killed saves left.
+
+Two processes may save to one path at once: each save holds an exclusive lock on
+``.NAME.lock`` beside the destination (``fcntl.flock``; the file is kept, since deleting a
+lock file races with its next user) from tidying to rename, so savers take turns, every
+temporary present while the lock is held belongs to a dead saver, and the path always holds
+one whole checkpoint, the last one renamed. Readers need no lock: a rename is atomic, and a
+reader that reads one open file sees one checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import safetensors.torch
 from torch import Tensor
 
-__all__ = ["atomic_write_text", "checksum", "fsync_directory", "remove_litter", "save_atomic"]
+__all__ = [
+    "atomic_write_text",
+    "checksum",
+    "fsync_directory",
+    "path_lock",
+    "remove_litter",
+    "save_atomic",
+]
 
 _CHUNK = 1 << 22
 
@@ -30,11 +46,32 @@ def _litter(name: str) -> re.Pattern[str]:
     return re.compile(re.escape(f".{name}.") + r"[a-z0-9_]{8}\.tmp")
 
 
+@contextlib.contextmanager
+def path_lock(path: Path) -> Iterator[None]:
+    """Holds the exclusive lock of the destination ``path`` (``.NAME.lock`` beside it).
+
+    Where ``fcntl`` is missing (Windows) nothing is locked: saves to one path must then not
+    overlap.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(path.parent / f".{path.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock, also when the process dies
+
+
 def remove_litter(directory: Path, name: str) -> list[str]:
     """Removes what killed saves of ``directory / name`` left behind; returns their names.
 
     Only entries whose names are ``.NAME.XXXXXXXX.tmp`` are touched: files and folders made by
-    this module for that one destination. Two processes must not save to one path at once.
+    this module for that one destination. Call it holding ``path_lock(directory / name)``,
+    so that no live save's temporaries are among them.
     """
     pattern = _litter(name)
     removed = []
@@ -84,32 +121,34 @@ def save_atomic(
     """
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    remove_litter(directory, path.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory))
-    try:
-        part = tmp / "data"
-        safetensors.torch.save_file(tensors, str(part), metadata=metadata)
-        with open(part, "rb") as f:
-            os.fsync(f.fileno())
-        size, digest = checksum(part)
-        os.replace(part, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    fsync_directory(directory)
+    with path_lock(path):
+        remove_litter(directory, path.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory))
+        try:
+            part = tmp / "data"
+            safetensors.torch.save_file(tensors, str(part), metadata=metadata)
+            with open(part, "rb") as f:
+                os.fsync(f.fileno())
+            size, digest = checksum(part)
+            os.replace(part, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        fsync_directory(directory)
     return size, digest
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Writes a small text file atomically (temporary file, fsync, rename, fsync directory)."""
-    remove_litter(path.parent, path.name)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
+    with path_lock(path):
+        remove_litter(path.parent, path.name)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_directory(path.parent)

@@ -10,16 +10,16 @@ one, with the rungs ASHA uses: grace_period * eta**k.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import safetensors
 import torch
 from torch import Tensor
 
 import phalanx
+from phalanx._checkpoint import CheckpointError, read, restore
 from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
 from phalanx.population._pbt import ranking
@@ -175,30 +175,29 @@ class SuccessiveHalving:
         Returns:
             The other `extra` values given to `save`.
         """
-        survivors = _saved_members(path)
+        where = "phalanx.population.SuccessiveHalving.load()"
+        meta, tensors = read(os.fspath(path), where)  # one reader, read once
+        survivors = _saved_members(meta, path)
         if survivors != self.members:
             index = [self.members.index(i) for i in survivors]
             self.stack = keep_members(
                 self.stack, index, optimizer=self.optimizer, loader=self.loader
             )
             self.members = survivors
-        extra = phalanx.load(path, self.stack, optimizer=self.optimizer, loader=self.loader)
+        extra = restore(
+            where, os.fspath(path), meta, tensors, self.stack, self.optimizer, loader=self.loader
+        )
         self.load_state_dict(extra.pop("population"))
         return extra
 
 
-def _saved_members(path: str) -> list[int]:
-    """The surviving members recorded in a checkpoint, read before the stack is built.
-
-    `phalanx.load` needs a stack of the saved size, so the size is read from the file's
-    JSON metadata first (the list is stored there as plain JSON, not as a tensor).
-    """
-    with safetensors.safe_open(path, framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("phalanx", "{}"))
+def _saved_members(meta: dict[str, Any], path: str) -> list[int]:
+    """The surviving members recorded in a checkpoint's metadata, read before the stack is
+    compacted to them (`restore` needs a stack of the saved size)."""
     try:
         return [int(i) for i in meta["extra"]["population"]["members"]]
     except (KeyError, TypeError) as e:
-        raise ValueError(
+        raise CheckpointError(
             f"phalanx.population.SuccessiveHalving.load(): '{path}' holds no successive "
             "halving state; write it with SuccessiveHalving.save()."
         ) from e
