@@ -57,7 +57,17 @@ class MemberLambdaLR:
             else group["member_lr"].detach().to(device, torch.float64).expand(n).clone()
             for group in optimizer.param_groups
         ]
+        optimizer._attach_schedule(self)  # member surgery moves base_member_lrs' rows
         self.step()
+
+    def _keep_members(self, index: Tensor) -> None:
+        """Follows `optimizer.keep_members`: each group's base rates keep rows `index`."""
+        self.base_member_lrs = [base[index.to(base.device)] for base in self.base_member_lrs]
+
+    def _copy_members(self, src: Tensor, dst: Tensor) -> None:
+        """Follows `optimizer.copy_members`: each target takes its source's base rate."""
+        for base in self.base_member_lrs:
+            base[dst.to(base.device)] = base[src.to(base.device)]
 
     def step(self) -> None:
         """Advances one epoch and writes every group's `member_lr`."""
