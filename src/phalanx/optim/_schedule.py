@@ -105,7 +105,7 @@ class _Shadow(torch.optim.Optimizer):
         # torch warns when its scheduler steps before the optimizer has; this one never steps
         self._opt_called = True
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]  # steps nothing
+    def step(self, closure: Any = None) -> Any:  # steps nothing
         return None
 
 
