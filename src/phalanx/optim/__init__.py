@@ -6,10 +6,12 @@ Every hyperparameter is a number or an (N,) tensor, steps take a per-member `mas
 
 from ._adam import Adam, AdamW
 from ._base import MemberOptimizer, NonFiniteWarning
+from ._lbfgs import LBFGS
 from ._schedule import MemberLambdaLR, MemberScheduler
 from ._sgd import SGD
 
 __all__ = [
+    "LBFGS",
     "SGD",
     "Adam",
     "AdamW",
