@@ -460,3 +460,37 @@ def test_extra_keys_that_collide_when_flattened_each_read_back_their_own(tmp_pat
     phalanx.save(path, stack, **{"val.loss": dotted}, val={"loss": nested})
     extra = phalanx.load(path, build(seed=1)[0])
     assert torch.equal(extra["val.loss"], dotted) and torch.equal(extra["val"]["loss"], nested)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_from_its_header(tmp_path, monkeypatch) -> None:
+    """No tensor data is read before the stack's keys, shapes and dtypes are checked."""
+    from phalanx import _files
+
+    path = tmp_path / "big.safetensors"
+    phalanx.save(path, build(seed=0, hidden=64)[0])
+    copied = []
+    real = _files._tensor
+    monkeypatch.setattr(
+        _files, "_tensor", lambda *a, **k: copied.append(k.get("data", True)) or real(*a, **k)
+    )
+    with pytest.raises(phalanx.CheckpointError, match=r"does not fit this stack: key .* shape"):
+        phalanx.load(path, build(seed=0, hidden=20)[0])
+    assert copied and not any(copied)  # only shapes were looked at
+
+
+def test_damaged_files_are_one_clear_error(tmp_path) -> None:
+    path = tmp_path / "run.safetensors"
+    stack = build(seed=0)[0]
+    phalanx.save(path, stack)
+    good = path.read_bytes()
+    header = int.from_bytes(good[:8], "little")
+    for name, data in {
+        "empty": b"",
+        "truncated": good[: len(good) // 2],
+        "header length past the end": (10**12).to_bytes(8, "little") + good[8:],
+        "header not JSON": good[:8] + b"\xff" * header + good[8 + header :],
+    }.items():
+        path.write_bytes(data)
+        with pytest.raises(phalanx.CheckpointError, match=r"not a readable safetensors file"):
+            phalanx.load(path, stack)
+        assert name

@@ -177,7 +177,7 @@ def test_litter_names_prove_what_they_belong_to(tmp_path) -> None:
 
 
 def _save_many(path: str, value: float, count: int, errors) -> None:
-    stack = _stack(value, width=256)
+    stack = _stack(value, width=64)
     opt = phalanx.optim.SGD(stack.parameters(), lr=value)
     for _ in range(count):
         try:
@@ -187,7 +187,7 @@ def _save_many(path: str, value: float, count: int, errors) -> None:
 
 
 def _load_many(path: str, count: int, errors, seen) -> None:
-    stack = _stack(-1.0, width=256)
+    stack = _stack(-1.0, width=64)
     opt = phalanx.optim.SGD(stack.parameters(), lr=0.5)
     for _ in range(count):
         try:
@@ -210,14 +210,14 @@ def test_two_savers_and_a_reader_of_one_path_each_see_whole_checkpoints(tmp_path
     temporaries), and every load is one whole checkpoint (metadata and tensors of one file,
     read from one open)."""
     path = tmp_path / "run.safetensors"
-    phalanx.save(path, _stack(1.0, width=256), optimizer=phalanx.optim.SGD(
-        _stack(1.0, width=256).parameters(), lr=1.0), value=1.0)  # fmt: skip
+    phalanx.save(path, _stack(1.0, width=64), optimizer=phalanx.optim.SGD(
+        _stack(1.0, width=64).parameters(), lr=1.0), value=1.0)  # fmt: skip
     ctx = mp.get_context("fork")
     errors, seen = ctx.Queue(), ctx.Queue()
     children = [
-        _fork(_save_many, str(path), 1.0, 40, errors),
-        _fork(_save_many, str(path), 2.0, 40, errors),
-        _fork(_load_many, str(path), 80, errors, seen),
+        _fork(_save_many, str(path), 1.0, 150, errors),
+        _fork(_save_many, str(path), 2.0, 150, errors),
+        _fork(_load_many, str(path), 300, errors, seen),
     ]
     for child in children:
         child.join(120)
@@ -234,33 +234,24 @@ def test_two_savers_and_a_reader_of_one_path_each_see_whole_checkpoints(tmp_path
 
 
 def test_a_load_reads_metadata_and_tensors_from_one_open(tmp_path, monkeypatch) -> None:
-    """A save that lands between reading the metadata and the tensors must not mix them:
-    the reader takes both from one open file, which a rename over the path leaves as it was."""
-    import safetensors
+    """A save that lands while a load reads must not mix two files: the reader takes header
+    and tensors from one open file, which a rename over the path leaves as it was.
+    (safetensors' safe_open opens the file again, by name, for each tensor.)"""
+    from phalanx import _files
 
     path = tmp_path / "run.safetensors"
     a, b = _stack(1.0), _stack(2.0)
     phalanx.save(path, a, optimizer=phalanx.optim.SGD(a.parameters(), lr=1.0), value=1.0)
-    real = safetensors.safe_open
+    real = _files._tensor
     landed = []
 
-    class SaveLandsAfterOpening:
-        def __init__(self, *args, **kwargs):
-            self.inner = real(*args, **kwargs)
+    def save_lands_mid_read(*args, **kwargs):
+        if not landed:  # another process's save lands after the header was read
+            landed.append(1)
+            phalanx.save(path, b, optimizer=phalanx.optim.SGD(b.parameters(), lr=2.0), value=2.0)
+        return real(*args, **kwargs)
 
-        def __enter__(self):
-            handle = self.inner.__enter__()
-            if not landed:  # another process's save lands while this one reads
-                landed.append(1)
-                phalanx.save(
-                    path, b, optimizer=phalanx.optim.SGD(b.parameters(), lr=2.0), value=2.0
-                )
-            return handle
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(safetensors, "safe_open", SaveLandsAfterOpening)
+    monkeypatch.setattr(_files, "_tensor", save_lands_mid_read)
     stack = _stack(-1.0)
     opt = phalanx.optim.SGD(stack.parameters(), lr=0.5)
     extra = phalanx.load(path, stack, optimizer=opt)

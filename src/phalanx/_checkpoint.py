@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import safetensors
-import safetensors.torch
 import torch
 from torch import Tensor, nn
 
@@ -35,7 +33,7 @@ from phalanx._checks import (
     probe_load,
     type_name,
 )
-from phalanx._files import save_atomic
+from phalanx._files import read_safetensors, save_atomic
 
 __all__ = ["CheckpointError", "export_members", "load", "read", "restore", "save"]
 
@@ -137,8 +135,28 @@ def save(
     save_atomic(tensors, Path(os.path.abspath(os.fspath(path))), metadata)
 
 
-def read(path: str, where: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The metadata and tensors of a phalanx checkpoint file, or a CheckpointError."""
+def read(
+    path: str, where: str, stack: nn.Module | None = None
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The metadata and tensors of a phalanx checkpoint file, or a CheckpointError.
+
+    With `stack`, a checkpoint whose tensors do not fit it is refused from the header,
+    before its data is read (a 1 GB file of another architecture costs nothing).
+    """
+
+    def fits(metadata: dict[str, str], shapes: dict[str, Tensor]) -> None:
+        if stack is None:
+            return
+        try:
+            meta = json.loads(metadata["phalanx"])
+            if meta.get("format") != _FORMAT:
+                return
+        except (KeyError, ValueError, AttributeError, TypeError, RecursionError):
+            return  # the checks after reading say what is wrong with the metadata
+        n = meta.get("num_members")
+        saved = {k[len("stack/") :]: v for k, v in shapes.items() if k.startswith("stack/")}
+        check_stack(where, path, stack, saved, n)
+
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{where}: '{path}' does not exist or is not a file; pass a file written by "
@@ -147,11 +165,12 @@ def read(path: str, where: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
         )
     try:
         # One open: metadata and tensors come from the same file even when a save renames a
-        # new one over `path` meanwhile (the open handle keeps reading the old one).
-        with safetensors.safe_open(path, framework="pt") as f:
-            raw = (f.metadata() or {}).get("phalanx")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    except Exception as e:  # safetensors' own error type, OSError, ...: all mean unreadable
+        # new one over `path` meanwhile.
+        metadata, tensors = read_safetensors(path, fits)
+        raw = metadata.get("phalanx")
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as e:  # cannot be opened, or not a whole file
         raise CheckpointError(
             f"{where}: '{path}' is not a readable safetensors file; it may be truncated or "
             f"corrupt ({type(e).__name__}: {e})."
@@ -220,7 +239,7 @@ def load(
     """
     where = "phalanx.load()"
     path = os.fspath(path)
-    meta, tensors = read(path, where)
+    meta, tensors = read(path, where, stack)
     return restore(where, path, meta, tensors, stack, optimizer, scheduler, loader)
 
 
