@@ -143,7 +143,11 @@ class Adam(MemberOptimizer):
         bias_correction2 = 1 - beta2**step
         torch._foreach_div_(denoms, rows(bias_correction2.sqrt(), params))
         torch._foreach_add_(denoms, views(self._values(group["eps"], device), denoms))
-        neg_step_sizes = rows(-(lr / bias_correction1), params)
+        # lr / bias_correction1 as a tensor division: a Python float over a tensor is
+        # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
+        # torch.optim's float division (and from the per-member path's tensor division).
+        lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
+        neg_step_sizes = rows(-(lr_t / bias_correction1), params)
         torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, neg_step_sizes), denoms)
 
 
