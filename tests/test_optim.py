@@ -490,6 +490,46 @@ def test_member_bits_do_not_depend_on_n_masks_or_kernel(cls, kwargs, shared_lr, 
                     assert torch.equal(p[i], r), f"N={n} mask at {mask_at}: member {i} param {j}"
 
 
+@pytest.mark.parametrize("cls", ["Adam", "AdamW"])
+def test_fused_true_takes_torchs_fused_kernel_and_matches_torch_to_rounding(monkeypatch, cls):
+    """Opt-in speed: one lr and equal step counts take torch's fused kernel (to rounding);
+    a mask makes the counts differ, after which the exact path runs. Off by default."""
+    from phalanx.optim import _adam
+
+    calls = []
+    original = _adam.Adam._fused_update
+    monkeypatch.setattr(
+        _adam.Adam, "_fused_update", lambda self, *a: calls.append(1) or original(self, *a)
+    )
+    torch.manual_seed(0)
+    n = 3
+    params = [nn.Parameter(torch.randn(n, 4, 5)), nn.Parameter(torch.randn(n, 5))]
+    refs = [[nn.Parameter(p[i].detach().clone()) for p in params] for i in range(n)]
+    kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
+    opt = getattr(phalanx.optim, cls)(params, **kwargs, fused=True)
+    ref_opts = [getattr(torch.optim, cls)(r, **kwargs) for r in refs]
+    for step in range(6):
+        grads = [torch.randn_like(p) for p in params]
+        mask = torch.tensor([True, step < 3 or step % 2 == 0, True])
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step(mask=mask if step >= 3 else None)
+        for i, (r, o) in enumerate(zip(refs, ref_opts)):
+            if not mask[i]:
+                continue
+            for q, g in zip(r, grads):
+                q.grad = g[i].clone()
+            o.step()
+    assert len(calls) == 4  # from step 4 on member 1 is a step behind
+    for i in range(n):
+        for p, q in zip(params, refs[i]):
+            assert_close(p[i], q, msg=f"member {i}")
+    default = getattr(phalanx.optim, cls)([nn.Parameter(torch.zeros(n, 2))], lr=1e-2)
+    default.param_groups[0]["params"][0].grad = torch.ones(n, 2)
+    default.step()
+    assert len(calls) == 4  # not by default
+
+
 # ---------------------------------------------------------------------------- member surgery
 
 

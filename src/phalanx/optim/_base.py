@@ -249,6 +249,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         "skip_nonfinite",
         "freeze_after",
         "warn_skipped",
+        "fused",
         "last_skipped",
         "bad_steps",
         "frozen",
