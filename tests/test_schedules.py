@@ -206,3 +206,19 @@ def test_member_scheduler_follows_member_surgery_and_checkpoints(tmp_path):
     for _ in range(2):
         fresh_scheduler.step()
     assert fresh_opt.hyperparameters()["lr"][[3, 1]].tolist() == alone
+
+
+def test_member_scheduler_of_one_member_and_its_errors():
+    w = nn.Parameter(torch.zeros(1, 2))
+    opt = phalanx.optim.SGD([w], lr=[0.1])
+    plateau = phalanx.optim.MemberScheduler(
+        opt, lambda o: S.ReduceLROnPlateau(o, patience=0, min_lr=0.05)
+    )
+    plateau.step(torch.tensor([1.0]))
+    plateau.step(2.0)  # a number is every member's metric
+    assert opt.hyperparameters()["lr"].tolist() == [0.05]
+    step_lr = phalanx.optim.MemberScheduler(opt, lambda o: S.StepLR(o, 1))
+    with pytest.raises(ValueError, match=r"MemberScheduler.step\(\): StepLR takes no metrics"):
+        step_lr.step(1.0)
+    with pytest.raises(TypeError, match=r"MemberScheduler\(\): expected a phalanx optimizer"):
+        phalanx.optim.MemberScheduler(torch.optim.SGD([nn.Parameter(torch.zeros(2))]), S.StepLR)

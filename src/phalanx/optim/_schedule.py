@@ -153,7 +153,8 @@ class MemberScheduler:
         flat = [per_member[g][i] for g in range(groups) for i in range(n)]
         self.shadows = [_Shadow(flat, self._shadow_defaults())]
         self.schedulers = [make(self.shadows[0])]
-        if isinstance(self.schedulers[0], torch.optim.lr_scheduler.ReduceLROnPlateau):
+        self._plateau = isinstance(self.schedulers[0], torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if self._plateau:
             # its state (best, bad epochs) follows one metric: one scheduler per member
             self.shadows = [
                 _Shadow([row[i] for row in per_member], self._shadow_defaults()) for i in range(n)
@@ -181,7 +182,7 @@ class MemberScheduler:
     @property
     def per_member(self) -> bool:
         """True when each member has its own scheduler (ReduceLROnPlateau)."""
-        return len(self.schedulers) > 1
+        return self._plateau
 
     def _shadow_groups(self) -> list[list[dict[str, Any]]]:
         """[g][i]: member i's stand-in group in param group g."""
