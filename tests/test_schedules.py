@@ -99,6 +99,7 @@ ABSOLUTE = {
     "WarmRestarts(eta_min=1e-4)": (lambda o: S.CosineAnnealingWarmRestarts(o, 3, eta_min=1e-4), "eta_min"),
     "OneCycleLR": (lambda o: S.OneCycleLR(o, max_lr=0.1, total_steps=10), "max_lr"),
     "CyclicLR": (lambda o: S.CyclicLR(o, base_lr=1e-3, max_lr=0.1), "base_lr / max_lr"),
+    "SWALR": (lambda o: torch.optim.swa_utils.SWALR(o, swa_lr=0.05), "swa_lr"),
 }  # fmt: skip
 
 

@@ -151,11 +151,11 @@ def _refuse_absolute_scheduler(group: dict[str, Any]) -> None:
                 if getattr(owner, "_is_initial", False):  # its constructor set this one
                     group.pop("initial_lr", None)
                 raise ValueError(
-                    f"torch.optim.lr_scheduler.{name}(): this phalanx optimizer has per-member "
+                    f"{type(owner).__module__}.{name}(): this phalanx optimizer has per-member "
                     f"learning rates, so group['lr'] is a factor on each member's rate (1.0 at "
                     f"the start), and {why} is a rate, not a factor: member i would get it "
                     f"times its own rate. Use phalanx.optim.MemberScheduler(opt, lambda o: "
-                    f"torch.optim.lr_scheduler.{name}(o, ...)), which runs the scheduler for "
+                    f"{type(owner).__module__}.{name}(o, ...)), which runs the scheduler for "
                     f"each member exactly as torch does for that member alone. Schedulers of "
                     f"factors (StepLR, ExponentialLR, LambdaLR, eta_min=0, ...) work as they are."
                 )
@@ -170,6 +170,8 @@ def _absolute_rates(scheduler: Any) -> str | None:
         return "max_lr"
     if isinstance(scheduler, lr_scheduler.CyclicLR):
         return "base_lr / max_lr"
+    if isinstance(scheduler, torch.optim.swa_utils.SWALR):
+        return "swa_lr"
     cosine = (lr_scheduler.CosineAnnealingLR, lr_scheduler.CosineAnnealingWarmRestarts)
     if isinstance(scheduler, cosine) and scheduler.eta_min != 0:
         return f"eta_min={scheduler.eta_min}"
