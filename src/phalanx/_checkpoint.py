@@ -132,7 +132,7 @@ def save(
             seen.add(t.untyped_storage().data_ptr())
         tensors[key] = t
     metadata = {"phalanx": json.dumps(meta)}
-    save_atomic(tensors, Path(os.path.abspath(os.fspath(path))), metadata)
+    save_atomic(tensors, Path(os.path.abspath(os.fspath(path))), metadata, lock=True)
 
 
 def read(

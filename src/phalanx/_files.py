@@ -7,7 +7,7 @@ through a temporary file of its own (``.tmpXXXXXX``, whose name says nothing abo
 checkpoint); putting it inside our directory means the one name proves what every leftover
 belongs to, so a later save of the same checkpoint can remove what killed saves left.
 
-Two processes may save to one path at once: each save holds an exclusive lock on
+Two processes may `phalanx.save` to one path at once: each such save holds an exclusive lock on
 ``.NAME.lock`` beside the destination (``fcntl.flock``; the file is kept, since deleting a
 lock file races with its next user) from tidying to rename, so savers take turns, every
 temporary present while the lock is held belongs to a dead saver, and the path always holds
@@ -116,16 +116,19 @@ def checksum(path: Path) -> tuple[int, str]:
 
 
 def save_atomic(
-    tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]
+    tensors: dict[str, Tensor], path: Path, metadata: dict[str, str], *, lock: bool = False
 ) -> tuple[int, str]:
     """Writes a safetensors file at ``path`` atomically; returns its size and SHA-256.
 
     Leftovers of earlier killed saves of ``path`` are removed first. On any error (a
     KeyboardInterrupt included) the temporary directory is removed and ``path`` is as before.
+    With ``lock``, the save holds ``path_lock(path)`` throughout, so concurrent savers of one
+    path take turns (``phalanx.save``); without, one saver per path at a time is the caller's
+    contract (a sharded save's files, each written by one rank).
     """
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    with path_lock(path):
+    with path_lock(path) if lock else contextlib.nullcontext():
         remove_litter(directory, path.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory))
         try:
@@ -243,9 +246,9 @@ def _tensor(
     return torch.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str, *, lock: bool = False) -> None:
     """Writes a small text file atomically (temporary file, fsync, rename, fsync directory)."""
-    with path_lock(path):
+    with path_lock(path) if lock else contextlib.nullcontext():
         remove_litter(path.parent, path.name)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
