@@ -139,3 +139,29 @@ def test_a_stack_trains_with_member_lbfgs_like_each_model_alone():
         alone.step(member_closure)
         mine = [p[i] for p in stack.parameters()]
         torch.testing.assert_close(mine, list(m.parameters()), rtol=1e-9, atol=1e-12)
+
+
+def test_state_round_trips_through_torch_save_and_phalanx_save_refuses_it(tmp_path):
+    def run(opt, w):
+        def closure():
+            opt.zero_grad()
+            losses = torch.stack([_loss(w[i], i) for i in range(N)])
+            losses.sum().backward()
+            return losses
+
+        opt.step(closure)
+
+    w, v = nn.Parameter(_start()), nn.Parameter(_start())
+    opt = phalanx.optim.LBFGS([w], max_iter=3, history_size=4)
+    run(opt, w)
+    torch.save(opt.state_dict(), tmp_path / "lbfgs.pt")
+    with torch.no_grad():
+        v.copy_(w)
+    resumed = phalanx.optim.LBFGS([v], max_iter=3, history_size=4)
+    resumed.load_state_dict(torch.load(tmp_path / "lbfgs.pt"))
+    run(opt, w)
+    run(resumed, v)
+    assert torch.equal(w, v)
+    stack = phalanx.stack([nn.Linear(2, 1) for _ in range(N)], backend="loop")
+    with pytest.raises(TypeError, match=r"phalanx.save\(\): phalanx.optim.LBFGS keeps one history"):
+        phalanx.save(tmp_path / "run.safetensors", stack, optimizer=opt)

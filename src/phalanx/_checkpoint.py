@@ -110,6 +110,14 @@ def save(
     Example:
         >>> phalanx.save("run.safetensors", stack, optimizer=opt, loader=loader, epoch=3)
     """
+    from phalanx.optim import LBFGS
+
+    if isinstance(optimizer, LBFGS):
+        raise TypeError(
+            "phalanx.save(): phalanx.optim.LBFGS keeps one history per member, of different "
+            "lengths, which a checkpoint of stacked tensors cannot hold; save the stack "
+            "without it (L-BFGS restarts its history cheaply), or torch.save(opt.state_dict())."
+        )
     tensors: dict[str, Tensor] = {}
     for key, value in stack.state_dict().items():
         tensors[f"stack/{key}"] = value.detach()

@@ -220,16 +220,21 @@ class LBFGS(torch.optim.Optimizer):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """Every member's torch LBFGS state (history, step length, counters)."""
-        return {"members": [m.state_dict() for m in self.members]}
+        """torch's optimizer state dict plus every member's torch LBFGS state (history, step
+        length, counters) under "members", for `torch.save`. (`phalanx.save` refuses it: the
+        members' histories differ in length, which its format of stacked tensors cannot hold.)
+        """
+        return {**super().state_dict(), "members": [m.state_dict() for m in self.members]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what `state_dict` saved, member by member."""
-        members = state_dict["members"]
+        state_dict = dict(state_dict)
+        members = state_dict.pop("members")
         if len(members) != self.num_members:
             raise ValueError(
                 f"{self._NAME}.load_state_dict(): the state holds {len(members)} members, this "
                 f"optimizer {self.num_members}."
             )
+        super().load_state_dict(state_dict)
         for m, s in zip(self.members, members, strict=True):
             m.load_state_dict(s)
