@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -417,6 +418,31 @@ def test_a_tuple_target_is_captured_and_no_call_keeps_its_data_alive():
     assert len(step._entries) == 1 and step.choice == "captured"
     assert sum(r() is not None for r in refs) == 0
     assert_close(stack.state_dict(), eager_stack.state_dict(), trajectory=True)
+
+
+def test_a_target_holding_an_object_runs_eager_with_one_warning():
+    """A value that cannot be a graph constant (here an object in the target) is no
+    signature: that call runs the eager step, said once, and nothing is kept."""
+
+    class Weights:
+        def __init__(self, w):
+            self.w = w
+
+    stack = phalanx.stack(make_members(ARCH["question2"], N), backend="loop")
+    opt = phalanx.optim.Adam(stack.parameters(), lr=LR)
+
+    def loss_fn(q, t):
+        return ((q - t[0]) ** 2 * t[1].w).mean()
+
+    step = compile_step(stack, loss_fn, opt, target_in_dims=None, backend="aot_eager",
+                        prefer="captured", warmup_steps=1)  # fmt: skip
+    x, y = torch.randn(8, 10), torch.randn(8, 2)
+    with pytest.warns(UserWarning, match=r"holds a Weights, which the captured step cannot"):
+        step(x, (y, Weights(2.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(x, (y, Weights(3.0)))  # said once
+    assert step._entries == {}
 
 
 def test_hyperparameter_cache_never_mistakes_a_new_tensor_for_an_old_one():
