@@ -84,7 +84,11 @@ def test_the_file_is_plain_safetensors_with_json_metadata(tmp_path) -> None:
     assert "optimizer.state.0.exp_avg" in keys and "optimizer.members.frozen" in keys
     assert meta["num_members"] == N and meta["extra"] == {"note": "lr sweep"}
     assert meta["loader"]["batch"] == 2 and meta["scheduler"]["last_epoch"] == 2
-    assert [p.name for p in tmp_path.iterdir()] == ["run.safetensors"]  # no temporary left
+    # no temporary left; the lock savers take turns on stays (deleting it would race)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".run.safetensors.lock",
+        "run.safetensors",
+    ]
 
 
 def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> None:
@@ -104,7 +108,7 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         phalanx.save(path, stack, optimizer=opt)
     assert path.read_bytes() == good
-    assert os.listdir(tmp_path) == ["run.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == [".run.safetensors.lock", "run.safetensors"]
 
 
 def test_loading_into_another_n_names_keys_expected_and_got(tmp_path) -> None:
@@ -447,3 +451,46 @@ def test_any_damage_loads_or_raises_checkpoint_error_never_anything_else(
     bad.write_bytes(bytes(data[: len(data) - cut % len(data)] if cut % 2 else data))
     with contextlib.suppress(CheckpointError):  # anything else fails the test
         phalanx.load(bad, stack, optimizer=opt, scheduler=sched, loader=loader)
+
+
+def test_extra_keys_that_collide_when_flattened_each_read_back_their_own(tmp_path) -> None:
+    path = tmp_path / "run.safetensors"
+    stack, *_ = build(seed=0)
+    dotted, nested = torch.tensor([1.0]), torch.tensor([2.0])
+    phalanx.save(path, stack, **{"val.loss": dotted}, val={"loss": nested})
+    extra = phalanx.load(path, build(seed=1)[0])
+    assert torch.equal(extra["val.loss"], dotted) and torch.equal(extra["val"]["loss"], nested)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_from_its_header(tmp_path, monkeypatch) -> None:
+    """No tensor data is read before the stack's keys, shapes and dtypes are checked."""
+    from phalanx import _files
+
+    path = tmp_path / "big.safetensors"
+    phalanx.save(path, build(seed=0, hidden=64)[0])
+    copied = []
+    real = _files._tensor
+    monkeypatch.setattr(
+        _files, "_tensor", lambda *a, **k: copied.append(k.get("data", True)) or real(*a, **k)
+    )
+    with pytest.raises(phalanx.CheckpointError, match=r"does not fit this stack: key .* shape"):
+        phalanx.load(path, build(seed=0, hidden=20)[0])
+    assert copied and not any(copied)  # only shapes were looked at
+
+
+def test_damaged_files_are_one_clear_error(tmp_path) -> None:
+    path = tmp_path / "run.safetensors"
+    stack = build(seed=0)[0]
+    phalanx.save(path, stack)
+    good = path.read_bytes()
+    header = int.from_bytes(good[:8], "little")
+    for name, data in {
+        "empty": b"",
+        "truncated": good[: len(good) // 2],
+        "header length past the end": (10**12).to_bytes(8, "little") + good[8:],
+        "header not JSON": good[:8] + b"\xff" * header + good[8 + header :],
+    }.items():
+        path.write_bytes(data)
+        with pytest.raises(phalanx.CheckpointError, match=r"not a readable safetensors file"):
+            phalanx.load(path, stack)
+        assert name

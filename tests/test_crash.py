@@ -25,6 +25,9 @@ from phalanx.distributed import _checkpoint as dckpt
 
 N = 4
 
+# The lock that savers of run.safetensors take turns on; kept, it is no temporary.
+LOCK = ".run.safetensors.lock"
+
 
 def _stack(value: float, width: int = 8) -> phalanx.Stack:
     stack = phalanx.stack([nn.Linear(width, width) for _ in range(N)], backend="loop")
@@ -85,13 +88,15 @@ def test_sigkill_at_random_instants_of_save_keeps_a_whole_checkpoint_and_litter_
         os.kill(child.pid, signal.SIGKILL)
         child.join()
         assert child.exitcode == -signal.SIGKILL
-        litter_seen += len([p for p in tmp_path.iterdir() if p.name.startswith(".run.")])
+        litter_seen += len(
+            [p for p in tmp_path.iterdir() if p.name.startswith(".run.") and p.name != LOCK]
+        )
         value = _value(path, width=1024)  # whole, whichever save it is
         assert value == int(value) >= 0
     assert litter_seen > 0, "no kill landed inside a save: the test did not test anything"
     phalanx.save(path, _stack(7.0, width=1024))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["run.safetensors", *(o.name for o in others)]
+        ["run.safetensors", LOCK, *(o.name for o in others)]
     )
     assert _value(path, width=1024) == 7.0
 
@@ -161,3 +166,89 @@ def test_litter_names_prove_what_they_belong_to(tmp_path) -> None:
     removed = _files.remove_litter(tmp_path, "run.safetensors")
     assert sorted(removed) == sorted([*mine, ".run.safetensors.dirdirdi.tmp"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(not_mine)
+
+
+# --------------------------------------------------- concurrent savers and readers, real processes
+
+
+def _save_many(path: str, value: float, count: int, errors) -> None:
+    stack = _stack(value, width=64)
+    opt = phalanx.optim.SGD(stack.parameters(), lr=value)
+    for _ in range(count):
+        try:
+            phalanx.save(path, stack, optimizer=opt, value=value)
+        except Exception as e:  # reported to the parent, which fails the test
+            errors.put(f"{type(e).__name__}: {e}")
+
+
+def _load_many(path: str, count: int, errors, seen) -> None:
+    stack = _stack(-1.0, width=64)
+    opt = phalanx.optim.SGD(stack.parameters(), lr=0.5)
+    for _ in range(count):
+        try:
+            extra = phalanx.load(path, stack, optimizer=opt)
+        except Exception as e:
+            errors.put(f"{type(e).__name__}: {e}")
+            continue
+        values = torch.cat([p.detach().flatten() for p in stack.parameters()]).unique().tolist()
+        lr = opt.param_groups[0]["lr"]
+        if (
+            values != [extra["value"]] or lr != extra["value"]
+        ):  # one file's metadata, another's tensors
+            errors.put(f"mixed checkpoint: weights {values}, lr {lr}, extra {extra['value']}")
+        seen.put(extra["value"])
+
+
+def test_two_savers_and_a_reader_of_one_path_each_see_whole_checkpoints(tmp_path) -> None:
+    """Two processes save different checkpoints to one path while a third loads it in a loop:
+    no save fails (they took turns on the path's lock instead of deleting each other's
+    temporaries), and every load is one whole checkpoint (metadata and tensors of one file,
+    read from one open)."""
+    path = tmp_path / "run.safetensors"
+    phalanx.save(path, _stack(1.0, width=64), optimizer=phalanx.optim.SGD(
+        _stack(1.0, width=64).parameters(), lr=1.0), value=1.0)  # fmt: skip
+    ctx = mp.get_context("fork")
+    errors, seen = ctx.Queue(), ctx.Queue()
+    children = [
+        _fork(_save_many, str(path), 1.0, 150, errors),
+        _fork(_save_many, str(path), 2.0, 150, errors),
+        _fork(_load_many, str(path), 300, errors, seen),
+    ]
+    for child in children:
+        child.join(120)
+        assert child.exitcode == 0
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, found[:3]
+    values = set()
+    while not seen.empty():
+        values.add(seen.get())
+    assert values <= {1.0, 2.0} and values
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "run.safetensors"]
+
+
+def test_a_load_reads_metadata_and_tensors_from_one_open(tmp_path, monkeypatch) -> None:
+    """A save that lands while a load reads must not mix two files: the reader takes header
+    and tensors from one open file, which a rename over the path leaves as it was.
+    (safetensors' safe_open opens the file again, by name, for each tensor.)"""
+    from phalanx import _files
+
+    path = tmp_path / "run.safetensors"
+    a, b = _stack(1.0), _stack(2.0)
+    phalanx.save(path, a, optimizer=phalanx.optim.SGD(a.parameters(), lr=1.0), value=1.0)
+    real = _files._tensor
+    landed = []
+
+    def save_lands_mid_read(*args, **kwargs):
+        if not landed:  # another process's save lands after the header was read
+            landed.append(1)
+            phalanx.save(path, b, optimizer=phalanx.optim.SGD(b.parameters(), lr=2.0), value=2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_files, "_tensor", save_lands_mid_read)
+    stack = _stack(-1.0)
+    opt = phalanx.optim.SGD(stack.parameters(), lr=0.5)
+    extra = phalanx.load(path, stack, optimizer=opt)
+    assert landed and extra["value"] == 1.0 and opt.param_groups[0]["lr"] == 1.0
+    assert torch.cat([p.detach().flatten() for p in stack.parameters()]).unique().tolist() == [1.0]

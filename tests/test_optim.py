@@ -441,11 +441,59 @@ def test_bad_arguments_are_named(make: Any, match: str) -> None:
         make(make_params(torch.float32))
 
 
+BIT_CASES = [
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2}),
+    ("Adam", {"lr": 1e-2}),
+    ("Adam", {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1, "amsgrad": True}),
+    ("AdamW", {"lr": 1e-2}),
+    ("AdamW", {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize(("cls", "kwargs"), BIT_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("shared_lr", [True, False], ids=["shared_lr", "member_lr"])
+def test_member_bits_do_not_depend_on_n_masks_or_kernel(cls, kwargs, shared_lr, dtype) -> None:
+    """Each member equals torch.optim on that member alone bit for bit, whatever the number
+    of members, a mask on another member, or one shared lr against an (N,) tensor of it.
+    torch's fused Adam kernel (once taken for one shared lr) fails this: its vectorised body
+    and scalar tail round differently, so a member's bits depended on its offset in the
+    stack, i.e. on N, and a mask moved everyone off it. In float64 a shared lr also failed:
+    `lr / tensor` is torch's reciprocal-then-multiply, not torch.optim's division."""
+    shapes = [(16, 6), (16,), (3, 16), (3,), (7,)]  # sizes that are no multiple of a vector
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(8, *s, generator=g, dtype=dtype) for s in shapes]
+    for n in (1, 2, 3, 5):
+        for mask_at in (None, 3):
+            params = [nn.Parameter(b[:n].clone()) for b in base]
+            ours = dict(kwargs)
+            if not shared_lr:
+                ours["lr"] = torch.full((n,), kwargs["lr"], dtype=torch.float64)
+            opt = getattr(phalanx.optim, cls)(params, **ours)
+            refs = [[nn.Parameter(b[i].clone()) for b in base] for i in range(n)]
+            ref_opts = [getattr(torch.optim, cls)(r, **kwargs) for r in refs]
+            noise = torch.Generator().manual_seed(1)
+            for t in range(8):
+                z = [torch.randn(8, *s, generator=noise, dtype=dtype) for s in shapes]
+                for p, zj in zip(params, z, strict=True):
+                    p.grad = 0.5 * p.detach() + zj[:n]
+                mask = torch.arange(n) != n - 1 if t == mask_at else None
+                opt.step(mask=mask)
+                for i in range(n):
+                    if mask is not None and not mask[i]:
+                        continue
+                    for r, zj in zip(refs[i], z, strict=True):
+                        r.grad = 0.5 * r.detach() + zj[i]
+                    ref_opts[i].step()
+            for i in range(n):
+                for j, (p, r) in enumerate(zip(params, refs[i], strict=True)):
+                    assert torch.equal(p[i], r), f"N={n} mask at {mask_at}: member {i} param {j}"
+
+
 @pytest.mark.parametrize("cls", ["Adam", "AdamW"])
-@pytest.mark.parametrize("amsgrad", [False, True])
-def test_fused_kernel_path_matches_torch_and_steps_aside_for_masks(monkeypatch, cls, amsgrad):
-    """One lr for all members and equal step counts take torch's fused Adam kernel; a mask
-    makes the counts differ, after which the foreach path runs. Both match torch.optim."""
+def test_fused_true_takes_torchs_fused_kernel_and_matches_torch_to_rounding(monkeypatch, cls):
+    """Opt-in speed: one lr and equal step counts take torch's fused kernel (to rounding);
+    a mask makes the counts differ, after which the exact path runs. Off by default."""
     from phalanx.optim import _adam
 
     calls = []
@@ -457,8 +505,8 @@ def test_fused_kernel_path_matches_torch_and_steps_aside_for_masks(monkeypatch, 
     n = 3
     params = [nn.Parameter(torch.randn(n, 4, 5)), nn.Parameter(torch.randn(n, 5))]
     refs = [[nn.Parameter(p[i].detach().clone()) for p in params] for i in range(n)]
-    kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1, "amsgrad": amsgrad}
-    opt = getattr(phalanx.optim, cls)(params, **kwargs)
+    kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
+    opt = getattr(phalanx.optim, cls)(params, **kwargs, fused=True)
     ref_opts = [getattr(torch.optim, cls)(r, **kwargs) for r in refs]
     for step in range(6):
         grads = [torch.randn_like(p) for p in params]
@@ -472,12 +520,14 @@ def test_fused_kernel_path_matches_torch_and_steps_aside_for_masks(monkeypatch, 
             for q, g in zip(r, grads):
                 q.grad = g[i].clone()
             o.step()
-    # Steps 0-3 start from equal counts (step 3's mask is applied after the update); from
-    # step 4 on member 1 is a step behind, so the foreach path runs.
-    assert len(calls) == 4
+    assert len(calls) == 4  # from step 4 on member 1 is a step behind
     for i in range(n):
         for p, q in zip(params, refs[i]):
             assert_close(p[i], q, msg=f"member {i}")
+    default = getattr(phalanx.optim, cls)([nn.Parameter(torch.zeros(n, 2))], lr=1e-2)
+    default.param_groups[0]["params"][0].grad = torch.ones(n, 2)
+    default.step()
+    assert len(calls) == 4  # not by default
 
 
 # ---------------------------------------------------------------------------- member surgery
@@ -486,9 +536,8 @@ def test_fused_kernel_path_matches_torch_and_steps_aside_for_masks(monkeypatch, 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_hyperparameters_set_in_place_equal_those_given_at_construction(case: Case) -> None:
     """An optimizer built with shared defaults, then given every member's hyperparameters by
-    set_hyperparameters, steps as one built with them. Not always bit for bit: a number made
-    an (N,) tensor takes the per-member kernels (addcmul instead of add with alpha), which
-    round the last bit differently; the tolerance is the one used against torch.optim."""
+    set_hyperparameters, steps bit for bit as one built with them: a number and an (N,)
+    tensor of it take the same arithmetic (in float64 too)."""
     params, other = make_params(torch.float64), make_params(torch.float64)
     built = case.ours(params, **case.kwargs)
     plain = {k: v for k, v in case.kwargs.items() if k == "amsgrad"}
@@ -501,7 +550,7 @@ def test_hyperparameters_set_in_place_equal_those_given_at_construction(case: Ca
                 p.grad = g
             opt.step()
     for p, q in zip(params, other):
-        torch.testing.assert_close(q, p, **TIGHT[torch.float64])
+        assert torch.equal(q, p)
     for name, value in built.hyperparameters().items():
         assert_close(later.hyperparameters()[name], value, dtype=torch.float64, msg=name)
 
@@ -572,3 +621,55 @@ def test_surgery_errors_are_named() -> None:
         match=r"param group 0 has one learning rate for all members, driven by a torch LR scheduler",
     ):
         scheduled.set_hyperparameters([0], lr=0.5)
+
+
+# ---------------------------------------------------------------------------- copies
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_continues_exactly_as_the_original(how: str) -> None:
+    """torch's Optimizer.__getstate__ keeps only defaults, state and groups; the member
+    counters and flags must travel too, or the copy cannot step."""
+    import pickle
+
+    params = make_params(torch.float32)
+    opt = phalanx.optim.Adam(params, lr=per_member([1e-1, 1e-2, 1e-3, 3e-2]), skip_nonfinite=True)
+    noise = noise_stream(params)
+    z = next(noise)
+    for p, g in zip(params, grads_from(params, z)):
+        p.grad = g
+    opt.step(mask=torch.tensor([True, False, True, True]))
+    opt.frozen[2] = True
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    assert (
+        twin.num_members == N
+        and twin.skip_nonfinite
+        and twin.frozen.tolist() == opt.frozen.tolist()
+    )
+    for _ in range(3):
+        z = next(noise)
+        for ps, o in ((params, opt), (twin_params, twin)):
+            for p, g in zip(ps, grads_from(ps, z)):
+                p.grad = g
+            o.step()
+    for p, q in zip(params, twin_params, strict=True):
+        assert torch.equal(p, q)
+    assert twin.state_dict()["members"]["frozen"].tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "numpy"])
+def test_hyperparameters_as_lists_or_arrays_mean_per_member_values(kind: str) -> None:
+    import numpy as np
+
+    values = [1e-1, 1e-2, 1e-3, 3e-2]
+    given = {"list": list, "tuple": tuple, "numpy": np.array}[kind](values)
+    params, other = make_params(torch.float32), make_params(torch.float32)
+    a = phalanx.optim.Adam(params, lr=given, betas=(given, 0.99))
+    b = phalanx.optim.Adam(other, lr=per_member(values), betas=(per_member(values), 0.99))
+    assert torch.equal(a.hyperparameters()["lr"], b.hyperparameters()["lr"])
+    assert torch.equal(a.hyperparameters()["betas"][0], b.hyperparameters()["betas"][0])
+    with pytest.raises(ValueError, match=r"lr has shape \(3,\); expected a number or a tensor"):
+        phalanx.optim.SGD(make_params(torch.float32), lr=[0.1, 0.2, 0.3])
+    with pytest.raises(TypeError, match=r"lr must be a number or one value per member"):
+        phalanx.optim.SGD(make_params(torch.float32), lr=[0.1, "fast", 0.3, 0.1])

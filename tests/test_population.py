@@ -167,12 +167,14 @@ def test_surgery_errors_name_what_is_wrong():
         copy_members(stack, [0], [7])
     with pytest.raises(ValueError, match=r"the optimizer holds 3 members but the stack 4"):
         copy_members(stack, [0], [1], optimizer=_run(3)[1])
-    with pytest.raises(TypeError, match=r"must be a phalanx optimizer .* got SGD"):
+    with pytest.raises(TypeError, match=r"must be a phalanx optimizer .* got torch.optim.sgd.SGD"):
         copy_members(stack, [0], [1], optimizer=torch.optim.SGD(stack.parameters(), lr=0.1))
     with pytest.raises(ValueError, match=r"keep_members\(\): members must list .* got \[1, 1\]"):
         keep_members(stack, [1, 1], optimizer=opt)
     wrong = phalanx.optim.Adam([nn.Parameter(torch.zeros(4, 2))])
-    with pytest.raises(ValueError, match=r"optimizer parameters \[0\] are not parameters of"):
+    with pytest.raises(
+        ValueError, match=r"optimizer parameters \[0\] \(of 1\) are not parameters of this stack"
+    ):
         keep_members(stack, [0, 1], optimizer=wrong)
 
 
@@ -229,6 +231,7 @@ def test_keep_members_keeps_modes_and_a_scheduler_working():
 def _pbt(n=8, seed=0, **kwargs):
     stack, opt, loader = _run(n, "sgd", dtype=F64)
     mutations = {"lr": LogUniform(1e-4, 1.0), "momentum": [0.0, 0.5, 0.9, 0.99]}
+    kwargs.setdefault("mode", "max")
     pbt = PBT(stack, opt, mutations, interval=2, loader=loader, seed=seed, **kwargs)
     return stack, opt, loader, pbt
 
@@ -271,16 +274,16 @@ def test_pbt_mutations_factors_and_min_mode():
 def test_pbt_errors_name_what_is_wrong():
     stack, opt, _ = _run(4, "adam")
     with pytest.raises(ValueError, match=r"no per-member number hyperparameter 'momentum'.*eps"):
-        PBT(stack, opt, {"momentum": [0.9]}, interval=5)
+        PBT(stack, opt, {"momentum": [0.9]}, interval=5, mode="max")
     with pytest.raises(ValueError, match=r"mutation of 'lr' is \[\]; give a non-empty list"):
-        PBT(stack, opt, {"lr": []}, interval=5)
+        PBT(stack, opt, {"lr": []}, interval=5, mode="max")
     with pytest.raises(ValueError, match=r"mutation of 'lr' .* 0 < lo < hi"):
-        PBT(stack, opt, {"lr": LogUniform(0.0, 1.0)}, interval=5)
+        PBT(stack, opt, {"lr": LogUniform(0.0, 1.0)}, interval=5, mode="max")
     with pytest.raises(ValueError, match=r"interval must be a positive int"):
-        PBT(stack, opt, {"lr": Factors(2.0)}, interval=0)
+        PBT(stack, opt, {"lr": Factors(2.0)}, interval=0, mode="max")
     with pytest.raises(ValueError, match=r"quantile must be in \(0, 0.5\]"):
-        PBT(stack, opt, {"lr": Factors(2.0)}, interval=1, quantile=0.7)
-    pbt = PBT(stack, opt, {"lr": Factors(2.0)}, interval=1)
+        PBT(stack, opt, {"lr": Factors(2.0)}, interval=1, quantile=0.7, mode="max")
+    pbt = PBT(stack, opt, {"lr": Factors(2.0)}, interval=1, mode="max")
     with pytest.raises(ValueError, match=r"exploit\(\): metric must hold one value per member"):
         pbt.exploit(torch.zeros(3), step=1)
 
@@ -371,7 +374,7 @@ def test_rungs_follow_asha():
 
 def test_successive_halving_keeps_the_best_and_resumes(tmp_path):
     stack, opt, loader = _run(8, "adam", dtype=F64)
-    halving = SuccessiveHalving(stack, opt, [2, 4], loader=loader)
+    halving = SuccessiveHalving(stack, opt, [2, 4], loader=loader, mode="max")
     _train(stack, opt, loader, 2)
     metric = torch.tensor([0.1, 0.8, 0.3, float("nan"), 0.9, 0.2, 0.7, 0.6])
     small = halving.stop(metric, step=2)
@@ -383,7 +386,7 @@ def test_successive_halving_keeps_the_best_and_resumes(tmp_path):
     assert halving.members == [1, 6]
 
     fresh, fresh_opt, fresh_loader = _run(8, "adam", dtype=F64)
-    resumed = SuccessiveHalving(fresh, fresh_opt, [2, 4], loader=fresh_loader)
+    resumed = SuccessiveHalving(fresh, fresh_opt, [2, 4], loader=fresh_loader, mode="max")
     assert resumed.load(str(tmp_path / "sh.safetensors")) == {"note": "x"}
     assert resumed.members == [1, 4, 6, 7] and not resumed.ready(2) and resumed.ready(4)
     _train(resumed.stack, fresh_opt, fresh_loader, 2)
@@ -393,6 +396,19 @@ def test_successive_halving_keeps_the_best_and_resumes(tmp_path):
         _assert_rows_equal(
             _rows(resumed.stack, fresh_opt, j), _rows(halving.stack, opt, j), f"member {j}"
         )
+
+
+def test_successive_halving_load_of_a_damaged_file_is_one_clear_error_changing_nothing(tmp_path):
+    stack, opt, loader = _run(4, "adam", dtype=F64)
+    halving = SuccessiveHalving(stack, opt, [2], loader=loader, mode="max")
+    path = tmp_path / "sh.safetensors"
+    halving.save(str(path))
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    before = [p.detach().clone() for p in stack.parameters()]
+    with pytest.raises(phalanx.CheckpointError, match=r"SuccessiveHalving.load\(\): .* truncated"):
+        halving.load(str(path))
+    assert halving.stack is stack and halving.members == [0, 1, 2, 3]
+    assert all(torch.equal(p, q) for p, q in zip(stack.parameters(), before, strict=True))
 
 
 # ----------------------------------------------------------------------------------- plots
@@ -443,6 +459,7 @@ def _sharded(n: int, seed: int) -> dict:
         copy_data=True,
         seed=seed,
         shard=shard,
+        mode="max",
     )
     for step in (2, 4):
         _train(stack, opt, loader, 2)
@@ -573,10 +590,10 @@ def test_successive_halving_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(
         ValueError, match=r"milestones must be increasing positive steps; got \[4, 2\]"
     ):
-        SuccessiveHalving(stack, opt, [4, 2])
+        SuccessiveHalving(stack, opt, [4, 2], mode="max")
     with pytest.raises(ValueError, match=r"reduction_factor must be > 1; got 1"):
-        SuccessiveHalving(stack, opt, [2], reduction_factor=1)
-    halving = SuccessiveHalving(stack, opt, [2], loader=loader)
+        SuccessiveHalving(stack, opt, [2], reduction_factor=1, mode="max")
+    halving = SuccessiveHalving(stack, opt, [2], loader=loader, mode="max")
     with pytest.raises(
         ValueError, match=r"stop\(\): metric must hold one value per current member, shape \(4,\)"
     ):

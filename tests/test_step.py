@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -372,7 +373,7 @@ def test_layout_flattens_and_unflattens_every_kind_of_input():
     }
     layout = layout_of(tensors)
     assert layout.state_keys == (("exp_avg", "exp_avg_sq", "step"), ())
-    assert layout.args == (INPUT, 2.5, None) and layout.target is INPUT
+    assert layout.args == (INPUT, 2.5, None) and layout.target[1] == (INPUT,)
     flat = flatten(layout, tensors)
     assert len(flat) == 2 + 1 + 3 + len(ADAM_HYPERS) + 1 + 1 + 1 + 1 + 2
     assert all(isinstance(x, torch.Tensor) for x in flat)
@@ -385,6 +386,81 @@ def test_layout_flattens_and_unflattens_every_kind_of_input():
     assert unflatten(bare_layout, flatten(bare_layout, bare))["frozen"] is None
     with pytest.raises(AssertionError, match="beyond the layout"):
         unflatten(bare_layout, [*flatten(bare_layout, bare), t()])
+
+
+def test_a_tuple_target_is_captured_and_no_call_keeps_its_data_alive():
+    """A target such as (y, mask), built fresh each step, is one signature (its structure,
+    shapes and dtypes), not one per call: the step compiles, and holds no past targets."""
+    import gc
+    import weakref
+
+    stack = phalanx.stack(make_members(ARCH["question2"], N), backend="loop")
+    opt = phalanx.optim.Adam(stack.parameters(), lr=LR)
+    eager_stack = copy.deepcopy(stack)
+    eager_opt = phalanx.optim.Adam(eager_stack.parameters(), lr=LR)
+
+    def loss_fn(q, t):
+        return ((q - t[0]) ** 2 * t[1]).mean()
+
+    kwargs = {"target_in_dims": 0, "backend": "aot_eager", "prefer": "captured"}
+    step = compile_step(stack, loss_fn, opt, warmup_steps=1, **kwargs)
+    eager = compile_step(eager_stack, loss_fn, eager_opt, warmup_steps=10**9, **kwargs)
+    g = torch.Generator().manual_seed(0)
+    refs = []
+    for _ in range(6):
+        x = torch.randn(8, 10, generator=g)
+        y, m = torch.randn(N, 8, 2, generator=g), (torch.rand(N, 8, 1, generator=g) > 0.3) * 1.0
+        refs.append(weakref.ref(y))
+        step(x, (y, m))
+        eager(x, (y, m))
+        del y, m
+    gc.collect()
+    assert len(step._entries) == 1 and step.choice == "captured"
+    assert sum(r() is not None for r in refs) == 0
+    assert_close(stack.state_dict(), eager_stack.state_dict(), trajectory=True)
+
+
+def test_a_target_holding_an_object_runs_eager_with_one_warning():
+    """A value that cannot be a graph constant (here an object in the target) is no
+    signature: that call runs the eager step, said once, and nothing is kept."""
+
+    class Weights:
+        def __init__(self, w):
+            self.w = w
+
+    stack = phalanx.stack(make_members(ARCH["question2"], N), backend="loop")
+    opt = phalanx.optim.Adam(stack.parameters(), lr=LR)
+
+    def loss_fn(q, t):
+        return ((q - t[0]) ** 2 * t[1].w).mean()
+
+    step = compile_step(stack, loss_fn, opt, target_in_dims=None, backend="aot_eager",
+                        prefer="captured", warmup_steps=1)  # fmt: skip
+    x, y = torch.randn(8, 10), torch.randn(8, 2)
+    with pytest.warns(UserWarning, match=r"holds a Weights, which the captured step cannot"):
+        step(x, (y, Weights(2.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(x, (y, Weights(3.0)))  # said once
+    assert step._entries == {}
+
+
+def test_hyperparameter_cache_never_mistakes_a_new_tensor_for_an_old_one():
+    """The cache key holds its tensors: a tensor freed and replaced by one that happens to
+    get the same id (a scheduler stepped twice between steps) is a change."""
+    from phalanx._step import _value_key
+
+    old = torch.full((N,), 0.1, dtype=torch.float64)
+    key = _value_key((old, 0.9))
+    assert key == _value_key((old, 0.9))
+    old.mul_(2)  # in place: a new version
+    assert key != _value_key((old, 0.9))
+    key = _value_key(old)
+    address = id(old)
+    del old  # the key keeps the tensor, so no new tensor can take its id
+    fresh = [torch.full((N,), 0.1, dtype=torch.float64) for _ in range(50)]
+    assert all(id(t) != address for t in fresh)
+    assert all(key != _value_key(t) for t in fresh)
 
 
 def pytree_ids(tree):

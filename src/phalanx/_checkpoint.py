@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import safetensors
-import safetensors.torch
 import torch
 from torch import Tensor, nn
 
@@ -35,9 +33,9 @@ from phalanx._checks import (
     probe_load,
     type_name,
 )
-from phalanx._files import save_atomic
+from phalanx._files import read_safetensors, save_atomic
 
-__all__ = ["CheckpointError", "export_members", "load", "save"]
+__all__ = ["CheckpointError", "export_members", "load", "read", "restore", "save"]
 
 _FORMAT = "phalanx.checkpoint/1"
 _PARTS = ("optimizer", "scheduler", "loader")
@@ -46,8 +44,14 @@ _PARTS = ("optimizer", "scheduler", "loader")
 def _encode(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
     """`obj` as JSON-able data; its tensors go to `tensors` under keys built from `key`."""
     if isinstance(obj, Tensor):
-        tensors[key] = obj.detach()
-        return {"__tensor__": key}
+        # Flat keys can collide ({"val.loss": t} and val={"loss": t} both make
+        # "extra.val.loss"): the JSON names the key, so a taken one gets a suffix.
+        unique, k = key, 0
+        while unique in tensors:
+            k += 1
+            unique = f"{key}~{k}"
+        tensors[unique] = obj.detach()
+        return {"__tensor__": unique}
     if obj is None or isinstance(obj, bool | int | str):
         return obj
     if isinstance(obj, float):
@@ -106,6 +110,14 @@ def save(
     Example:
         >>> phalanx.save("run.safetensors", stack, optimizer=opt, loader=loader, epoch=3)
     """
+    from phalanx.optim import LBFGS
+
+    if isinstance(optimizer, LBFGS):
+        raise TypeError(
+            "phalanx.save(): phalanx.optim.LBFGS keeps one history per member, of different "
+            "lengths, which a checkpoint of stacked tensors cannot hold; save the stack "
+            "without it (L-BFGS restarts its history cheaply), or torch.save(opt.state_dict())."
+        )
     tensors: dict[str, Tensor] = {}
     for key, value in stack.state_dict().items():
         tensors[f"stack/{key}"] = value.detach()
@@ -128,11 +140,31 @@ def save(
             seen.add(t.untyped_storage().data_ptr())
         tensors[key] = t
     metadata = {"phalanx": json.dumps(meta)}
-    save_atomic(tensors, Path(os.path.abspath(os.fspath(path))), metadata)
+    save_atomic(tensors, Path(os.path.abspath(os.fspath(path))), metadata, lock=True)
 
 
-def _read(path: str, where: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The metadata and tensors of a phalanx checkpoint file, or a CheckpointError."""
+def read(
+    path: str, where: str, stack: nn.Module | None = None
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The metadata and tensors of a phalanx checkpoint file, or a CheckpointError.
+
+    With `stack`, a checkpoint whose tensors do not fit it is refused from the header,
+    before its data is read (a 1 GB file of another architecture costs nothing).
+    """
+
+    def fits(metadata: dict[str, str], shapes: dict[str, Tensor]) -> None:
+        if stack is None:
+            return
+        try:
+            meta = json.loads(metadata["phalanx"])
+            if meta.get("format") != _FORMAT:
+                return
+        except (KeyError, ValueError, AttributeError, TypeError, RecursionError):
+            return  # the checks after reading say what is wrong with the metadata
+        n = meta.get("num_members")
+        saved = {k[len("stack/") :]: v for k, v in shapes.items() if k.startswith("stack/")}
+        check_stack(where, path, stack, saved, n)
+
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{where}: '{path}' does not exist or is not a file; pass a file written by "
@@ -140,10 +172,13 @@ def _read(path: str, where: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
             f"phalanx.distributed.load())."
         )
     try:
-        with safetensors.safe_open(path, framework="pt") as f:
-            raw = (f.metadata() or {}).get("phalanx")
-        tensors = safetensors.torch.load_file(path)
-    except Exception as e:  # safetensors' own error type, OSError, ...: all mean unreadable
+        # One open: metadata and tensors come from the same file even when a save renames a
+        # new one over `path` meanwhile.
+        metadata, tensors = read_safetensors(path, fits)
+        raw = metadata.get("phalanx")
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as e:  # cannot be opened, or not a whole file
         raise CheckpointError(
             f"{where}: '{path}' is not a readable safetensors file; it may be truncated or "
             f"corrupt ({type(e).__name__}: {e})."
@@ -212,7 +247,21 @@ def load(
     """
     where = "phalanx.load()"
     path = os.fspath(path)
-    meta, tensors = _read(path, where)
+    meta, tensors = read(path, where, stack)
+    return restore(where, path, meta, tensors, stack, optimizer, scheduler, loader)
+
+
+def restore(
+    where: str,
+    path: str,
+    meta: dict[str, Any],
+    tensors: dict[str, Tensor],
+    stack: nn.Module,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    loader: Any = None,
+) -> dict[str, Any]:
+    """`load` of a checkpoint already `read`: checks everything, then writes; the extras."""
     stack_state = {k[len("stack/") :]: v for k, v in tensors.items() if k.startswith("stack/")}
     check_stack(where, path, stack, stack_state, meta.get("num_members"))
     parts = {"optimizer": optimizer, "scheduler": scheduler, "loader": loader}

@@ -115,7 +115,7 @@ def _pbt(data: Digits, args: argparse.Namespace, steps: int, interval: int):
     stack, opt, loader = _population(data, args)
     pbt = population.PBT(
         stack, opt, {"lr": population.LogUniform(args.lr_min, args.lr_max)},
-        interval=interval, loader=loader, seed=args.seed,
+        interval=interval, loader=loader, seed=args.seed, mode="max",
     )  # fmt: skip
     batches = _batches(loader)
     exploit_seconds = []
@@ -139,7 +139,7 @@ def _halving(data: Digits, args: argparse.Namespace, steps: int) -> tuple[Result
     stack, opt, loader = _population(data, args)
     budget = len(stack) * steps
     milestones = [steps // 8, steps // 4, steps // 2, steps]
-    halving = population.SuccessiveHalving(stack, opt, milestones, loader=loader)
+    halving = population.SuccessiveHalving(stack, opt, milestones, loader=loader, mode="max")
     batches = _batches(loader)
     spent, step = 0, 0
     phases: list[tuple[int, int, float]] = []  # (members, steps, seconds) per rung

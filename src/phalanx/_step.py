@@ -104,6 +104,8 @@ class CompiledStep:
         self.compile_seconds: float | None = None
         self.last_norms: Tensor | None = None
         self._entries: dict[tuple, _Entry] = {}
+        self._params: list[Tensor] = []  # the optimizer's parameters the entries were built for
+        self._eager_reasons: set[str] = set()
         self._hypers: tuple[list, list[dict[str, Tensor]]] | None = None
         self._max_norm: tuple[Any, Tensor] | None = None
         self._modules = list(stack.modules())  # whose train/eval modes the signature reads
@@ -141,6 +143,8 @@ class CompiledStep:
         if self._why_not is not None:
             return self._eager(args, target, mask)
         key = self._signature(args, target, mask)
+        if key is None:
+            return self._eager(args, target, mask)
         entry = self._entries.get(key) or self._entries.setdefault(key, _Entry())
         self.choice = entry.choice
         if entry.choice == "eager":
@@ -240,17 +244,46 @@ class CompiledStep:
 
     # ------------------------------------------------------------------------------ capture
 
-    def _signature(self, args: tuple, target: Any, mask: Tensor | None) -> tuple:
+    def _signature(self, args: tuple, target: Any, mask: Tensor | None) -> tuple | None:
+        """What a graph is specialised on; None where a value cannot be a graph constant.
+
+        Tensors enter as shape, strides, dtype and device, never as objects (a key holding
+        them would keep every call's data alive); a target may be a tuple, list or dict of
+        tensors. The optimizer's parameters are compared by identity with the ones the
+        entries were traced for, held here, and a change (``keep_members``) drops them all.
+        """
+
         def sig(a: Any) -> Any:
             if isinstance(a, Tensor):
                 return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
-            return (type(a), a)
+            if a is None or isinstance(a, bool | int | float | str | torch.dtype):
+                return (type(a), a)
+            raise _NoSignature(type(a).__name__)
 
+        try:
+            leaves, spec = pytree.tree_flatten(target)
+            key = (*map(sig, args), spec, *map(sig, leaves))
+        except _NoSignature as e:
+            self._warn_eager_once(
+                f"an input or the target holds a {e}, which the captured step cannot take as "
+                "a constant; pass tensors (or a tuple, list or dict of them) and numbers"
+            )
+            return None
         modes = (*(m.training for m in self._modules), torch.is_autocast_enabled())
-        params = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(params) != len(self._params) or any(
+            p is not q for p, q in zip(params, self._params, strict=False)
+        ):
+            self._entries.clear()
+            self._params = params
         # The stack's backend is not part of it: every backend is exact, and the graph keeps
         # the one the stack ran when it was traced.
-        return (*map(sig, args), sig(target), mask is None, modes, params)
+        return (*key, mask is None, modes)
+
+    def _warn_eager_once(self, reason: str) -> None:
+        if reason not in self._eager_reasons:
+            self._eager_reasons.add(reason)
+            warnings.warn(f"{_WHERE}: {reason}; this call runs the eager step.", stacklevel=4)
 
     def _plan(self, args: tuple, mask: Tensor | None) -> Plan:
         stack, opt = self.stack, self.optimizer
@@ -309,7 +342,7 @@ class CompiledStep:
             _set_rng_state(rng)
         layout = dataclasses.replace(layout, outputs=tuple(returned))
         graph = simplify(graph)
-        cuda = real["target"].is_cuda if isinstance(real["target"], Tensor) else False
+        cuda = real["params"][0].is_cuda
         mode = self.mode if self.mode is not None else ("reduce-overhead" if cuda else None)
         options: dict[str, Any] = {}
         if self.backend == "inductor":
@@ -391,7 +424,7 @@ class CompiledStep:
         t = self._tensors(args, target, mask)
         for p in t["params"]:
             p.grad = None  # the captured step keeps no gradients; stale ones would mislead
-        if isinstance(target, Tensor) and target.is_cuda:
+        if t["params"][0].is_cuda:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             out = dict(zip(entry.layout.outputs, entry.run(flatten(entry.layout, t))))
@@ -553,9 +586,33 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
 
 
+class _NoSignature(Exception):
+    """A value of this type cannot be a constant of a captured graph."""
+
+
+class _Held:
+    """A tensor in a cache key: equal to another only if it is the same object at the same
+    version. It holds the tensor, so its id cannot pass to a new tensor while the key lives
+    (a key of ``id()`` alone went stale when a scheduler replaced the tensor twice)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Held)
+            and other.tensor is self.tensor
+            and other.version == self.version
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def _value_key(v: Any) -> Any:
     if isinstance(v, Tensor):
-        return (id(v), v._version)
+        return _Held(v)
     if isinstance(v, tuple):
         return tuple(_value_key(x) for x in v)
     return v

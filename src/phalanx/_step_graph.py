@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.func import functional_call
+from torch.utils import _pytree as pytree
 
 from phalanx._losses import member_losses
 
@@ -90,7 +91,8 @@ class Layout:
         hypers: per parameter, whether its (N,) hyperparameters ``ADAM_HYPERS`` are inputs.
         args: per positional input, ``INPUT`` where it is a tensor (a graph input), else
             the value itself, a constant of the graph.
-        target: as one entry of ``args``.
+        target: ``(spec, leaves)``: the target's pytree structure (a tensor, or a tuple,
+            list or dict of them such as ``(y, mask)``) and per leaf what ``args`` holds.
         masked, clipped, isolated: whether the mask, the (N,) max_norm, and the optimizer's
             ``bad_steps`` and ``frozen`` counters are inputs.
         outputs: the names of ``OUTPUTS`` the graph returns, in that order.
@@ -120,11 +122,16 @@ def layout_of(t: dict[str, Any]) -> Layout:
         state_keys=tuple(tuple(sorted(s)) for s in t["state"]),
         hypers=tuple(bool(h) for h in t["hypers"]),
         args=tuple(constant(a) for a in t["args"]),
-        target=constant(t["target"]),
+        target=_target_layout(t["target"]),
         masked=t["mask"] is not None,
         clipped=t["max_norm"] is not None,
         isolated=t["bad_steps"] is not None,
     )
+
+
+def _target_layout(target: Any) -> tuple[Any, tuple[Any, ...]]:
+    leaves, spec = pytree.tree_flatten(target)
+    return spec, tuple(INPUT if isinstance(x, Tensor) else x for x in leaves)
 
 
 def flatten(layout: Layout, t: dict[str, Any]) -> list[Tensor]:
@@ -137,8 +144,8 @@ def flatten(layout: Layout, t: dict[str, Any]) -> list[Tensor]:
         if present:
             flat += [h[k] for k in ADAM_HYPERS]
     flat += [a for a, c in zip(t["args"], layout.args) if c is INPUT]
-    if layout.target is INPUT:
-        flat.append(t["target"])
+    leaves = pytree.tree_leaves(t["target"])
+    flat += [x for x, c in zip(leaves, layout.target[1], strict=True) if c is INPUT]
     if layout.masked:
         flat.append(t["mask"])
     if layout.clipped:
@@ -162,7 +169,8 @@ def unflatten(layout: Layout, flat: list[Tensor] | tuple[Tensor, ...]) -> dict[s
         for present in layout.hypers
     ]
     t["args"] = [next(it) if c is INPUT else c for c in layout.args]
-    t["target"] = next(it) if layout.target is INPUT else layout.target
+    spec, consts = layout.target
+    t["target"] = pytree.tree_unflatten([next(it) if c is INPUT else c for c in consts], spec)
     t["mask"] = next(it) if layout.masked else None
     t["max_norm"] = next(it) if layout.clipped else None
     t["bad_steps"], t["frozen"] = take(2) if layout.isolated else (None, None)

@@ -6,7 +6,17 @@ Every hyperparameter is a number or an (N,) tensor, steps take a per-member `mas
 
 from ._adam import Adam, AdamW
 from ._base import MemberOptimizer, NonFiniteWarning
-from ._schedule import MemberLambdaLR
+from ._lbfgs import LBFGS
+from ._schedule import MemberLambdaLR, MemberScheduler
 from ._sgd import SGD
 
-__all__ = ["SGD", "Adam", "AdamW", "MemberLambdaLR", "MemberOptimizer", "NonFiniteWarning"]
+__all__ = [
+    "LBFGS",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "MemberLambdaLR",
+    "MemberOptimizer",
+    "MemberScheduler",
+    "NonFiniteWarning",
+]

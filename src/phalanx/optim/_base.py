@@ -9,6 +9,7 @@ never over members.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, overload
@@ -115,6 +116,73 @@ def finite_members(tensors: Sequence[Tensor], n: int, device: torch.device) -> T
     return finite
 
 
+class _Group(dict[str, Any]):
+    """A param group that refuses a torch LR scheduler whose values are rates, not factors.
+
+    With per-member learning rates `group["lr"]` is a factor (1.0 at the start) on each
+    member's rate, which is what StepLR, ExponentialLR, LambdaLR and the like compute. A
+    scheduler with an absolute rate in it (CosineAnnealingLR's eta_min, OneCycleLR's max_lr,
+    ...) would give member i that rate times its own: refused at its first write, which for
+    most schedulers is in their constructor, before the write lands.
+    """
+
+    # what torch's schedulers write: OneCycleLR writes initial_lr and momentum first
+    _WATCHED = frozenset({"lr", "initial_lr", "max_lr", "min_lr", "momentum", "betas"})
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self._WATCHED and self.get("member_lr") is not None:
+            _refuse_absolute_scheduler(self)
+        super().__setitem__(key, value)
+
+
+def _refuse_absolute_scheduler(group: dict[str, Any]) -> None:
+    """Raises if a torch LR scheduler with absolute rates is writing into a per-member group."""
+    frame: Any = sys._getframe(2)
+    for _ in range(8):  # the scheduler's step, get_lr or _update_lr, a few frames up
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        if owner is not None and not isinstance(owner, torch.optim.lr_scheduler.LRScheduler):
+            return  # the first method up the stack is not a scheduler's: ours or the user's
+        if owner is not None:
+            why = _absolute_rates(owner)
+            if why is not None:
+                name = type(owner).__name__
+                if getattr(owner, "_is_initial", False):  # its constructor set this one
+                    group.pop("initial_lr", None)
+                raise ValueError(
+                    f"{type(owner).__module__}.{name}(): this phalanx optimizer has per-member "
+                    f"learning rates, so group['lr'] is a factor on each member's rate (1.0 at "
+                    f"the start), and {why} is a rate, not a factor: member i would get it "
+                    f"times its own rate. Use phalanx.optim.MemberScheduler(opt, lambda o: "
+                    f"{type(owner).__module__}.{name}(o, ...)), which runs the scheduler for "
+                    f"each member exactly as torch does for that member alone. Schedulers of "
+                    f"factors (StepLR, ExponentialLR, LambdaLR, eta_min=0, ...) work as they are."
+                )
+            return
+        frame = frame.f_back
+
+
+def _absolute_rates(scheduler: Any) -> str | None:
+    """What in `scheduler` is an absolute learning rate, or None for a scheduler of factors."""
+    lr_scheduler = torch.optim.lr_scheduler
+    if isinstance(scheduler, lr_scheduler.OneCycleLR):
+        return "max_lr"
+    if isinstance(scheduler, lr_scheduler.CyclicLR):
+        return "base_lr / max_lr"
+    if isinstance(scheduler, torch.optim.swa_utils.SWALR):
+        return "swa_lr"
+    cosine = (lr_scheduler.CosineAnnealingLR, lr_scheduler.CosineAnnealingWarmRestarts)
+    if isinstance(scheduler, cosine) and scheduler.eta_min != 0:
+        return f"eta_min={scheduler.eta_min}"
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+        if any(scheduler.min_lrs):
+            return f"min_lr={scheduler.min_lrs}"
+        if scheduler.eps:
+            return f"eps={scheduler.eps} (the smallest change of a rate it makes)"
+    return None
+
+
 class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     """A torch optimizer over stacked parameters whose members are independent experiments.
 
@@ -176,6 +244,24 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         self.bad_steps = torch.zeros(n, dtype=torch.int64, device=device)
         self.frozen = torch.zeros(n, dtype=torch.bool, device=device)
 
+    # What torch's Optimizer.__getstate__ leaves out (it keeps defaults, state and groups):
+    # without them a deepcopy or pickle of the optimizer could not step.
+    _MEMBER_ATTRS = (
+        "num_members",
+        "skip_nonfinite",
+        "freeze_after",
+        "warn_skipped",
+        "fused",
+        "last_skipped",
+        "bad_steps",
+        "frozen",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._MEMBER_ATTRS if k in self.__dict__})
+        return state
+
     # ----------------------------------------------------------------------------------------
     # Parameter groups and hyperparameters
 
@@ -196,11 +282,16 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                 )
             self.num_members = p.shape[0]
         param_group["params"] = params
+        for key in ("lr", *(name for name, _ in self._HYPER)):
+            if key in param_group:
+                param_group[key] = self._as_hyper(param_group[key], key)
+            elif key in self.defaults:
+                self.defaults[key] = self._as_hyper(self.defaults[key], key)
         lr = param_group.get("lr", self.defaults.get("lr"))
         if isinstance(lr, Tensor) and lr.dim() > 0:
             param_group["member_lr"] = lr
             param_group["lr"] = 1.0
-        super().add_param_group(param_group)
+        super().add_param_group(_Group(param_group))
         group = self.param_groups[-1]
         group.setdefault("member_lr", None)
         if group["member_lr"] is not None:
@@ -217,6 +308,32 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         if params:
             _hypers_to(group, params[0].device)
         self._check_group(group)
+
+    def _as_hyper(self, value: Any, name: str) -> Any:
+        """A hyperparameter given as a list, tuple or numpy array of per-member values as an
+        (N,) tensor (float64, or bool for flags); betas' pair keeps its tuple."""
+        if name == "betas" and isinstance(value, tuple | list) and len(value) == 2:
+            return tuple(self._as_hyper(v, f"{name}[{k}]") for k, v in enumerate(value))
+        if isinstance(value, Tensor | bool | int | float) or value is None:
+            return value
+        if isinstance(value, list | tuple) or type(value).__module__ == "numpy":
+            try:
+                tensor = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise TypeError(
+                    f"{self._NAME}(): {name} must be a number or one value per member (a "
+                    f"tensor, list or numpy array of shape (N,)); got {value!r} ({e})."
+                ) from None
+            if tensor.dtype == torch.bool:
+                return tensor
+            if isinstance(value, list | tuple):  # Python floats keep their double values
+                tensor = torch.tensor(value, dtype=torch.float64)
+            if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
+                raise TypeError(
+                    f"{self._NAME}(): {name} must hold numbers; got a {tensor.dtype} array."
+                )
+            return tensor.to(torch.float64) if tensor.dim() else float(tensor)
+        return value
 
     def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
         """Checks one hyperparameter: a number (or bool), or a tensor of shape (N,)."""
@@ -410,6 +527,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         state_dict = dict(state_dict)
         members = state_dict.pop("members", None)
         super().load_state_dict(state_dict)
+        self.param_groups = [_Group(group) for group in self.param_groups]
         for group in self.param_groups:
             _hypers_to(group, group["params"][0].device)
         for p, state in self.state.items():

@@ -1,7 +1,9 @@
-"""A learning-rate schedule per member."""
+"""Learning-rate schedules per member: a lambda of factors, or any torch scheduler run for
+each member as torch runs it on that member alone."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +12,7 @@ from torch import Tensor
 
 from ._base import MemberOptimizer
 
-__all__ = ["MemberLambdaLR"]
+__all__ = ["MemberLambdaLR", "MemberScheduler"]
 
 
 class MemberLambdaLR:
@@ -57,7 +59,17 @@ class MemberLambdaLR:
             else group["member_lr"].detach().to(device, torch.float64).expand(n).clone()
             for group in optimizer.param_groups
         ]
+        optimizer._attach_schedule(self)  # member surgery moves base_member_lrs' rows
         self.step()
+
+    def _keep_members(self, index: Tensor) -> None:
+        """Follows `optimizer.keep_members`: each group's base rates keep rows `index`."""
+        self.base_member_lrs = [base[index.to(base.device)] for base in self.base_member_lrs]
+
+    def _copy_members(self, src: Tensor, dst: Tensor) -> None:
+        """Follows `optimizer.copy_members`: each target takes its source's base rate."""
+        for base in self.base_member_lrs:
+            base[dst.to(base.device)] = base[src.to(base.device)]
 
     def step(self) -> None:
         """Advances one epoch and writes every group's `member_lr`."""
@@ -81,3 +93,243 @@ class MemberLambdaLR:
         self.last_epoch = int(state_dict["last_epoch"])
         device = self.optimizer.frozen.device
         self.base_member_lrs = [t.to(device, torch.float64) for t in state_dict["base_member_lrs"]]
+
+
+class _Shadow(torch.optim.Optimizer):
+    """A stand-in optimizer with one param group per (group, member): what a torch LR
+    scheduler built on it computes for group g*N + i is what it computes for member i alone.
+    Its "parameters" are 0-d placeholders that are never stepped."""
+
+    def __init__(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        super().__init__([{**g, "params": [torch.zeros(())]} for g in groups], defaults)
+        # torch warns when its scheduler steps before the optimizer has; this one never steps
+        self._opt_called = True
+
+    def step(self, closure: Any = None) -> Any:  # steps nothing
+        return None
+
+
+class MemberScheduler:
+    """Runs a torch LR scheduler for every member exactly as torch runs it on that member alone.
+
+    `make(optimizer)` builds the scheduler; it is called on a stand-in optimizer with one
+    param group per member (per param group of `optimizer`, member-major within it), each
+    holding that member's rate as a Python float, so every schedule value (CosineAnnealingLR's
+    `eta_min`, OneCycleLR's `max_lr`, ReduceLROnPlateau's `min_lr`) means what it means in
+    torch for each member, bit for bit. Arguments torch takes per param group (OneCycleLR's
+    or CyclicLR's `max_lr`, ReduceLROnPlateau's `min_lr`) may then be given per member, as a
+    list of N values. After each `step` member i's rate is written to `member_lr[i]`; a
+    scheduler that cycles momentum writes each member's momentum (SGD) or beta1 (Adam) too.
+    `group["lr"]` (1.0) is left to a torch scheduler of factors, which then scales every
+    member's scheduled rate.
+
+    ReduceLROnPlateau watches a metric: here each member has its own scheduler and
+    `step(metrics)` takes (N,) per-member metrics (a number is every member's).
+
+    Args:
+        optimizer: a phalanx optimizer.
+        make: builds the torch scheduler from an optimizer, e.g.
+            `lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=100)`.
+
+    Example:
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=torch.tensor([1e-2, 1e-3]))
+        >>> sched = phalanx.optim.MemberScheduler(
+        ...     opt, lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=1e-4))
+    """
+
+    def __init__(self, optimizer: MemberOptimizer, make: Callable[[Any], Any]) -> None:
+        where = "phalanx.optim.MemberScheduler()"
+        if not isinstance(optimizer, MemberOptimizer):
+            raise TypeError(
+                f"{where}: expected a phalanx optimizer (phalanx.optim.SGD, Adam or AdamW); got "
+                f"{type(optimizer).__name__}. A torch optimizer takes the torch scheduler as it is."
+            )
+        self.optimizer = optimizer
+        self.make = make
+        rates = optimizer.hyperparameters  # (N,) per group: member_lr * lr
+        n, groups = optimizer.num_members, len(optimizer.param_groups)
+        self._momentum = "betas" if "betas" in optimizer.defaults else "momentum"
+        per_member = [[self._shadow_group(rates(g), i) for i in range(n)] for g in range(groups)]
+        flat = [per_member[g][i] for g in range(groups) for i in range(n)]
+        self.shadows = [_Shadow(flat, self._shadow_defaults())]
+        self.schedulers = [make(self.shadows[0])]
+        self._plateau = isinstance(self.schedulers[0], torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if self._plateau:
+            # its state (best, bad epochs) follows one metric: one scheduler per member
+            self.shadows = [
+                _Shadow([row[i] for row in per_member], self._shadow_defaults()) for i in range(n)
+            ]
+            self.schedulers = [make(s) for s in self.shadows]
+        for group in optimizer.param_groups:
+            if group["member_lr"] is None:  # one rate for all: from now on, one per member
+                group["member_lr"] = torch.ones(n, dtype=torch.float64)
+                dict.__setitem__(group, "lr", 1.0)
+        optimizer._attach_schedule(self)
+        self._write()
+
+    def _shadow_defaults(self) -> dict[str, Any]:
+        # OneCycleLR and CyclicLR look for momentum or betas here to cycle them
+        return {"lr": 1.0, self._momentum: (0.9, 0.999) if self._momentum == "betas" else 0.9}
+
+    def _shadow_group(self, rates: dict[str, Any], i: int) -> dict[str, Any]:
+        group: dict[str, Any] = {"lr": float(rates["lr"][i])}
+        if self._momentum == "betas":
+            group["betas"] = tuple(float(b[i]) for b in rates["betas"])
+        elif "momentum" in rates:
+            group["momentum"] = float(rates["momentum"][i])
+        return group
+
+    @property
+    def per_member(self) -> bool:
+        """True when each member has its own scheduler (ReduceLROnPlateau)."""
+        return self._plateau
+
+    def _shadow_groups(self) -> list[list[dict[str, Any]]]:
+        """[g][i]: member i's stand-in group in param group g."""
+        n, groups = self.optimizer.num_members, len(self.optimizer.param_groups)
+        if self.per_member:
+            return [[self.shadows[i].param_groups[g] for i in range(n)] for g in range(groups)]
+        flat = self.shadows[0].param_groups
+        return [flat[g * n : (g + 1) * n] for g in range(groups)]
+
+    def _write(self) -> None:
+        """Each member's rate (and cycled momentum) from the stand-ins into the optimizer."""
+        cycled = any(getattr(s, "cycle_momentum", False) for s in self.schedulers)
+        for group, shadow in zip(self.optimizer.param_groups, self._shadow_groups(), strict=True):
+            device = group["params"][0].device
+            rates = torch.tensor([float(s["lr"]) for s in shadow], dtype=torch.float64)
+            group["member_lr"] = rates.to(device)
+            if cycled and self._momentum == "betas":
+                beta1 = torch.tensor([float(s["betas"][0]) for s in shadow], dtype=torch.float64)
+                group["betas"] = (beta1.to(device), group["betas"][1])
+            elif cycled:
+                momentum = torch.tensor([float(s["momentum"]) for s in shadow], dtype=torch.float64)
+                group["momentum"] = momentum.to(device)
+
+    def step(self, metrics: Any = None) -> None:
+        """Steps every member's schedule; ReduceLROnPlateau takes (N,) per-member metrics."""
+        if self.per_member:
+            values = torch.as_tensor(metrics, dtype=torch.float64).expand(len(self.schedulers))
+            for scheduler, value in zip(self.schedulers, values.tolist(), strict=True):
+                scheduler.step(value)
+        elif metrics is not None:
+            raise ValueError(
+                f"phalanx.optim.MemberScheduler.step(): {type(self.schedulers[0]).__name__} "
+                "takes no metrics."
+            )
+        else:
+            self.schedulers[0].step()
+        self._write()
+
+    def get_last_lr(self) -> list[Tensor]:
+        """Per param group, each member's rate after the last step, (N,) float64."""
+        return [g["member_lr"].detach().cpu().clone() for g in self.optimizer.param_groups]
+
+    # -------------------------------------------------------------------- member surgery
+
+    def _rows(self, values: list[Any], index: list[int]) -> list[Any]:
+        """Reindexes a per-(group, member) list by member `index`."""
+        n = len(values) // len(self.optimizer.param_groups)
+        return [copy.deepcopy(values[g * n + i]) for g in range(len(values) // n) for i in index]
+
+    def _per_group_lists(self, scheduler: Any, length: int) -> list[tuple[Any, str]]:
+        """(object, attribute) of every per-param-group list of a torch scheduler and of the
+        schedulers it chains (SequentialLR, ChainedScheduler)."""
+        out = [
+            (scheduler, k)
+            for k in _PER_GROUP
+            if isinstance(getattr(scheduler, k, None), list)
+            and len(getattr(scheduler, k)) == length
+        ]
+        for child in getattr(scheduler, "_schedulers", ()):
+            out += self._per_group_lists(child, length)
+        return out
+
+    def _keep_members(self, index: Tensor) -> None:
+        """Follows `optimizer.keep_members`: only members `index` keep their schedules."""
+        keep = index.tolist()
+        if self.per_member:
+            self.shadows = [self.shadows[i] for i in keep]
+            self.schedulers = [self.schedulers[i] for i in keep]
+            return
+        (shadow,), (scheduler,) = self.shadows, self.schedulers
+        old = len(shadow.param_groups)
+        for owner, key in self._per_group_lists(scheduler, old):
+            setattr(owner, key, self._rows(getattr(owner, key), keep))
+        shadow.param_groups = self._rows(shadow.param_groups, keep)
+
+    def _copy_members(self, src: Tensor, dst: Tensor) -> None:
+        """Follows `optimizer.copy_members`: each target takes its source's schedule."""
+        pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
+        if self.per_member:
+            states = {s: copy.deepcopy(self.schedulers[s].state_dict()) for s, _ in pairs}
+            groups = {s: copy.deepcopy(self.shadows[s].param_groups) for s, _ in pairs}
+            for s, d in pairs:
+                self.schedulers[d].load_state_dict(states[s])
+                for mine, theirs in zip(self.shadows[d].param_groups, groups[s], strict=True):
+                    mine.update({k: v for k, v in theirs.items() if k != "params"})
+            return
+        (shadow,), (scheduler,) = self.shadows, self.schedulers
+        n = self.optimizer.num_members
+        length = len(shadow.param_groups)
+        lists = [getattr(o, k) for o, k in self._per_group_lists(scheduler, length)]
+        lists.append(shadow.param_groups)
+        for values in lists:
+            before = list(values)
+            for g in range(len(values) // n):
+                for s, d in pairs:
+                    if values is shadow.param_groups:
+                        values[g * n + d].update(
+                            {
+                                k: copy.deepcopy(v)
+                                for k, v in before[g * n + s].items()
+                                if k != "params"
+                            }
+                        )
+                    else:
+                        values[g * n + d] = copy.deepcopy(before[g * n + s])
+
+    # ---------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every scheduler's state and every member's stand-in rates; `make` is code, so it is
+        not saved: build the MemberScheduler with it again, then load."""
+        return {
+            "schedulers": [_plain(s.state_dict()) for s in self.schedulers],
+            "shadows": [
+                [{k: v for k, v in g.items() if k != "params"} for g in s.param_groups]
+                for s in self.shadows
+            ],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores what `state_dict` saved."""
+        if len(state_dict["schedulers"]) != len(self.schedulers):
+            raise ValueError(
+                "phalanx.optim.MemberScheduler.load_state_dict(): the state holds "
+                f"{len(state_dict['schedulers'])} schedulers, this one {len(self.schedulers)}; "
+                "build it over an optimizer of the same members."
+            )
+        for scheduler, state in zip(self.schedulers, state_dict["schedulers"], strict=True):
+            scheduler.load_state_dict(dict(state))
+        for shadow, groups in zip(self.shadows, state_dict["shadows"], strict=True):
+            for mine, saved in zip(shadow.param_groups, groups, strict=True):
+                mine.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        self._write()
+
+
+# The per-param-group lists of torch's schedulers (LambdaLR's functions included).
+_PER_GROUP = (
+    "base_lrs",
+    "_last_lr",
+    "max_lrs",
+    "min_lrs",
+    "base_momentums",
+    "max_momentums",
+    "lr_lambdas",
+)
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """A torch scheduler's state without what a checkpoint cannot hold (its functions)."""
+    return {k: v for k, v in state.items() if not callable(v) and k != "_scale_fn_ref"}

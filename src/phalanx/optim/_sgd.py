@@ -80,7 +80,7 @@ class SGD(MemberOptimizer):
             warn_skipped=warn_skipped,
         )
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: dict[str, Any], where: str | None = None) -> None:
         """Nesterov members need momentum and zero dampening."""
         nesterov = torch.as_tensor(group["nesterov"]).cpu().expand(self.num_members)
         momentum = torch.as_tensor(group["momentum"]).cpu().expand(self.num_members)
@@ -89,7 +89,7 @@ class SGD(MemberOptimizer):
         if bool(bad.any()):
             k = int(bad.nonzero()[0, 0])
             raise ValueError(
-                f"{self._NAME}(): member {k} uses Nesterov momentum with momentum="
+                f"{where or self._NAME + '()'}: member {k} uses Nesterov momentum with momentum="
                 f"{momentum[k].item()} and dampening={dampening[k].item()}; Nesterov momentum "
                 "needs momentum > 0 and dampening = 0."
             )

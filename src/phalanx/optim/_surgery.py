@@ -8,6 +8,7 @@ with the tensors the caller passed to the constructor.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -88,8 +89,9 @@ class MemberSurgery:
     def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
         raise NotImplementedError
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        """Checks constraints between a group's hyperparameters (SGD's Nesterov rule)."""
+    def _check_group(self, group: dict[str, Any], where: str | None = None) -> None:
+        """Checks constraints between a group's hyperparameters (SGD's Nesterov rule);
+        `where` names the caller in the error (default: the constructor)."""
 
     def member_tensors(self) -> list[Tensor]:
         """Every tensor of the optimizer's state whose dim 0 is the member axis.
@@ -159,6 +161,26 @@ class MemberSurgery:
         Example:
             >>> opt.set_hyperparameters([3, 5], lr=torch.tensor([0.1, 0.02]), momentum=0.9)
         """
+        trial = self._trial(members, values, None)
+        for group, new in zip(self.param_groups, trial, strict=True):
+            group.update(new)
+
+    def check_hyperparameters(
+        self, members: Any = None, *, copied_from: Any = None, **values: Any
+    ) -> None:
+        """Raises what `set_hyperparameters(members, **values)` would raise, changing nothing.
+
+        With `copied_from`, the check is of the state after `copy_members(copied_from,
+        members)`: how PBT checks an explore before its exploit copies anything.
+        """
+        self._trial(members, values, copied_from)
+
+    def _trial(self, members: Any, values: dict[str, Any], copied_from: Any) -> list[dict]:
+        """Copies of the param groups with `values` written: check first, then write.
+
+        The copies are shallow (hyperparameter tensors are replaced, never written in place),
+        so the groups themselves change only when the caller commits the copies.
+        """
         where = f"{self._NAME}.set_hyperparameters()"
         kinds = dict(self._HYPER)
         unknown = [k for k in values if k != "lr" and (k not in kinds or k == "amsgrad")]
@@ -169,7 +191,18 @@ class MemberSurgery:
                 f"of {self._NAME}; choose from {names}."
             )
         index = member_index(members, self.num_members, where)
-        for g, group in enumerate(self.param_groups):
+        trial = [dict(group) for group in self.param_groups]
+        if copied_from is not None:
+            src, dst = pairs(copied_from, index, self.num_members, where)
+            self._copy_hyperparameters(src, dst, trial)
+        self._set_in(trial, index, values, where)
+        return trial
+
+    def _set_in(
+        self, groups: list[dict[str, Any]], index: Tensor, values: dict[str, Any], where: str
+    ) -> None:
+        kinds = dict(self._HYPER)
+        for g, group in enumerate(groups):
             for name, value in values.items():
                 if name == "lr":
                     self._lr_to_members(group, g, where)
@@ -185,7 +218,7 @@ class MemberSurgery:
                         self._write(group, (name, k), index, v, f"{name}[{k}]", kinds[name], where)
                 else:
                     self._write(group, (name, None), index, value, name, kinds[name], where)
-            self._check_group(group)
+            self._check_group(group, where)
 
     def _lr_to_members(self, group: dict[str, Any], g: int, where: str) -> None:
         """Moves a group's one learning rate into per-member rates, where that is exact."""
@@ -259,9 +292,16 @@ class MemberSurgery:
         src, dst = pairs(source, target, self.num_members, where)
         for t in self.member_tensors():
             t[dst.to(t.device)] = t[src.to(t.device)]
-        if not hyperparameters:
-            return
-        for group in self.param_groups:
+        if hyperparameters:
+            self._copy_hyperparameters(src, dst)
+            for schedule in self.member_schedules():
+                schedule._copy_members(src, dst)
+
+    def _copy_hyperparameters(
+        self, src: Tensor, dst: Tensor, groups: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Each target's per-member hyperparameters become its source's (new tensors)."""
+        for group in self.param_groups if groups is None else groups:
             for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
                 value = _get(group, slot)
                 if isinstance(value, Tensor) and value.shape == (self.num_members,):
@@ -376,6 +416,18 @@ class MemberSurgery:
         self.last_skipped = self.last_skipped[index.to(self.frozen.device)]
         self.bad_steps = self.bad_steps[index.to(self.frozen.device)]
         self.frozen = self.frozen[index.to(self.frozen.device)]
+        for schedule in self.member_schedules():
+            schedule._keep_members(index)
+
+    def member_schedules(self) -> list[Any]:
+        """The per-member schedules attached to this optimizer (`MemberLambdaLR`,
+        `MemberScheduler`): member surgery moves their per-member state with the members."""
+        return list(self.__dict__.get("_member_schedules", ()))
+
+    def _attach_schedule(self, schedule: Any) -> None:
+        if "_member_schedules" not in self.__dict__:
+            self._member_schedules: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._member_schedules.add(schedule)
 
 
 def _rows(value: Any, index: Tensor, n: int) -> Any:

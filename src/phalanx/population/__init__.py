@@ -13,7 +13,7 @@ A stack already holds N experiments side by side. Here members copy each other a
 - `plot_population`: each member's hyperparameter schedule and the metric with exploits.
 
 Example:
-    >>> pbt = phalanx.population.PBT(stack, opt, {"lr": LogUniform(1e-4, 1.0)}, interval=100)
+    >>> pbt = phalanx.population.PBT(stack, opt, {"lr": LogUniform(1e-4, 1.0)}, interval=100, mode="max")
     >>> if pbt.ready(step):
     ...     pbt.exploit(val_acc, step=step)
 """

@@ -10,38 +10,52 @@ one, with the rungs ASHA uses: grace_period * eta**k.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import safetensors
 import torch
 from torch import Tensor
 
 import phalanx
+from phalanx._checkpoint import CheckpointError, read, restore
 from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
-from phalanx.population._pbt import ranking
-from phalanx.population._surgery import keep_members
+from phalanx.population._pbt import check_mode, ranking
+from phalanx.population._surgery import check_run, keep_members
 
 if TYPE_CHECKING:
     from phalanx._stack import Stack
 
-__all__ = ["SuccessiveHalving", "rungs"]
+__all__ = ["Rungs", "SuccessiveHalving", "rungs"]
 
 
-def rungs(grace_period: int, reduction_factor: int, max_steps: int) -> list[int]:
+class Rungs(list[int]):
+    """Milestones that remember the reduction factor they were made with (see `rungs`)."""
+
+    reduction_factor: float
+
+
+def rungs(grace_period: int, reduction_factor: float, max_steps: int) -> Rungs:
     """ASHA's milestones: grace_period * reduction_factor**k below max_steps.
+
+    The list carries `reduction_factor`, which `SuccessiveHalving` then uses: one setting for
+    one thing.
 
     Example:
         >>> rungs(10, 2, 100)
         [10, 20, 40, 80]
     """
-    out, step = [], grace_period
+    if reduction_factor <= 1:
+        raise ValueError(
+            f"phalanx.population.rungs(): reduction_factor must be > 1; got {reduction_factor!r}."
+        )
+    out, step = Rungs(), float(grace_period)
     while step < max_steps:
-        out.append(step)
+        out.append(int(step))
         step *= reduction_factor
+    out.reduction_factor = reduction_factor
     return out
 
 
@@ -53,9 +67,10 @@ class SuccessiveHalving:
         optimizer: its phalanx optimizer, compacted in place with the stack.
         milestones: the steps at which to stop members, e.g. `rungs(grace, eta, max_steps)`.
         loader: its MemberLoader, compacted in place with the stack.
-        reduction_factor: eta: keep ceil(n / eta) of the n members at each milestone.
+        reduction_factor: eta: keep ceil(n / eta) of the n members at each milestone. By
+            default the one `rungs(...)` made the milestones with, else 2.
         min_members: never keep fewer.
-        mode: "max" if a larger metric is better, "min" for a loss.
+        mode: "max" if a larger metric is better, "min" for a loss; required.
 
     Attributes:
         stack: the current stack; a new, smaller one after each `stop`.
@@ -65,7 +80,7 @@ class SuccessiveHalving:
 
     Example:
         >>> halving = phalanx.population.SuccessiveHalving(
-        ...     stack, opt, rungs(100, 2, 1000), loader=loader)
+        ...     stack, opt, rungs(100, 2, 1000), loader=loader, mode="max")
         >>> for step in range(1, 1001):
         ...     train_step(halving.stack)
         ...     if halving.ready(step):
@@ -79,17 +94,26 @@ class SuccessiveHalving:
         milestones: Sequence[int],
         *,
         loader: MemberLoader | None = None,
-        reduction_factor: float = 2,
+        reduction_factor: float | None = None,
         min_members: int = 1,
-        mode: str = "max",
+        mode: str | None = None,
     ) -> None:
         where = "phalanx.population.SuccessiveHalving()"
+        check_run(stack, optimizer, loader, where)
+        made_with = getattr(milestones, "reduction_factor", None)
+        if reduction_factor is None:
+            reduction_factor = 2 if made_with is None else made_with
+        elif made_with is not None and made_with != reduction_factor:
+            raise ValueError(
+                f"{where}: the milestones were made by rungs() with reduction_factor="
+                f"{made_with}, but reduction_factor={reduction_factor} was given; leave "
+                "reduction_factor out (it is taken from the rungs) or make both the same."
+            )
         if reduction_factor <= 1:
             raise ValueError(f"{where}: reduction_factor must be > 1; got {reduction_factor!r}.")
         if isinstance(min_members, bool) or not isinstance(min_members, int) or min_members < 1:
             raise ValueError(f"{where}: min_members must be a positive int; got {min_members!r}.")
-        if mode not in ("max", "min"):
-            raise ValueError(f"{where}: mode must be 'max' or 'min'; got {mode!r}.")
+        check_mode(mode, where)
         if list(milestones) != sorted(set(milestones)) or any(m < 1 for m in milestones):
             raise ValueError(
                 f"{where}: milestones must be increasing positive steps; got {list(milestones)}."
@@ -129,8 +153,12 @@ class SuccessiveHalving:
                 f"{tuple(metric.shape)}."
             )
         k = min(n, max(self.min_members, math.ceil(n / self.reduction_factor)))
-        keep = sorted(ranking(metric, self.mode)[:k].tolist())  # kept in their old order
+        keep = sorted(ranking(metric, str(self.mode))[:k].tolist())  # kept in their old order
         stopped = sorted(set(range(n)) - set(keep))
+        if stopped:  # first, so that a refusal marks nothing done
+            self.stack = keep_members(
+                self.stack, keep, optimizer=self.optimizer, loader=self.loader
+            )
         self.log.append(
             {
                 "step": step,
@@ -140,11 +168,7 @@ class SuccessiveHalving:
             }
         )
         self.last_step = step
-        if stopped:
-            self.stack = keep_members(
-                self.stack, keep, optimizer=self.optimizer, loader=self.loader
-            )
-            self.members = [self.members[i] for i in keep]
+        self.members = [self.members[i] for i in keep]
         return self.stack
 
     # ------------------------------------------------------------------------------ state
@@ -175,30 +199,29 @@ class SuccessiveHalving:
         Returns:
             The other `extra` values given to `save`.
         """
-        survivors = _saved_members(path)
+        where = "phalanx.population.SuccessiveHalving.load()"
+        meta, tensors = read(os.fspath(path), where)  # one reader, read once
+        survivors = _saved_members(meta, path)
         if survivors != self.members:
             index = [self.members.index(i) for i in survivors]
             self.stack = keep_members(
                 self.stack, index, optimizer=self.optimizer, loader=self.loader
             )
             self.members = survivors
-        extra = phalanx.load(path, self.stack, optimizer=self.optimizer, loader=self.loader)
+        extra = restore(
+            where, os.fspath(path), meta, tensors, self.stack, self.optimizer, loader=self.loader
+        )
         self.load_state_dict(extra.pop("population"))
         return extra
 
 
-def _saved_members(path: str) -> list[int]:
-    """The surviving members recorded in a checkpoint, read before the stack is built.
-
-    `phalanx.load` needs a stack of the saved size, so the size is read from the file's
-    JSON metadata first (the list is stored there as plain JSON, not as a tensor).
-    """
-    with safetensors.safe_open(path, framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("phalanx", "{}"))
+def _saved_members(meta: dict[str, Any], path: str) -> list[int]:
+    """The surviving members recorded in a checkpoint's metadata, read before the stack is
+    compacted to them (`restore` needs a stack of the saved size)."""
     try:
         return [int(i) for i in meta["extra"]["population"]["members"]]
     except (KeyError, TypeError) as e:
-        raise ValueError(
+        raise CheckpointError(
             f"phalanx.population.SuccessiveHalving.load(): '{path}' holds no successive "
             "halving state; write it with SuccessiveHalving.save()."
         ) from e

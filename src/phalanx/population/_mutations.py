@@ -85,6 +85,24 @@ def _choice(options: Sequence[Any], generator: torch.Generator) -> Any:
     return options[int(torch.randint(len(options), (), generator=generator))]
 
 
+def _entry(value: Any, options: list[Any]) -> int | None:
+    """The index of `value` in `options`: equal, or equal once both are rounded to float32.
+
+    A hyperparameter held as a float32 tensor (torch's default dtype) is the float32 nearest
+    its list entry, so 0.9 comes back as 0.8999999762; it is still that entry.
+    """
+    if value in options:
+        return options.index(value)
+    if not isinstance(value, int | float):
+        return None
+    rounded = torch.tensor(float(value), dtype=torch.float32)
+    for k, option in enumerate(options):
+        number = isinstance(option, int | float) and not isinstance(option, bool)
+        if number and bool(torch.tensor(float(option), dtype=torch.float32) == rounded):
+            return k
+    return None
+
+
 def mutate(
     value: Any,
     mutation: Mutation,
@@ -99,9 +117,10 @@ def mutate(
         return value * _choice(mutation.factors, generator)
     if isinstance(mutation, list | tuple):
         options = list(mutation)
-        if resample < resample_probability or value not in options:
+        at = _entry(value, options)
+        if resample < resample_probability or at is None:
             return _choice(options, generator)
-        k = options.index(value) + _choice((-1, 1), generator)
+        k = at + _choice((-1, 1), generator)
         return options[min(max(k, 0), len(options) - 1)]
     if not callable(mutation):
         raise TypeError(f"phalanx.population: {mutation!r} is not a mutation.")

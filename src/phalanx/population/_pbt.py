@@ -20,13 +20,69 @@ import phalanx
 from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
 from phalanx.population._mutations import Mutation, check_mutation, mutate
-from phalanx.population._surgery import copy_members
+from phalanx.population._surgery import check_run, copy_members
 
 if TYPE_CHECKING:
     from phalanx._stack import Stack
     from phalanx.distributed import Shard
 
-__all__ = ["PBT", "ranking"]
+__all__ = [
+    "PBT",
+    "check_flat_hyperparameters",
+    "check_mode",
+    "flat_hyperparameters",
+    "ranking",
+    "set_flat_hyperparameters",
+]
+
+
+def check_mode(mode: Any, where: str) -> None:
+    """`mode` must be said: a loss ranked as an accuracy would keep the worst members."""
+    if mode not in ("max", "min"):
+        raise ValueError(
+            f"{where}: mode must be 'max' (a larger metric is better: accuracy) or 'min' (a "
+            f"loss); got {mode!r}. It has no default, since the wrong one keeps the worst "
+            "members."
+        )
+
+
+def flat_hyperparameters(optimizer: MemberOptimizer) -> dict[str, Tensor]:
+    """`optimizer.hyperparameters()` with each pair split: Adam's betas as beta1, beta2."""
+    out: dict[str, Tensor] = {}
+    for name, value in optimizer.hyperparameters().items():
+        if isinstance(value, tuple) and name == "betas":
+            out["beta1"], out["beta2"] = value
+        elif isinstance(value, Tensor):
+            out[name] = value
+    return out
+
+
+def _unflat(
+    optimizer: MemberOptimizer, members: Any, values: Mapping[str, Tensor]
+) -> dict[str, Any]:
+    """beta1 / beta2 back into betas, the other one as the members have it now."""
+    out: dict[str, Any] = dict(values)
+    if "beta1" in out or "beta2" in out:
+        index = torch.as_tensor(range(optimizer.num_members) if members is None else members)
+        current = flat_hyperparameters(optimizer)
+        out["betas"] = tuple(
+            out.pop(k) if k in out else current[k][index] for k in ("beta1", "beta2")
+        )
+    return out
+
+
+def set_flat_hyperparameters(
+    optimizer: MemberOptimizer, members: Any, values: Mapping[str, Tensor]
+) -> None:
+    optimizer.set_hyperparameters(members, **_unflat(optimizer, members, values))
+
+
+def check_flat_hyperparameters(
+    optimizer: MemberOptimizer, members: Any, values: Mapping[str, Tensor], copied_from: Any
+) -> None:
+    optimizer.check_hyperparameters(
+        members, copied_from=copied_from, **_unflat(optimizer, members, values)
+    )
 
 
 def ranking(metric: Tensor, mode: str) -> Tensor:
@@ -43,7 +99,8 @@ class PBT:
         stack: the stack, N members (this rank's block with `shard`).
         optimizer: its phalanx optimizer; PBT reads and writes its per-member hyperparameters
             (those of param group 0 are read; writes go to every group).
-        mutations: hyperparameter name (`"lr"`, `"momentum"`, `"weight_decay"`, ...) to how
+        mutations: hyperparameter name (`"lr"`, `"momentum"`, `"weight_decay"`, Adam's
+            `"beta1"` and `"beta2"`, ...) to how
             it changes: a list of values, a sampler (`LogUniform`, `Uniform`, or
             `f(generator) -> float`) or `Factors(...)`; see `phalanx.population`.
         interval: steps between exploits (the ready interval).
@@ -54,7 +111,7 @@ class PBT:
             (at most half the members).
         resample_probability: chance that explore draws a fresh value instead of perturbing.
         perturb: the factors a perturbation multiplies by, one chosen at random.
-        mode: "max" if a larger metric is better (accuracy), "min" for a loss.
+        mode: "max" if a larger metric is better (accuracy), "min" for a loss; required.
         seed: seeds the driver's own generator (the same seed on every rank).
         shard: with `phalanx.distributed`, this rank's Shard; metrics are gathered and
             members copied across ranks.
@@ -67,7 +124,8 @@ class PBT:
 
     Example:
         >>> pbt = phalanx.population.PBT(
-        ...     stack, opt, {"lr": phalanx.population.LogUniform(1e-4, 1.0)}, interval=100)
+        ...     stack, opt, {"lr": phalanx.population.LogUniform(1e-4, 1.0)}, interval=100,
+        ...     mode="max")
         >>> for step in range(1, steps + 1):
         ...     train_step()
         ...     if pbt.ready(step):
@@ -86,16 +144,14 @@ class PBT:
         quantile: float = 0.25,
         resample_probability: float = 0.25,
         perturb: Sequence[float] = (1.2, 0.8),
-        mode: str = "max",
+        mode: str | None = None,
         seed: int = 0,
         shard: Shard | None = None,
     ) -> None:
         where = "phalanx.population.PBT()"
-        if not isinstance(optimizer, MemberOptimizer):
-            raise TypeError(
-                f"{where}: optimizer must be a phalanx optimizer (phalanx.optim.SGD, Adam, "
-                f"AdamW); got {type(optimizer).__name__}."
-            )
+        if optimizer is None:
+            raise TypeError(f"{where}: PBT needs the stack's phalanx optimizer; pass it.")
+        check_run(stack, optimizer, loader, where)
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"{where}: interval must be a positive int (steps); got {interval!r}.")
         if not 0 < quantile <= 0.5:
@@ -104,13 +160,12 @@ class PBT:
             raise ValueError(
                 f"{where}: resample_probability must be in [0, 1]; got {resample_probability!r}."
             )
-        if mode not in ("max", "min"):
-            raise ValueError(f"{where}: mode must be 'max' or 'min'; got {mode!r}.")
+        check_mode(mode, where)
         if copy_data and loader is None:
             raise ValueError(f"{where}: copy_data=True needs the loader: pass loader=.")
         if not mutations:
             raise ValueError(f"{where}: give at least one hyperparameter to mutate.")
-        current = optimizer.hyperparameters()
+        current = flat_hyperparameters(optimizer)
         for name, mutation in mutations.items():
             value = current.get(name)
             if not isinstance(value, Tensor) or value.dtype == torch.bool:
@@ -130,6 +185,12 @@ class PBT:
                 "learning rates would not be the rates members step with; drop the scheduler "
                 "or leave 'lr' out of the mutations."
             )
+        if "lr" in mutations and optimizer.member_schedules():
+            raise ValueError(
+                f"{where}: a per-member schedule ({type(optimizer.member_schedules()[0]).__name__})"
+                " writes this optimizer's learning rates at each of its steps, so PBT's rates "
+                "would be overwritten; drop the schedule or leave 'lr' out of the mutations."
+            )
         self.stack = stack
         self.optimizer = optimizer
         self.mutations = dict(mutations)
@@ -143,7 +204,7 @@ class PBT:
         self.shard = shard
         self.generator = torch.Generator().manual_seed(seed)
         # Every mutated hyperparameter becomes one value per member, exactly as it was.
-        optimizer.set_hyperparameters(None, **{k: current[k] for k in self.mutations})
+        set_flat_hyperparameters(optimizer, None, {k: current[k] for k in self.mutations})
         self.log: list[dict[str, Any]] = []
         self.history: list[dict[str, Any]] = [
             {"step": 0, "metric": None, "hyperparameters": self._lists(self._hypers())}
@@ -161,11 +222,11 @@ class PBT:
 
     def _hypers(self) -> dict[str, Tensor]:
         """Every member's mutated hyperparameters, (N,) float64 each, over all ranks."""
-        values = self.optimizer.hyperparameters()
+        values = flat_hyperparameters(self.optimizer)
         out = {name: values[name] for name in self.mutations}
         if self.shard is not None:
             out = self.shard.gather(out)
-        return out  # type: ignore[return-value]
+        return out
 
     @staticmethod
     def _lists(values: Mapping[str, Tensor]) -> dict[str, list[float]]:
@@ -194,14 +255,23 @@ class PBT:
                 f"{where}: metric must hold one value per member of this stack, shape "
                 f"({local},); got {tuple(metric.shape)}."
             )
+        check_run(self.stack, self.optimizer, self.loader, where)
         if self.shard is not None:
             metric = self.shard.gather(metric)
         metric = metric.double().cpu()
+        state = self.generator.get_state()
+        try:
+            return self._exploit(metric, step)
+        except Exception:
+            self.generator.set_state(state)  # a refused exploit draws nothing either
+            raise
+
+    def _exploit(self, metric: Tensor, step: int) -> list[dict[str, Any]]:
         n = self.num_members
         count = math.ceil(n * self.quantile)
         if count > n / 2:
             count = n // 2
-        order = ranking(metric, self.mode)
+        order = ranking(metric, str(self.mode))
         top, bottom = order[:count].tolist(), sorted(order[n - count :].tolist())
         hypers = self._hypers()
         events, sources = [], []
@@ -231,6 +301,9 @@ class PBT:
                 }
             )
         if events:
+            # Check the explore before the exploit copies anything: a refused value (SGD's
+            # Nesterov rule) then changes nothing.
+            self._set(bottom, [e["hyperparameters"] for e in events], sources, check=True)
             loader = self.loader if self.copy_data else None
             copy_members(
                 self.stack, sources, bottom, optimizer=self.optimizer, loader=loader,
@@ -248,20 +321,35 @@ class PBT:
         self.last_step = step
         return events
 
-    def _set(self, targets: list[int], values: list[dict[str, float]]) -> None:
-        """Writes each target's new hyperparameters; targets are global indices."""
+    def _set(
+        self,
+        targets: list[int],
+        values: list[dict[str, float]],
+        sources: list[int] | None = None,
+        *,
+        check: bool = False,
+    ) -> None:
+        """Writes each target's new hyperparameters (targets are global indices); with
+        `check`, only checks them as they would be after copying from `sources`."""
         start = self.shard.start if self.shard is not None else 0
-        mine = [(t - start, v) for t, v in zip(targets, values) if 0 <= t - start < len(self.stack)]
+        local = range(len(self.stack))
+        mine = [
+            (k, t - start, v) for k, (t, v) in enumerate(zip(targets, values)) if t - start in local
+        ]
         if not mine:
             return
-        members = [j for j, _ in mine]
-        self.optimizer.set_hyperparameters(
-            members,
-            **{
-                name: torch.tensor([v[name] for _, v in mine], dtype=torch.float64)
-                for name in self.mutations
-            },
-        )
+        members = [j for _, j, _ in mine]
+        new = {
+            name: torch.tensor([v[name] for _, _, v in mine], dtype=torch.float64)
+            for name in self.mutations
+        }
+        if not check:
+            set_flat_hyperparameters(self.optimizer, members, new)
+            return
+        copied = None
+        if sources is not None and all(sources[k] - start in local for k, _, _ in mine):
+            copied = [sources[k] - start for k, _, _ in mine]
+        check_flat_hyperparameters(self.optimizer, members, new, copied)
 
     # ------------------------------------------------------------------------------ state
 

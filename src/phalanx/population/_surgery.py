@@ -21,7 +21,7 @@ from phalanx.optim._surgery import member_index, pairs
 if TYPE_CHECKING:
     from phalanx.distributed import Shard
 
-__all__ = ["copy_members", "keep_members", "member_tensors"]
+__all__ = ["check_run", "copy_members", "keep_members", "member_tensors"]
 
 
 def member_tensors(stack: Stack) -> list[Tensor]:
@@ -30,12 +30,27 @@ def member_tensors(stack: Stack) -> list[Tensor]:
     return params + [b for _, b in stack.module.named_buffers()]
 
 
-def _check(stack: Stack, optimizer: Any, loader: Any, where: str) -> None:
+def check_run(stack: Stack, optimizer: Any, loader: Any, where: str) -> None:
+    """Refuses an optimizer or loader that does not train `stack`, before anything changes.
+
+    The optimizer must be a phalanx optimizer over this stack's own parameters (one of
+    another stack, even of the same N, would have its rows copied instead); optimizer and
+    loader must hold the stack's number of members.
+    """
+    if not isinstance(stack, Stack):
+        raise TypeError(
+            f"{where}: stack must be a phalanx.Stack (from phalanx.stack(models)); got "
+            f"{type(stack).__name__}."
+        )
+    retired = getattr(stack, "_phalanx_replaced_by", None)
+    if retired is not None:
+        raise ValueError(f"{where}: {retired}")
     n = len(stack)
     if optimizer is not None and not isinstance(optimizer, MemberOptimizer):
         raise TypeError(
             f"{where}: optimizer must be a phalanx optimizer (phalanx.optim.SGD, Adam, AdamW), "
-            f"whose state has a member axis; got {type(optimizer).__name__}."
+            f"whose state has a member axis; got {type(optimizer).__module__}."
+            f"{type(optimizer).__name__}. Build it with phalanx.optim over stack.parameters()."
         )
     if loader is not None and not isinstance(loader, MemberLoader):
         raise TypeError(
@@ -47,6 +62,33 @@ def _check(stack: Stack, optimizer: Any, loader: Any, where: str) -> None:
                 f"{where}: the {name} holds {obj.num_members} members but the stack {n}; pass "
                 f"the {name} that trains this stack."
             )
+    if optimizer is not None:
+        own = {id(p) for p in stack.parameters()}  # ids of objects held here: safe
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        stray = [j for j, p in enumerate(held) if id(p) not in own]
+        if stray:
+            raise ValueError(
+                f"{where}: optimizer parameters {stray} (of {len(held)}) are not parameters of "
+                f"this stack: the optimizer trains another stack. Pass the optimizer built "
+                f"over this stack's parameters()."
+            )
+
+
+def _retire(stack: Stack, smaller: Stack) -> None:
+    """Makes the replaced stack refuse to train: its optimizer now steps `smaller`."""
+    message = (
+        f"this stack of {len(stack)} members was replaced by keep_members(), and its "
+        f"optimizer now trains the returned stack of {len(smaller)} (halving.stack after "
+        "SuccessiveHalving.stop()); training this one would update nothing. Use the returned "
+        "stack (under torch.no_grad() this one still evaluates its weights as they were)."
+    )
+    stack._phalanx_replaced_by = message  # type: ignore[assignment]
+
+    def refuse(module: Any, args: Any) -> None:
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"Stack.forward(): {message}")
+
+    stack.register_forward_pre_hook(refuse)
 
 
 @torch.no_grad()
@@ -88,7 +130,7 @@ def copy_members(
         >>> phalanx.population.copy_members(stack, [best], [worst], optimizer=opt)
     """
     where = "phalanx.population.copy_members()"
-    _check(stack, optimizer, loader, where)
+    check_run(stack, optimizer, loader, where)
     if shard is not None and shard.world_size > 1:
         from phalanx.population._distributed import copy_across_ranks
 
@@ -136,7 +178,7 @@ def keep_members(
         >>> stack = phalanx.population.keep_members(stack, top, optimizer=opt, loader=loader)
     """
     where = "phalanx.population.keep_members()"
-    _check(stack, optimizer, loader, where)
+    check_run(stack, optimizer, loader, where)
     index = member_index(members, len(stack), where)
     if not len(index) or len(index.unique()) != len(index):
         raise ValueError(
@@ -158,14 +200,9 @@ def keep_members(
     if optimizer is not None:
         names = {id(p): name for name, p in stack.module.named_parameters()}
         held = [p for group in optimizer.param_groups for p in group["params"]]
-        stray = [j for j, p in enumerate(held) if id(p) not in names]
-        if stray:
-            raise ValueError(
-                f"{where}: optimizer parameters {stray} are not parameters of this stack; pass "
-                f"the optimizer built over stack.parameters()."
-            )
         new = dict(smaller.module.named_parameters())
         optimizer.keep_members(index, [new[names[id(p)]] for p in held])
+        _retire(stack, smaller)
     if loader is not None:
         loader.keep_members(index)
     return smaller
