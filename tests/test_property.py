@@ -120,8 +120,10 @@ def test_generated_members_match_the_loop(kinds, n, batch, train, per_member, ba
     x = torch.randn(n, batch, WIDTH) if per_member else torch.randn(batch, WIDTH)
     # A branch decides on member-dependent data once the input is per-member or a block
     # holding weights came before it; on a shared input alone it is the same for every member.
-    first = kinds.index("branch") if "branch" in kinds else None
-    branches = first is not None and (per_member or any(k in WEIGHTED for k in kinds[:first]))
+    branches = any(
+        k == "branch" and (per_member or any(w in WEIGHTED for w in kinds[:j]))
+        for j, k in enumerate(kinds)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # auto announces a hand-over; that is tested elsewhere
         try:
