@@ -132,7 +132,7 @@ def test_two_ranks_train_save_and_load_like_one_process(tmp_path):
 
     for rank in (0, 1):
         assert "different dtypes or shapes" in per_rank[rank]["mismatch"]
-        assert "rank 1: [('torch.float32', (2, 4))]" in per_rank[rank]["mismatch"]
+        assert "rank 1: N=4 over 2 ranks: [('torch.float32', (2, 4))]" in per_rank[rank]["mismatch"]
         assert per_rank[rank]["after"].tolist() == [0, 0, 1, 1]
 
 
@@ -290,8 +290,8 @@ def _play_ranks_in_turn(monkeypatch) -> None:
     from phalanx.distributed import _checkpoint
 
     entries: list = []
-    monkeypatch.setattr(Shard, "barrier", lambda self: None)
-    monkeypatch.setattr(_checkpoint, "_agree_generation", lambda directory, shard: 1)
+    monkeypatch.setattr(_checkpoint, "_preflight", lambda directory, shard, facts, where: 1)
+    monkeypatch.setattr(_checkpoint, "_outcome", lambda problem, shard, where: problem)
 
     def all_entries(entry, shard, where):
         entries.append(entry)

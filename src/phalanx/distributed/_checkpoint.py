@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from torch.utils import _pytree as pytree
 from phalanx._checks import CheckpointError, check_optimizer, type_name
 from phalanx._files import atomic_write_text, fsync_directory, save_atomic
 from phalanx._stack import Stack
+from phalanx.distributed._agree import describe_members, differences, exchange
 from phalanx.distributed._mesh import Shard, collective, layout
 from phalanx.distributed._shard import shard_of
 from phalanx.distributed._sources import (
@@ -120,20 +123,9 @@ def _next_generation(directory: Path) -> int:
     return max(numbers) + 1
 
 
-def _agree_generation(directory: Path, shard: Shard) -> int:
-    """The generation this save writes, chosen by rank 0 and sent to every rank."""
-    mine = _next_generation(directory) if shard.rank == 0 else 0
-    return int(shard.broadcast(torch.tensor([mine]))[0])
-
-
 def _all_entries(entry: dict[str, Any], shard: Shard, where: str) -> list[dict[str, Any]]:
     """Every rank's shard entry, by rank; waits until every rank has written its file."""
-    if shard.world_size == 1:
-        return [entry]
-    table: list[Any] = [None] * shard.world_size
-    with collective(where, shard, "all_gather of the written files"):
-        dist.all_gather_object(table, entry)
-    return table
+    return exchange(entry, shard, where, "the written files")
 
 
 def save(
@@ -145,17 +137,21 @@ def save(
 ) -> None:
     """Saves this rank's members (and optimizer state) into a sharded checkpoint directory.
 
-    Call it on every rank at the same point. The save is a transaction: each rank writes its
-    members into a new generation beside the committed one; once every rank has finished,
-    rank 0 commits it by atomically replacing ``index.json`` (which names every file with its
-    size and SHA-256), and only then removes the previous generation. If any rank is killed
-    at any instant, the directory still loads as the previous checkpoint (or, once committed,
-    the new one). The directory must be on a file system every rank sees. The checkpoint
-    loads with :func:`phalanx.distributed.load` on any number of ranks, a plain process
-    included.
+    Call it on every rank at the same point. The save is a transaction: first the ranks
+    compare what they hold (N, the members' shapes and dtypes, the optimizer's type and
+    structure) and check that they all see one directory (rank 0 writes a marker file that
+    every rank must read back); on any difference every rank raises and nothing is written.
+    Then each rank writes its members into a new generation beside the committed one; once
+    every rank has finished, rank 0 checks that every rank's file is there and commits by
+    atomically replacing ``index.json`` (which names every file with its size and SHA-256),
+    and only then removes the previous generation. If any rank is killed at any instant,
+    the directory still loads as the previous checkpoint (or, once committed, the new one).
+    The checkpoint loads with :func:`phalanx.distributed.load` on any number of ranks, a
+    plain process included.
 
     Args:
-        path: the checkpoint directory; created if missing.
+        path: the checkpoint directory; created if missing. It must be on a file system
+            every rank sees (the save refuses otherwise).
         stack: this rank's stack.
         optimizer: an optimizer over ``stack.parameters()`` whose state tensors are
             per-member ``(n_local, ...)`` or 0-d, as phalanx.optim's and torch.optim's are.
@@ -165,6 +161,9 @@ def save(
     Raises:
         ValueError: the stack does not hold the shard's members, or optimizer state that is
             neither per-member nor 0-d.
+        CheckpointError: (a ValueError, on every rank) the ranks disagree on what they hold,
+            or do not all see the directory ``path``; nothing was written, and the previous
+            checkpoint is as it was.
         DistributedError: another rank failed, or the timeout passed; nothing was committed.
 
     Example:
@@ -188,27 +187,133 @@ def save(
             "leaves": plain,
             "member_keys": sorted(members),
         }
-    if mine.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    generation = _agree_generation(directory, mine)
+    facts = {
+        "num_members": mine.num_members,
+        "world_size": mine.world_size,
+        "the members' parameters and buffers (shape, dtype)": describe_members(stack),
+        "optimizer": None if optim_entry is None else optim_entry["type"],
+        "optimizer state structure": None if optim_entry is None else optim_entry["treespec"],
+    }
+    generation = _preflight(directory, mine, facts, where)
     name = f"{_generation_name(generation)}/{_file_name(mine.global_indices)}"
     size, digest = save_atomic(_contiguous(tensors), directory / name, {"format": FORMAT})
     entry = {"file": name, "start": mine.start, "stop": mine.stop, "size": size, "sha256": digest}
     shards = _all_entries(entry, mine, where)  # every file is complete before the index names it
+    problem = None
     if mine.rank == 0:
-        index = {
-            "format": FORMAT,
-            "version": VERSION,
-            "generation": generation,
-            "num_members": mine.num_members,
-            "saved_by_ranks": mine.world_size,
-            "shards": shards,
-            "stack_keys": sorted(stack.state_dict()),
-            "optimizer": optim_entry,
-        }
-        atomic_write_text(directory / INDEX, json.dumps(index, indent=1))  # the commit
-        _remove_superseded(directory, generation, {s["file"] for s in shards})
-    mine.barrier()  # no rank returns (and perhaps loads) before the index exists
+        problem = _missing_files(directory, shards)
+        if problem is None:
+            index = {
+                "format": FORMAT,
+                "version": VERSION,
+                "generation": generation,
+                "num_members": mine.num_members,
+                "saved_by_ranks": mine.world_size,
+                "shards": shards,
+                "stack_keys": sorted(stack.state_dict()),
+                "optimizer": optim_entry,
+            }
+            atomic_write_text(directory / INDEX, json.dumps(index, indent=1))  # the commit
+            _remove_superseded(directory, generation, {s["file"] for s in shards})
+    # No rank returns (and perhaps loads) before the index exists, and all learn the outcome.
+    problem = _outcome(problem, mine, where)
+    if problem is not None:
+        raise CheckpointError(
+            f"{where}: nothing was committed; the previous checkpoint in {directory} is as it "
+            f"was: {problem}"
+        )
+
+
+def _preflight(directory: Path, shard: Shard, facts: dict[str, Any], where: str) -> int:
+    """The generation to write, once every rank holds the same kind of state and sees the
+    same directory; otherwise a CheckpointError on every rank, before anything is written.
+
+    Two exchanges: the facts (with rank 0's marker file and generation), then whether each
+    rank read the marker. Every rank judges the same table, so all refuse together.
+    """
+    marker = None
+    if shard.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        facts = {**facts, "generation": _next_generation(directory)}
+        if shard.world_size > 1:
+            marker = _write_marker(directory)
+    here = {"host": socket.gethostname(), "directory": os.path.abspath(directory)}
+    table = exchange({"facts": facts, "marker": marker, **here}, shard, where, "the save's plan")
+    try:
+        generation = int(table[0]["facts"].pop("generation"))
+        problems = differences([row["facts"] for row in table])
+        problems += _layout_problems(shard, [row["facts"]["num_members"] for row in table])
+        if problems:
+            raise CheckpointError(
+                f"{where}: the ranks hold different things, so their files could never load "
+                f"as one checkpoint; nothing was written and the previous checkpoint in "
+                f"{directory} is as it was (every rank raises this):\n  - "
+                + "\n  - ".join(problems)
+                + "\nBuild every rank's stack and optimizer from the same config."
+            )
+        if shard.world_size == 1:
+            return generation
+        name, token = table[0]["marker"]
+        seen = exchange(_read_marker(directory / name, token), shard, where, "the marker check")
+    finally:
+        if marker is not None:
+            (directory / marker[0]).unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        where_is = "; ".join(
+            f"rank {r} on {table[r]['host']}: {table[r]['directory']}" for r in range(len(table))
+        )
+        raise CheckpointError(
+            f"{where}: ranks {blind} cannot see the file rank 0 just wrote into the checkpoint "
+            f"directory, so the directory is not one shared directory ({where_is}). Without a "
+            f"file system every rank sees, the index would name files that exist only on other "
+            f"machines and the checkpoint could never load. Nothing was written; pass a path on "
+            f"a file system shared by every machine (NFS, Lustre, a mounted bucket), the same "
+            f"on every rank."
+        )
+    return generation
+
+
+def _write_marker(directory: Path) -> tuple[str, str]:
+    token = secrets.token_hex(8)
+    name = f".phalanx-shared-{token}"
+    atomic_write_text(directory / name, token)
+    return name, token
+
+
+def _read_marker(file: Path, token: str) -> bool:
+    try:
+        return file.read_text() == token
+    except OSError:
+        return False
+
+
+def _layout_problems(shard: Shard, ns: list[int]) -> list[str]:
+    """Whether the ranks' blocks, by the Shards they were given, cover every member once."""
+    if len(set(ns)) > 1 or shard.world_size == len(ns):
+        return []
+    return [
+        f"this job has {len(ns)} ranks but the Shard says {shard.world_size}; build it with "
+        f"phalanx.distributed.shard() or layout(), which read the job's size"
+    ]
+
+
+def _missing_files(directory: Path, shards: list[dict[str, Any]]) -> str | None:
+    """Why rank 0 does not see every rank's file as written, or None."""
+    for s in shards:
+        file = directory / s["file"]
+        if not file.is_file() or file.stat().st_size != s["size"]:
+            return (
+                f"rank 0 does not see {file} as the rank holding members "
+                f"{s['start']}..{s['stop'] - 1} wrote it ({s['size']} bytes): the directory is "
+                f"not shared by every rank, or another process changed it"
+            )
+    return None
+
+
+def _outcome(problem: str | None, shard: Shard, where: str) -> str | None:
+    """Rank 0's verdict on the commit, on every rank."""
+    return exchange(problem, shard, where, "the commit")[0]
 
 
 def _remove_superseded(directory: Path, generation: int, listed: set[str]) -> None:

@@ -82,21 +82,28 @@ def gather(x: Any, shard: Shard) -> Any:
 
 def _check_same_everywhere(leaves: list[torch.Tensor], shard: Shard, where: str) -> None:
     """Raises on every rank when the ranks' leaves differ in count, dtype or trailing shape."""
-    mine = torch.tensor([len(leaves), _signature(leaves)], dtype=torch.int64, device=comm_device())
+    # N and K too: ranks with another N pad to another width, and all_gather of tensors of
+    # different sizes aborts the process inside gloo instead of raising.
+    facts = [shard.num_members, shard.world_size, len(leaves), _signature(leaves)]
+    mine = torch.tensor(facts, dtype=torch.int64, device=comm_device())
     everyone = [torch.empty_like(mine) for _ in range(shard.world_size)]
     with collective(where, shard, "all_gather of shapes"):
         dist.all_gather(everyone, mine)
     if all(torch.equal(e, everyone[0]) for e in everyone):
         return
-    described = [(str(t.dtype), tuple(t.shape)) for t in leaves]
+    described = (
+        f"N={shard.num_members} over {shard.world_size} ranks: "
+        f"{[(str(t.dtype), tuple(t.shape)) for t in leaves]}"
+    )
     table: list[Any] = [None] * shard.world_size
     with collective(where, shard, "all_gather of shapes"):
         dist.all_gather_object(table, described)
     lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(table))
     raise ValueError(
         f"{where}: the ranks passed tensors of different dtypes or shapes (after dim 0, the "
-        f"members) as (dtype, shape) per tensor:\n{lines}\nEvery rank must pass the same "
-        f"structure, with only dim 0 differing."
+        f"members), or hold shards of another N, as (dtype, shape) per tensor:\n{lines}\n"
+        f"Every rank must pass the same structure, with only dim 0 differing, and shards of "
+        f"one N."
     )
 
 

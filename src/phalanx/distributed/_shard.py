@@ -94,8 +94,31 @@ def shard(
             )
         mine = layout(len(modules), device=device)
         stack = Stack(modules[mine.start : mine.stop], backend=backend).to(mine.device)
+    _check_ranks_agree(stack, mine, where)
     _shards[stack] = mine
     return stack, mine
+
+
+def _check_ranks_agree(stack: Stack, mine: Shard, where: str) -> None:
+    """Raises on every rank when the ranks were given another N or other members.
+
+    Found here, at the start, instead of as a gloo abort in the first gather (another N
+    gives other block sizes) or as a checkpoint that can never load (other shapes).
+    """
+    from phalanx.distributed._agree import describe_members, differences, exchange
+
+    facts = {
+        "num_members": mine.num_members,
+        "the members' parameters and buffers (shape, dtype)": describe_members(stack),
+    }
+    problems = differences(exchange(facts, mine, where, "the members' description"))
+    if problems:
+        raise ValueError(
+            f"{where}: the ranks were given different members, so they cannot train, "
+            f"gather or checkpoint as one run (rank {mine.rank} of {mine.world_size}; every "
+            f"rank raises this):\n  - " + "\n  - ".join(problems) + "\nGive every rank the "
+            "same num_members and the same member architecture (read the same config)."
+        )
 
 
 def shard_of(stack: Stack, where: str) -> Shard:
