@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from phalanx._checks import CheckpointError, check_optimizer, type_name
 from phalanx._files import atomic_write_text, fsync_directory, save_atomic
 from phalanx._stack import Stack
+from phalanx.distributed import _health
 from phalanx.distributed._agree import describe_members, differences, exchange
 from phalanx.distributed._mesh import Shard, collective, layout
 from phalanx.distributed._shard import shard_of
@@ -222,6 +223,7 @@ def save(
             f"{where}: nothing was committed; the previous checkpoint in {directory} is as it "
             f"was: {problem}"
         )
+    _health.note_checkpoint(f"{directory} generation {generation}")
 
 
 def _preflight(directory: Path, shard: Shard, facts: dict[str, Any], where: str) -> int:

@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+DEFAULT_FAILURE_TIMEOUT = 15.0  # seconds of silence after which a rank is named dead
 _timeout: datetime.timedelta = DEFAULT_TIMEOUT
+_failure_timeout: float | None = DEFAULT_FAILURE_TIMEOUT
 
 
 class DistributedError(RuntimeError):
@@ -61,6 +63,7 @@ def init(
     init_method: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    failure_timeout: float | None = DEFAULT_FAILURE_TIMEOUT,
 ) -> bool:
     """Joins the process group that torchrun describes; a no-op in a plain process.
 
@@ -79,6 +82,11 @@ def init(
             reads torchrun's environment (``env://``).
         rank: this process's rank, with ``init_method``; None reads ``RANK``.
         world_size: the number of ranks, with ``init_method``; None reads ``WORLD_SIZE``.
+        failure_timeout: seconds without a heartbeat after which a rank is named dead: every
+            rank then raises :class:`DistributedError` naming it, wherever its main thread
+            is (training steps make no collective call, so nothing else would notice). A
+            thread beats through the job's c10d store every ``failure_timeout / 15`` s (at
+            most 1 s). None turns the detector off.
 
     Returns:
         True if this process is now one rank of a process group, False in a plain process.
@@ -90,10 +98,14 @@ def init(
         >>> phalanx.distributed.init()  # False in a plain process, True under torchrun
         False
     """
-    global _timeout
+    global _timeout, _failure_timeout
     where = "phalanx.distributed.init()"
     timeout = _seconds(timeout)
+    if failure_timeout is not None:
+        failure_timeout = _seconds(failure_timeout).total_seconds()
+    _failure_timeout = failure_timeout
     if is_distributed():
+        _start_heartbeat()
         return True
     if init_method is None:
         if "WORLD_SIZE" not in os.environ:
@@ -123,7 +135,28 @@ def init(
         device_id=device_id,
     )
     _timeout = timeout
+    _start_heartbeat()
     return True
+
+
+def _start_heartbeat() -> None:
+    from phalanx.distributed import _health
+
+    if _failure_timeout is None or _health.current() is not None:
+        return
+    try:  # the default group's store: private in torch, so a missing one turns this off
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+    except Exception:
+        return
+    interval = min(1.0, _failure_timeout / 15)
+    _health.start(store, dist.get_rank(), dist.get_world_size(), interval, _failure_timeout)
+
+
+def failure_timeout() -> float | None:
+    """The failure detector's deadline in seconds, None when it is off."""
+    return _failure_timeout
 
 
 def shutdown() -> None:
@@ -132,6 +165,9 @@ def shutdown() -> None:
     Collects garbage first: process-group objects still referenced at interpreter exit have
     aborted runs after correct results.
     """
+    from phalanx.distributed import _health
+
+    _health.stop("finished")
     gc.collect()
     if is_distributed():
         dist.destroy_process_group()
@@ -314,12 +350,23 @@ def layout(num_members: int, *, device: torch.device | str | None = None) -> Sha
 @contextmanager
 def collective(where: str, shard: Shard, op: str) -> Iterator[None]:
     """Turns a failed collective into a :class:`DistributedError` that says what to check."""
+    from phalanx.distributed import _health
+
     try:
         yield
     except RuntimeError as e:
         if isinstance(e, DistributedError):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # A peer that died closes its connections at once, but only the failure detector
+        # can say which one it was: wait for its verdict, bounded by its deadline. A timeout
+        # means the peers are alive, so no verdict is coming.
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        waits = not timed_out and _failure_timeout is not None and _health.wait_in_collectives
+        wait = _failure_timeout + 2.0 if waits and _failure_timeout is not None else 0.0
+        found = _health.verdict(wait=wait)
+        if found is not None:
+            raise DistributedError(f"{where}: the {op} did not complete ({first}): {found}") from e
         raise DistributedError(
             f"{where}: rank {shard.rank} of {shard.world_size}: the {op} did not complete "
             f"({first}). Another rank most likely raised or died (look for its traceback), or "
