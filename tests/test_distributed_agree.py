@@ -72,7 +72,7 @@ def test_ranks_that_disagree_are_refused_on_every_rank_and_the_previous_checkpoi
         )
         assert "nothing was written and the previous checkpoint" in out["width"]
         assert (
-            "optimizer: torch.optim.Adam on ranks [0]; torch.optim.SGD on ranks [1]"
+            "optimizer type: torch.optim.Adam on ranks [0]; torch.optim.SGD on ranks [1]"
             in out["optimizer"]
         )
         assert "ranks [1] cannot see the file rank 0 just wrote" in out["directory"]
