@@ -25,6 +25,7 @@ whole files).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -44,6 +45,7 @@ from phalanx.distributed._sources import FORMAT, INDEX, STACK, VERSION, Sharded,
 from phalanx.distributed._transaction import (
     file_name,
     generation_name,
+    is_root,
     missing_files,
     outcome,
     preflight,
@@ -62,7 +64,17 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
 
 
-def _all_entries(entry: dict[str, Any], shard: Shard, where: str) -> list[dict[str, Any]]:
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of every tensor this rank would write, to compare data replicas."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key]
+        h.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def _all_entries(entry: dict[str, Any] | None, shard: Shard, where: str) -> list[Any]:
     """Every rank's shard entry, by rank; waits until every rank has written its file."""
     return exchange(entry, shard, where, "the written files")
 
@@ -139,13 +151,25 @@ def save(
     for part in parts.values():
         tensors.update(part.files())
         facts.update(part.facts())
-    generation = _preflight(directory, mine, facts, where)
-    name = f"{generation_name(generation)}/{file_name(mine.global_indices)}"
-    size, digest = save_atomic(_contiguous(tensors), directory / name, {"format": FORMAT})
-    entry = {"file": name, "start": mine.start, "stop": mine.stop, "size": size, "sha256": digest}
-    shards = _all_entries(entry, mine, where)  # every file is complete before the index names it
+    facts["replicas"] = mine.num_replicas
+    local = _contiguous(tensors)
+    rows = _digest(local) if mine.num_replicas > 1 else None
+    generation = _preflight(directory, mine, facts, where, rows)
+    entry = None
+    if mine.is_writer:  # one file per member block: its replica 0 writes it
+        name = f"{generation_name(generation)}/{file_name(mine.global_indices)}"
+        size, digest = save_atomic(local, directory / name, {"format": FORMAT})
+        entry = {
+            "file": name,
+            "start": mine.start,
+            "stop": mine.stop,
+            "size": size,
+            "sha256": digest,
+        }
+    # Waits until every file is complete, before the index names it.
+    shards = [e for e in _all_entries(entry, mine, where) if e is not None]
     problem = None
-    if mine.rank == 0:
+    if is_root(mine):
         problem = missing_files(directory, shards)
         if problem is None:
             index = {

@@ -1,8 +1,12 @@
-"""The process group and the member layout: which rank holds which members.
+"""The process group, the device mesh and the member layout: which rank holds which members.
 
-Rank r of K holds a contiguous block of global member indices; blocks differ in size by at
-most one, the larger ones first (N = 7 on 2 ranks: members 0-3 and 4-6). A plain process
-without torchrun is rank 0 of 1 and holds every member, so one script runs either way.
+Members are laid out as torch's ``DTensor`` lays out ``Shard(0)``: rank r of K holds the
+contiguous block ``torch.arange(N).chunk(K)[r]``, ``ceil(N / K)`` members each and the rest
+on the last rank (N = 7 on 3 ranks: 3, 3, 1), so a member block is a DTensor shard and
+``torch.distributed.checkpoint``, DTensor and FSDP2 can work on it. A job may also hold data
+replicas of each block: a 2-D ``DeviceMesh`` ("member", "replica"), rank = member rank x
+replicas + replica; every phalanx collective then runs on the member axis's group. A plain
+process without torchrun is rank 0 of 1 and holds every member, so one script runs either way.
 """
 
 from __future__ import annotations
@@ -176,15 +180,21 @@ def shutdown() -> None:
 def member_range(num_members: int, world_size: int, rank: int) -> range:
     """The global member indices rank ``rank`` of ``world_size`` holds.
 
-    Contiguous blocks whose sizes differ by at most one, the larger first.
+    DTensor's ``Shard(0)`` layout (``torch.chunk``): ``ceil(N / K)`` members per rank, the
+    last rank the rest; a rank past the end holds none (which :class:`Shard` refuses).
 
     Example:
-        >>> member_range(7, 2, 0), member_range(7, 2, 1)
-        (range(0, 4), range(4, 7))
+        >>> member_range(7, 3, 0), member_range(7, 3, 1), member_range(7, 3, 2)
+        (range(0, 3), range(3, 6), range(6, 7))
     """
-    base, extra = divmod(num_members, world_size)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (rank < extra))
+    size = -(-num_members // world_size)
+    start = min(rank * size, num_members)
+    return range(start, min(start + size, num_members))
+
+
+def _usable_ranks(num_members: int, up_to: int) -> list[int]:
+    """The numbers of ranks, up to ``up_to``, that leave no rank without a member."""
+    return [k for k in range(1, up_to + 1) if len(member_range(num_members, k, k - 1)) > 0]
 
 
 def comm_device() -> torch.device:
@@ -213,6 +223,9 @@ class Shard:
     rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    replica: int = 0
+    num_replicas: int = 1
+    mesh: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         where = "phalanx.distributed.Shard()"
@@ -220,12 +233,38 @@ class Shard:
             raise ValueError(
                 f"{where}: rank {self.rank} is not in 0..world_size-1 = 0..{self.world_size - 1}."
             )
-        if self.num_members < self.world_size:
+        if self.num_replicas < 1 or not 0 <= self.replica < self.num_replicas:
+            raise ValueError(
+                f"{where}: replica {self.replica} is not in 0..{self.num_replicas - 1}."
+            )
+        if not member_range(self.num_members, self.world_size, self.world_size - 1):
+            usable = _usable_ranks(self.num_members, self.world_size)
             raise ValueError(
                 f"{where}: {self.num_members} members cannot be shared by {self.world_size} "
-                f"ranks: some rank would hold no member. Launch at most {self.num_members} "
-                f"ranks (torchrun --nproc-per-node), or train more members."
+                f"ranks: in torch's Shard(0) layout (ceil(N / K) members per rank) some rank "
+                f"would hold no member. Launch a number of member ranks that leaves none "
+                f"empty ({', '.join(map(str, usable[-4:]))} work for N = {self.num_members}), "
+                f"or train more members."
             )
+
+    @property
+    def group(self) -> Any:
+        """The process group of the member axis (this replica's ranks); None: the whole job."""
+        if self.mesh is None or self.num_replicas == 1:
+            return None
+        return self.mesh.get_group("member")
+
+    @property
+    def replica_group(self) -> Any:
+        """The process group of this member block's data replicas; None without replicas."""
+        if self.mesh is None or self.num_replicas == 1:
+            return None
+        return self.mesh.get_group("replica")
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this rank writes its block's checkpoint file: replica 0 of each block."""
+        return self.replica == 0
 
     # ------------------------------------------------------------------------------- layout
 
@@ -308,7 +347,7 @@ class Shard:
 
     def barrier(self) -> None:
         """Waits until every rank reaches this point (bounded by the timeout)."""
-        if self.world_size > 1:
+        if is_distributed() and dist.get_world_size() > 1:
             with collective("Shard.barrier()", self, "barrier"):
                 dist.barrier()
 
@@ -330,21 +369,58 @@ class Shard:
         )
 
 
-def layout(num_members: int, *, device: torch.device | str | None = None) -> Shard:
+def layout(
+    num_members: int, *, device: torch.device | str | None = None, replicas: int = 1
+) -> Shard:
     """This rank's :class:`Shard` of ``num_members`` members: all of them in a plain process.
+
+    Under torch.distributed it builds the job's ``DeviceMesh``: 1-D ("member",) or, with
+    ``replicas`` > 1, 2-D ("member", "replica") of shape (K / replicas, replicas), where
+    global rank g holds member block ``g // replicas`` as replica ``g % replicas``. Every
+    rank must call it (the mesh's groups are made collectively).
 
     Args:
         num_members: N, the number of members over all ranks.
         device: where this rank's members live; None: its GPU under nccl, else the CPU.
+        replicas: data replicas of each member block (each trains its block on its own
+            part of the data; average their gradients over ``shard.replica_group``, e.g.
+            with DDP); the number of ranks must be a multiple of it.
+
+    Raises:
+        ValueError: N is not a positive int, the ranks are not a multiple of ``replicas``,
+            or some member rank would hold no member.
     """
+    where = "phalanx.distributed.layout()"
     if isinstance(num_members, bool) or not isinstance(num_members, int) or num_members < 1:
-        raise ValueError(
-            f"phalanx.distributed.layout(): num_members must be a positive int; got "
-            f"{num_members!r}."
-        )
+        raise ValueError(f"{where}: num_members must be a positive int; got {num_members!r}.")
     rank, world = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"{where}: replicas must be a positive int; got {replicas!r}.")
+    if world % replicas:
+        raise ValueError(
+            f"{where}: {world} ranks cannot hold {replicas} replicas of each member block; "
+            f"launch a multiple of {replicas} ranks."
+        )
     dev = comm_device() if device is None else torch.device(device)
-    return Shard(num_members, rank, world, dev)
+    mesh = None
+    if is_distributed():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        if replicas == 1:
+            mesh = init_device_mesh(kind, (world,), mesh_dim_names=("member",))
+        else:
+            shape = (world // replicas, replicas)
+            mesh = init_device_mesh(kind, shape, mesh_dim_names=("member", "replica"))
+    return Shard(
+        num_members,
+        rank // replicas,
+        world // replicas,
+        dev,
+        replica=rank % replicas,
+        num_replicas=replicas,
+        mesh=mesh,
+    )
 
 
 @contextmanager

@@ -17,6 +17,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from phalanx._checks import CheckpointError
 from phalanx._files import atomic_write_text, fsync_directory
 from phalanx.distributed._agree import differences, exchange
@@ -57,25 +59,40 @@ def next_generation(directory: Path) -> int:
     return max(numbers) + 1
 
 
-def preflight(directory: Path, shard: Shard, facts: dict[str, Any], where: str) -> int:
+def is_root(shard: Shard) -> bool:
+    """Whether this rank commits: global rank 0, member block 0's replica 0."""
+    return shard.rank == 0 and shard.replica == 0
+
+
+def preflight(
+    directory: Path, shard: Shard, facts: dict[str, Any], where: str, rows: str | None = None
+) -> int:
     """The generation to write, once every rank holds the same kind of state and sees the
     same directory; otherwise a CheckpointError on every rank, before anything is written.
 
     Two exchanges: the facts (with rank 0's marker file and generation), then whether each
-    rank read the marker. Every rank judges the same table, so all refuse together.
+    rank read the marker. Every rank judges the same table, so all refuse together. ``rows``,
+    a digest of this rank's member rows, is compared between the replicas of each block.
     """
     marker = None
-    if shard.rank == 0:
+    many = dist.is_initialized() and dist.get_world_size() > 1
+    if is_root(shard):
         directory.mkdir(parents=True, exist_ok=True)
         facts = {**facts, "generation": next_generation(directory)}
-        if shard.world_size > 1:
+        if many:
             marker = write_marker(directory)
-    here = {"host": socket.gethostname(), "directory": os.path.abspath(directory)}
+    here = {
+        "host": socket.gethostname(),
+        "directory": os.path.abspath(directory),
+        "block": (shard.start, shard.stop),
+        "rows": rows,
+    }
     table = exchange({"facts": facts, "marker": marker, **here}, shard, where, "the save's plan")
     try:
         generation = int(table[0]["facts"].pop("generation"))
         problems = differences([row["facts"] for row in table])
         problems += layout_problems(shard, [row["facts"]["num_members"] for row in table])
+        problems += replica_problems(table)
         if problems:
             raise CheckpointError(
                 f"{where}: the ranks hold different things, so their files could never load "
@@ -84,7 +101,7 @@ def preflight(directory: Path, shard: Shard, facts: dict[str, Any], where: str) 
                 + "\n  - ".join(problems)
                 + "\nBuild every rank's stack and optimizer from the same config."
             )
-        if shard.world_size == 1:
+        if not many:
             return generation
         name, token = table[0]["marker"]
         seen = exchange(read_marker(directory / name, token), shard, where, "the marker check")
@@ -123,11 +140,28 @@ def read_marker(file: Path, token: str) -> bool:
 
 def layout_problems(shard: Shard, ns: list[int]) -> list[str]:
     """Whether the ranks' blocks, by the Shards they were given, cover every member once."""
-    if len(set(ns)) > 1 or shard.world_size == len(ns):
+    if len(set(ns)) > 1 or shard.world_size * shard.num_replicas == len(ns):
         return []
     return [
-        f"this job has {len(ns)} ranks but the Shard says {shard.world_size}; build it with "
-        f"phalanx.distributed.shard() or layout(), which read the job's size"
+        f"this job has {len(ns)} ranks but the Shard says {shard.world_size} member ranks x "
+        f"{shard.num_replicas} replicas; build it with phalanx.distributed.shard() or "
+        f"layout() (replicas=R for data replicas), which read the job's size"
+    ]
+
+
+def replica_problems(table: list[dict[str, Any]]) -> list[str]:
+    """The member blocks whose data replicas hold different weights (one file per block is
+    written, by replica 0, so the others' difference would be lost without a word)."""
+    blocks: dict[Any, dict[str, list[int]]] = {}
+    for rank, row in enumerate(table):
+        if row.get("rows") is not None:
+            blocks.setdefault(tuple(row["block"]), {}).setdefault(row["rows"], []).append(rank)
+    return [
+        f"the data replicas of members {block[0]}..{block[1] - 1} hold different weights or "
+        f"optimizer state (ranks grouped by what they hold: {list(seen.values())}); average "
+        f"their gradients over shard.replica_group (DDP) so that they stay identical"
+        for block, seen in blocks.items()
+        if len(seen) > 1
     ]
 
 
