@@ -5,12 +5,17 @@ The run: per-member learning rates, a per-member schedule (``MemberLambdaLR``), 
 batches from ``shard.loader`` and a step count, stopped in the middle of an epoch. Saved on
 2 ranks, resumed on 3 ranks and in this plain process; a single-file ``phalanx.save`` of the
 same point resumed on 2 ranks. Every resumed run must end where the uninterrupted one does.
+The 2-rank save also writes the members with torch.distributed.checkpoint (DTensor Shard(0)
+blocks, finding 7); the 3-rank and plain resumes load them with DCP and must get the same.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -68,13 +73,24 @@ def _first_half(path: str) -> None:
     stack, _shard, opt, sched, loader = _run()
     step = _train(stack, opt, sched, loader, 0, STOP_AT)
     pdist.save(path, stack, opt, sched, loader, step=step, note="halfway")
+    # The same members through torch.distributed.checkpoint: N = 7 on 2 ranks is 4 + 3.
+    dcp.save(pdist.to_dtensors(stack), checkpoint_id=f"{path}-dcp")
 
 
-def _second_half(path: str) -> dict:
+def _second_half(path: str, dcp_path: str | None = None) -> dict:
     stack, shard, opt, sched, loader = _run()
     extra = pdist.load(path, stack, opt, sched, loader)
+    same_through_dcp = None
+    if dcp_path is not None:  # DTensor's blocks are phalanx's: DCP reshards them (3, 3, 1)
+        other, *_ = _run()
+        with warnings.catch_warnings():  # DCP says so when it runs in a plain process
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(pdist.to_dtensors(other), checkpoint_id=dcp_path)  # in place
+        own = stack.state_dict()
+        same_through_dcp = all(torch.equal(v, own[k]) for k, v in other.state_dict().items())
     step = _train(stack, opt, sched, loader, extra["step"], STEPS)
-    return {**_final(stack, shard, opt), "step": step, "note": extra["note"]}
+    out = {**_final(stack, shard, opt), "step": step, "note": extra["note"]}
+    return {**out, "dcp": same_through_dcp}
 
 
 def test_a_run_saved_on_2_ranks_resumes_on_3_and_on_1_exactly_like_the_uninterrupted_run(
@@ -89,15 +105,19 @@ def test_a_run_saved_on_2_ranks_resumes_on_3_and_on_1_exactly_like_the_uninterru
     phalanx.save(tmp_path / "one.safetensors", stack, opt, sched, loader, step=step, note="halfway")
 
     pdist.launch(_first_half, 2, str(tmp_path / "ckpt"), timeout=30.0)
+    ckpt, via_dcp = str(tmp_path / "ckpt"), str(tmp_path / "ckpt-dcp")
+    on_3 = pdist.launch(_second_half, 3, ckpt, via_dcp, timeout=30.0)
+    assert [r["dcp"] for r in on_3] == [True, True, True]
     resumed = {
-        "3 ranks from 2": pdist.launch(_second_half, 3, str(tmp_path / "ckpt"), timeout=30.0)[0],
-        "1 process from 2": _second_half(str(tmp_path / "ckpt")),
+        "3 ranks from 2": on_3[0],
+        "1 process from 2": _second_half(ckpt, via_dcp),
         "2 ranks from one file": pdist.launch(
             _second_half, 2, str(tmp_path / "one.safetensors"), timeout=30.0
         )[0],
     }
     for how, got in resumed.items():
         assert (got["step"], got["note"]) == (STEPS, "halfway"), how
+        assert got["dcp"] in (True, None), how
         for key in ("weights", "exp_avg", "member_lr"):
             # Bit for bit: vmap and phalanx's Adam with per-member rates do not depend on how
             # many members a rank holds (see docs/DISTRIBUTED.md for what does).
