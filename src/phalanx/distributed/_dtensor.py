@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
+from phalanx._stack import Stack
 from phalanx.distributed._mesh import Shard
 
 __all__ = ["to_dtensor", "to_dtensors"]
@@ -46,7 +46,7 @@ def to_dtensor(t: torch.Tensor, shard: Shard) -> Any:
     )
 
 
-def to_dtensors(stack: nn.Module, shard: Shard | None = None) -> dict[str, Any]:
+def to_dtensors(stack: Stack, shard: Shard | None = None) -> dict[str, Any]:
     """The stack's state dict as DTensors for ``torch.distributed.checkpoint``.
 
     Example:
