@@ -63,6 +63,7 @@ def gather(x: Any, shard: Shard) -> Any:
                 f"entries along dim 0; got {got} at {pytree.keystr(path) or 'the input'}. Pass "
                 f"this rank's members' values, not all N."
             )
+    shard.check_job(where)
     if shard.world_size == 1:  # copies, as with K ranks: no result aliases live weights
         return pytree.tree_map(lambda t: t.detach().clone(), x)
     _check_same_everywhere(leaves, shard, where)
@@ -132,6 +133,7 @@ def broadcast(x: Any, shard: Shard, *, src: int = 0) -> Any:
     where = "phalanx.distributed.broadcast()"
     if not 0 <= src < shard.world_size:
         raise ValueError(f"{where}: src must be a rank in 0..{shard.world_size - 1}; got {src}.")
+    shard.check_job(where)
     if shard.world_size == 1:
         return x
     header: list[Any] = [None]

@@ -261,6 +261,23 @@ class Shard:
             return None
         return self.mesh.get_group("replica")
 
+    def check_job(self, where: str) -> None:
+        """Raises when this Shard does not describe the running job (its ranks and axes)."""
+        if not is_distributed():
+            return
+        world = dist.get_world_size()
+        if self.world_size * self.num_replicas == world and (
+            self.num_replicas == 1 or self.mesh is not None
+        ):
+            return
+        raise ValueError(
+            f"{where}: this Shard describes {self.world_size} member ranks x "
+            f"{self.num_replicas} replicas{' without a mesh' if self.mesh is None else ''}, "
+            f"but the job has {world} ranks. Build it with phalanx.distributed.shard(..., "
+            f"replicas=R) or phalanx.distributed.layout(N, replicas=R), which read the job's "
+            f"size and make the mesh whose member-axis group the collectives use."
+        )
+
     @property
     def is_writer(self) -> bool:
         """Whether this rank writes its block's checkpoint file: replica 0 of each block."""
