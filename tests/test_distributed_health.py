@@ -116,3 +116,25 @@ def test_a_rank_that_finishes_early_is_not_reported():
         0,
         1,
     ]
+
+
+def _ranks_of_one_round_with_different_restart_counts(tmp: str) -> bool:
+    """torchrun's agents count restarts each for itself: after node 1's worker restarted,
+    node 0's is attempt 0 and node 1's attempt 1, in one group. The detector must not take
+    that for silence."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pdist.shutdown()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)
+    pdist.init(init_method=f"file://{tmp}/store2", rank=rank, world_size=2, failure_timeout=1.0)
+    time.sleep(3.0)  # three deadlines without a collective
+    _, shard = pdist.shard(_member, num_members=2)
+    return bool(shard.gather(torch.ones(1)).sum() == 2)
+
+
+def test_ranks_whose_restart_counts_differ_are_not_reported(tmp_path):
+    assert pdist.launch(_ranks_of_one_round_with_different_restart_counts, 2, str(tmp_path)) == [
+        True,
+        True,
+    ]

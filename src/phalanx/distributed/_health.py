@@ -36,7 +36,6 @@ from typing import Any
 __all__ = ["Monitor", "current", "leave", "start", "stop", "verdict"]
 
 _PREFIX = "phalanx/health"
-_inits = 0  # inits in this process, so keys of an earlier group are never read again
 _monitor: Monitor | None = None
 _last_checkpoint: str | None = None
 # Whether a failed collective waits for the verdict to name the dead rank. pdist.launch
@@ -54,11 +53,12 @@ class Monitor:
     """The heartbeat thread of this rank, and what it found."""
 
     def __init__(
-        self, store: Any, rank: int, world_size: int, interval: float, deadline: float
+        self, store: Any, rank: int, world_size: int, interval: float, deadline: float, run: str
     ) -> None:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        self.prefix = f"{_PREFIX}/{run}/{attempt}/{_inits}"
+        # ``run`` is drawn by rank 0 and sent to all at init: keys of an earlier group in the
+        # same store (torchrun keeps one across restarts) are never read. Not the restart
+        # count: each torchrun agent counts its own, so ranks of one round disagree on it.
+        self.prefix = f"{_PREFIX}/{run}"
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -223,13 +223,14 @@ def _excepthook(kind: Any, value: Any, tb: Any) -> None:
 _previous_hook = sys.excepthook
 
 
-def start(store: Any, rank: int, world_size: int, interval: float, deadline: float) -> None:
-    """Starts this rank's heartbeat; a second call while one runs does nothing."""
-    global _monitor, _inits, _previous_hook
+def start(
+    store: Any, rank: int, world_size: int, interval: float, deadline: float, run: str
+) -> None:
+    """Starts this rank's heartbeat under the key space ``run`` (the same on every rank)."""
+    global _monitor, _previous_hook
     if _monitor is not None or world_size < 2:
         return
-    _inits += 1
-    _monitor = Monitor(store.clone(), rank, world_size, interval, deadline)
+    _monitor = Monitor(store.clone(), rank, world_size, interval, deadline, run)
     _monitor.start()
     if sys.excepthook is not _excepthook:
         _previous_hook = sys.excepthook

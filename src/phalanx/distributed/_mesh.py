@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -154,8 +155,15 @@ def _start_heartbeat() -> None:
         store = _get_default_store()
     except Exception:
         return
+    if dist.get_world_size() < 2:
+        return
+    # A key space for this group's beats, drawn by rank 0: one collective, at init.
+    run = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(run, src=0, device=comm_device())
     interval = min(1.0, _failure_timeout / 15)
-    _health.start(store, dist.get_rank(), dist.get_world_size(), interval, _failure_timeout)
+    _health.start(
+        store, dist.get_rank(), dist.get_world_size(), interval, _failure_timeout, str(run[0])
+    )
 
 
 def failure_timeout() -> float | None:
