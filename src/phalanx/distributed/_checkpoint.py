@@ -54,9 +54,11 @@ from phalanx.distributed._transaction import (
 
 __all__ = ["load", "save"]
 
-# Indirections the tests replace to play every rank of a save in one process.
+# Indirections the tests replace (to play every rank of a save in one process, or to kill
+# a save at each step: tests/test_crash.py).
 _preflight = preflight
 _outcome = outcome
+_remove_superseded = remove_superseded
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -183,7 +185,7 @@ def save(
                 "parts": {name: part.entry for name, part in parts.items()},
             }
             atomic_write_text(directory / INDEX, json.dumps(index, indent=1))  # the commit
-            remove_superseded(directory, generation, {s["file"] for s in shards})
+            _remove_superseded(directory, generation, {s["file"] for s in shards})
     # No rank returns (and perhaps loads) before the index exists, and all learn the outcome.
     problem = _outcome(problem, mine, where)
     if problem is not None:
