@@ -4,7 +4,7 @@ exactly like the uninterrupted run (issue 19, finding 2).
 The run: per-member learning rates, a per-member schedule (``MemberLambdaLR``), bootstrap
 batches from ``shard.loader`` and a step count, stopped in the middle of an epoch. Saved on
 2 ranks, resumed on 3 ranks and in this plain process; a single-file ``phalanx.save`` of the
-same point resumed on 2 ranks. Every resumed run must end where the uninterrupted one does.
+same point resumed on 3 ranks. Every resumed run must end where the uninterrupted one does.
 The 2-rank save also writes the members with torch.distributed.checkpoint (DTensor Shard(0)
 blocks, finding 7); the 3-rank and plain resumes load them with DCP and must get the same.
 """
@@ -77,7 +77,7 @@ def _first_half(path: str) -> None:
     dcp.save(pdist.to_dtensors(stack), checkpoint_id=f"{path}-dcp")
 
 
-def _second_half(path: str, dcp_path: str | None = None) -> dict:
+def _second_half(path: str, dcp_path: str | None = None, one_file: str | None = None) -> dict:
     stack, shard, opt, sched, loader = _run()
     extra = pdist.load(path, stack, opt, sched, loader)
     same_through_dcp = None
@@ -90,7 +90,10 @@ def _second_half(path: str, dcp_path: str | None = None) -> dict:
         same_through_dcp = all(torch.equal(v, own[k]) for k, v in other.state_dict().items())
     step = _train(stack, opt, sched, loader, extra["step"], STEPS)
     out = {**_final(stack, shard, opt), "step": step, "note": extra["note"]}
-    return {**out, "dcp": same_through_dcp}
+    out["dcp"] = same_through_dcp
+    if one_file is not None:  # the same point from phalanx.save's one file, in the same ranks
+        out["from one file"] = _second_half(one_file)
+    return out
 
 
 def test_a_run_saved_on_2_ranks_resumes_on_3_and_on_1_exactly_like_the_uninterrupted_run(
@@ -106,14 +109,13 @@ def test_a_run_saved_on_2_ranks_resumes_on_3_and_on_1_exactly_like_the_uninterru
 
     pdist.launch(_first_half, 2, str(tmp_path / "ckpt"), timeout=30.0)
     ckpt, via_dcp = str(tmp_path / "ckpt"), str(tmp_path / "ckpt-dcp")
-    on_3 = pdist.launch(_second_half, 3, ckpt, via_dcp, timeout=30.0)
+    one_file = str(tmp_path / "one.safetensors")
+    on_3 = pdist.launch(_second_half, 3, ckpt, via_dcp, one_file, timeout=30.0)
     assert [r["dcp"] for r in on_3] == [True, True, True]
     resumed = {
         "3 ranks from 2": on_3[0],
+        "3 ranks from one file": on_3[0]["from one file"],
         "1 process from 2": _second_half(ckpt, via_dcp),
-        "2 ranks from one file": pdist.launch(
-            _second_half, 2, str(tmp_path / "one.safetensors"), timeout=30.0
-        )[0],
     }
     for how, got in resumed.items():
         assert (got["step"], got["note"]) == (STEPS, "halfway"), how

@@ -1,9 +1,12 @@
 """The worker of tests/test_distributed_nodes.py: a sweep that checkpoints, and a node that dies.
 
 Run by two torchrun "nodes" on 127.0.0.1 (``--nnodes=2``), or imported by the test to run the
-same training in one process. With ``--kill``, rank 1 SIGKILLs itself right after the save at
-step ``--save-at``, while rank 0 trains on (no collective in sight) until the failure
-detector names rank 1; rank 0 then writes what it was told, and when, to ``--report``.
+same training in one process. With ``--replicas 2`` and 2 processes per node, the job is 2
+member blocks x 2 data replicas (node 0 holds block 0, node 1 block 1; DDP over each block's
+replicas, each replica taking half of every member's batch). With ``--kill``, the ranks of
+member block 1 SIGKILL themselves right after the save at step ``--save-at``, while the
+others train on (no collective in sight) until the failure detector names a dead rank;
+global rank 0 then writes what it was told, and when, to ``--report``.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ def member() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(F64)
 
 
-def build():
+def build(replicas: int = 1):
     """This rank's stack, optimizer and loader, as a fresh run builds them."""
-    stack, shard = pdist.shard(member, num_members=N, seed=0, backend="vmap")
+    stack, shard = pdist.shard(member, num_members=N, seed=0, backend="vmap", replicas=replicas)
     opt = phalanx.optim.Adam(stack.parameters(), lr=shard.local(torch.linspace(1e-3, 3e-2, N)))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 6, generator=g, dtype=F64), torch.randint(0, 3, (40,), generator=g)
@@ -40,11 +43,20 @@ def build():
     return stack, shard, opt, loader
 
 
-def steps(stack, opt, loader):
+def steps(stack, shard, opt, loader):
     """Training steps without end, epoch after epoch."""
+    model = stack
+    if shard.num_replicas > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(stack, process_group=shard.replica_group)
     while True:
         for xb, yb in loader:
-            out = stack(xb, in_dims=0)
+            if shard.num_replicas > 1:  # each replica: its part of every member's batch
+                part = xb.shape[1] // shard.num_replicas
+                mine = slice(shard.replica * part, (shard.replica + 1) * part)
+                xb, yb = xb[:, mine], yb[:, mine]
+            out = model(xb, in_dims=0)
             losses = phalanx.member_losses(F.cross_entropy, out, yb, in_dims=(0, 0))
             opt.zero_grad()
             losses.sum().backward()
@@ -63,10 +75,11 @@ def run(
     resume: bool = False,
     kill: bool = False,
     report: str | None = None,
+    replicas: int = 1,
 ) -> dict:
-    stack, shard, opt, loader = build()
+    stack, shard, opt, loader = build(replicas)
     step = pdist.load(ckpt, stack, opt, loader=loader)["step"] if resume else 0
-    trainer = steps(stack, opt, loader)
+    trainer = steps(stack, shard, opt, loader)
     try:
         while step < total:
             next(trainer)
@@ -79,7 +92,7 @@ def run(
             if kill and step > save_at:
                 time.sleep(0.02)  # the survivor trains on, slowly, between two saves
     except pdist.DistributedError as e:
-        if report is not None:
+        if report is not None and shard.rank == 0 and shard.replica == 0:
             died = float(Path(f"{ckpt}.died").read_text())
             Path(report).write_text(json.dumps({"message": str(e), "seconds": time.time() - died}))
         raise
@@ -94,10 +107,11 @@ def main() -> None:
     p.add_argument("--kill", action="store_true")
     p.add_argument("--report", default=None)
     p.add_argument("--failure-timeout", type=float, default=5.0)
+    p.add_argument("--replicas", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(1)
     pdist.init(timeout=60, failure_timeout=a.failure_timeout)
-    run(a.ckpt, a.steps, a.save_at, kill=a.kill, report=a.report)
+    run(a.ckpt, a.steps, a.save_at, kill=a.kill, report=a.report, replicas=a.replicas)
     pdist.shutdown()
 
 
