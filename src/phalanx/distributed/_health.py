@@ -67,6 +67,7 @@ class Monitor:
         self.found: str | None = None  # the verdict, once there is one
         self.raised = False  # the main thread has been given the verdict
         self.left = False
+        self.pid = os.getpid()  # a forked child (a data loader's worker) is not this rank
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
         self._signal = False  # whether our SIGUSR1 handler is installed
@@ -189,13 +190,15 @@ class Monitor:
 
     def leave(self, why: str) -> None:
         """Tells the watchers this rank is leaving (``finished`` or ``failed: ...``)."""
-        if self.left:
+        if self.left or os.getpid() != self.pid:
             return
         self.left = True
         with contextlib.suppress(Exception):
             self.store.set(self._key("left", self.rank), why)
 
     def stop(self, why: str = "finished") -> None:
+        if os.getpid() != self.pid:
+            return
         self.leave(why)
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
