@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = ["Monitor", "current", "leave", "start", "stop", "verdict"]
 
 _PREFIX = "phalanx/health"
@@ -90,6 +92,8 @@ class Monitor:
         store_silent_since: float | None = None
         while not self._stop.wait(self.interval):
             now = time.monotonic()
+            if not dist.is_initialized():  # the program left the group without shutdown()
+                return
             try:
                 self.store.add(self._key("beat", self.rank), 1)
                 if self.store.check([self._key("dead")]):
