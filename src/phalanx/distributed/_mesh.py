@@ -247,6 +247,27 @@ class Shard:
         )
 
 
+# The last mesh built, with the group it was built in: a 2-D mesh makes process groups, so
+# each shard() must not make new ones. Rebuilt after the group changes (shutdown, init).
+_built: tuple[Any, tuple[int, ...], Any] | None = None
+
+
+def _mesh(world: int, replicas: int) -> Any:
+    """The job's DeviceMesh: ("member",) or ("member", "replica") of shape (K / R, R)."""
+    global _built
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (world,) if replicas == 1 else (world // replicas, replicas)
+    group = dist.group.WORLD
+    if _built is not None and _built[0] is group and _built[1] == shape:
+        return _built[2]
+    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    names = ("member",) if replicas == 1 else ("member", "replica")
+    mesh = init_device_mesh(kind, shape, mesh_dim_names=names)
+    _built = (group, shape, mesh)
+    return mesh
+
+
 def layout(
     num_members: int, *, device: torch.device | str | None = None, replicas: int = 1
 ) -> Shard:
@@ -280,16 +301,7 @@ def layout(
             f"launch a multiple of {replicas} ranks."
         )
     dev = comm_device() if device is None else torch.device(device)
-    mesh = None
-    if is_distributed():
-        from torch.distributed.device_mesh import init_device_mesh
-
-        kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        if replicas == 1:
-            mesh = init_device_mesh(kind, (world,), mesh_dim_names=("member",))
-        else:
-            shape = (world // replicas, replicas)
-            mesh = init_device_mesh(kind, shape, mesh_dim_names=("member", "replica"))
+    mesh = _mesh(world, replicas) if is_distributed() else None
     return Shard(
         num_members,
         rank // replicas,
