@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import os
 import signal
 import socket
@@ -237,7 +238,11 @@ def start(
     global _monitor, _previous_hook
     if _monitor is not None or world_size < 2:
         return
-    _monitor = Monitor(store.clone(), rank, world_size, interval, deadline, run)
+    client = store.clone()
+    # A store behind a cut network does not answer and does not fail: bound each call, so the
+    # thread itself cannot hang past its deadline.
+    client.set_timeout(datetime.timedelta(seconds=deadline))
+    _monitor = Monitor(client, rank, world_size, interval, deadline, run)
     _monitor.start()
     if sys.excepthook is not _excepthook:
         _previous_hook = sys.excepthook
