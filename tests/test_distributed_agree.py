@@ -52,6 +52,8 @@ def _disagreeing_ranks(tmp: str) -> dict:
     stack(torch.randn(2, 6)).sum().backward()
     opt.step()
     out["optimizer"] = _error(lambda: pdist.save(good, stack, optimizer=opt))
+    # Another step count on rank 1: an extra that must be the same everywhere.
+    out["extra"] = _error(lambda: pdist.save(good, stack, step=10 + rank))
     # Another directory on rank 1, or no shared file system: rank 1 cannot see rank 0's marker.
     out["directory"] = _error(lambda: pdist.save(f"{tmp}/node{rank}", stack))
     # A Shard of another N handed to gather: a ValueError on both ranks, not SIGABRT.
@@ -75,6 +77,8 @@ def test_ranks_that_disagree_are_refused_on_every_rank_and_the_previous_checkpoi
             "optimizer type: torch.optim.Adam on ranks [0]; torch.optim.SGD on ranks [1]"
             in out["optimizer"]
         )
+        assert "extra state other than per-member tensors (digest): " in out["extra"]
+        assert "on ranks [0]; " in out["extra"] and " on ranks [1]" in out["extra"]
         assert "ranks [1] cannot see the file rank 0 just wrote" in out["directory"]
         assert (
             f"rank 1 on {__import__('socket').gethostname()}: {tmp_path}/node1"
