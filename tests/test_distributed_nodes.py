@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -73,13 +74,15 @@ def test_two_nodes_of_members_x_replicas_lose_one_name_it_within_30_s_and_resume
     assert [p.returncode for p in nodes] == [1, 1], logs
     assert report.exists(), logs
     told = json.loads(report.read_text())
-    # Node 1 held global ranks 2 and 3 (member block 1, both replicas); rank 0 watches 1, 2.
-    assert told["message"].startswith("phalanx.distributed: rank 0 of 4: rank 2 ("), told
+    # Node 1 held global ranks 2 and 3 (member block 1, both replicas); rank 0 watches 1
+    # and 2, rank 1 watches 2 and 3, and the first verdict is everyone's.
+    assert re.match(r"phalanx.distributed: rank [01] of 4: rank [23] \(", told["message"]), told
     assert "stopped: its heartbeat has not moved for" in told["message"]
     assert "ckpt generation 1, is whole" in told["message"]
     print(f"a rank of node 1 named on node 0 {told['seconds']:.2f} s after the kill")
     assert 4.5 <= told["seconds"] < 30, told  # the deadline, 5 s, plus at most a few
-    assert "[phalanx] phalanx.distributed: rank 0 of 4: rank 2" in logs[0]
+    said = r"\[phalanx\] phalanx.distributed: rank [01] of 4: rank [23] \("
+    assert any(re.search(said, log) for log in logs), logs  # printed to stderr too
 
     files = sorted(p.name for p in ckpt.glob("gen-*/*.safetensors"))
     assert files == ["members-000000-000003.safetensors", "members-000003-000006.safetensors"]

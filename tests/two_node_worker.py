@@ -6,7 +6,7 @@ member blocks x 2 data replicas (node 0 holds block 0, node 1 block 1; DDP over 
 replicas, each replica taking half of every member's batch). With ``--kill``, the ranks of
 member block 1 SIGKILL themselves right after the save at step ``--save-at``, while the
 others train on (no collective in sight) until the failure detector names a dead rank;
-global rank 0 then writes what it was told, and when, to ``--report``.
+the first survivor told writes what it was told, and when, to ``--report``.
 """
 
 from __future__ import annotations
@@ -92,9 +92,16 @@ def run(
             if kill and step > save_at:
                 time.sleep(0.02)  # the survivor trains on, slowly, between two saves
     except pdist.DistributedError as e:
-        if report is not None and shard.rank == 0 and shard.replica == 0:
+        if report is not None:
+            # The first survivor to be told writes: torchrun's agent stops a node's other
+            # workers (SIGTERM) as soon as one of them exits.
             died = float(Path(f"{ckpt}.died").read_text())
-            Path(report).write_text(json.dumps({"message": str(e), "seconds": time.time() - died}))
+            told = json.dumps({"message": str(e), "seconds": time.time() - died})
+            try:
+                with open(report, "x") as f:
+                    f.write(told)
+            except FileExistsError:
+                pass
         raise
     return final(stack, shard)
 
