@@ -8,7 +8,9 @@ its own bootstrap resample of one synthetic data set. The same script runs
 
 and prints the same per-member validation losses either way: members are built, seeded and
 fed by global member index, never by rank. Pass --checkpoint DIR to save a sharded checkpoint
-(it loads on any number of ranks) and --resume to continue from it.
+of the whole run (weights, optimizer, the loader's position, the epoch; it loads on any number
+of ranks) and --resume to continue from it: `--epochs 3` then `--epochs 3 --resume`, on any
+number of ranks, prints what `--epochs 6` prints.
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ def main() -> None:
     stack, shard = pdist.shard(make_member, num_members=n, seed=0)
     lrs = torch.logspace(-3, -1, n)  # one learning rate per global member
     opt = phalanx.optim.Adam(stack.parameters(), lr=shard.local(lrs).to(shard.device))
-    if args.resume:
-        pdist.load(args.checkpoint, stack, optimizer=opt)
-
     x, y = make_data(768)
     x_train, y_train, x_val, y_val = x[:512], y[:512], x[512:], y[512:]
     loader = shard.loader(x_train, y_train, batch_size=64, seed=0, bootstrap=True)
-    for _ in range(args.epochs):
+    start = 0
+    if args.resume:  # the loader continues each member's data stream where it stopped
+        start = pdist.load(args.checkpoint, stack, optimizer=opt, loader=loader)["epoch"]
+
+    for _ in range(start, start + args.epochs):
         for xb, yb in loader:  # (n_local, 64, 10), (n_local, 64): each member its own batch
             xb, yb = xb.to(shard.device), yb.to(shard.device)
             logits = stack(xb, in_dims=0)
@@ -75,7 +78,7 @@ def main() -> None:
         print("validation loss per member:", " ".join(f"{v:.6f}" for v in all_val.tolist()))
         print(f"best member: {best} (lr {lrs[best]:.4g}), ensemble accuracy: {accuracy:.4f}")
     if args.checkpoint:
-        pdist.save(args.checkpoint, stack, optimizer=opt)
+        pdist.save(args.checkpoint, stack, optimizer=opt, loader=loader, epoch=start + args.epochs)
     pdist.shutdown()
 
 

@@ -132,7 +132,7 @@ def test_two_ranks_train_save_and_load_like_one_process(tmp_path):
 
     for rank in (0, 1):
         assert "different dtypes or shapes" in per_rank[rank]["mismatch"]
-        assert "rank 1: [('torch.float32', (2, 4))]" in per_rank[rank]["mismatch"]
+        assert "rank 1: N=4 over 2 ranks: [('torch.float32', (2, 4))]" in per_rank[rank]["mismatch"]
         assert per_rank[rank]["after"].tolist() == [0, 0, 1, 1]
 
 
@@ -200,17 +200,20 @@ def test_example_under_torchrun_matches_a_plain_process(tmp_path, monkeypatch, c
 # ------------------------------------------------------------------ one process, no launch
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 8, 13])
+@pytest.mark.parametrize("n", [1, 2, 5, 7, 8, 13])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_member_range_is_contiguous_balanced_and_covers_every_member(n, k):
-    if k > n:
+def test_member_range_is_dtensors_shard_0_layout(n, k):
+    """Blocks are torch.chunk's, which DTensor's Shard(0) uses: ceil(N/K) members per rank."""
+    from torch.distributed.tensor import Shard as DShard
+
+    expected = [DShard.local_shard_size_and_offset(n, k, r) for r in range(k)]
+    if any(size == 0 for size, _ in expected):  # N=5 on 4 ranks: 2, 2, 1, 0
         with pytest.raises(ValueError, match=f"{n} members cannot be shared by {k} ranks"):
             Shard(n, 0, k)
         return
     blocks = [Shard(n, r, k).global_indices for r in range(k)]
+    assert [(len(b), b.start) for b in blocks] == [tuple(e) for e in expected]
     assert [i for b in blocks for i in b] == list(range(n))
-    sizes = [len(b) for b in blocks]
-    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
 def test_shard_in_a_plain_process_holds_every_member_seeded_by_global_index():
@@ -290,12 +293,12 @@ def _play_ranks_in_turn(monkeypatch) -> None:
     from phalanx.distributed import _checkpoint
 
     entries: list = []
-    monkeypatch.setattr(Shard, "barrier", lambda self: None)
-    monkeypatch.setattr(_checkpoint, "_agree_generation", lambda directory, shard: 1)
+    monkeypatch.setattr(_checkpoint, "_preflight", lambda directory, shard, facts, where, rows: 1)
+    monkeypatch.setattr(_checkpoint, "_outcome", lambda problem, shard, where: problem)
 
     def all_entries(entry, shard, where):
         entries.append(entry)
-        return sorted(entries, key=lambda e: e["start"]) if shard.rank == 0 else None
+        return sorted(entries, key=lambda e: e["start"]) if shard.rank == 0 else []
 
     monkeypatch.setattr(_checkpoint, "_all_entries", all_entries)
 

@@ -13,10 +13,13 @@ process (one rank holding every member) and under torchrun::
     phalanx.distributed.save("ckpt", stack, optimizer=opt)             # loads on any K
 
 Everything random is keyed by the global member index, so results do not depend on the
-number of ranks.
+number of ranks. Member blocks are DTensor ``Shard(0)`` pieces on a ``DeviceMesh`` (with an
+optional data-replica axis: ``shard(..., replicas=2)``), a dead rank is named within
+``init(failure_timeout=...)`` seconds, and a checkpoint holds the whole run.
 """
 
 from phalanx.distributed._checkpoint import load, save
+from phalanx.distributed._dtensor import to_dtensor, to_dtensors
 from phalanx.distributed._gather import broadcast, gather
 from phalanx.distributed._launch import launch
 from phalanx.distributed._mesh import (
@@ -44,4 +47,6 @@ __all__ = [
     "save",
     "shard",
     "shutdown",
+    "to_dtensor",
+    "to_dtensors",
 ]

@@ -1,102 +1,64 @@
-"""Sharded checkpoints: one safetensors file per rank plus a JSON index, saved as a transaction.
+"""Sharded checkpoints of a whole run: one safetensors file per rank plus a JSON index.
 
 A checkpoint is a directory::
 
     index.json                          the committed generation: N, each file with the
-                                        global members it holds, its size and SHA-256, the
-                                        optimizer's type, structure and non-tensor values
+                                        global members it holds, its size and SHA-256, and
+                                        each part's type and non-tensor state
     gen-000007/members-000000-000004.safetensors   global members 0..3 of generation 7
     gen-000007/members-000004-000007.safetensors   global members 4..6
 
-A save writes generation g+1 beside generation g (each file atomically), gathers every
-rank's file sizes and checksums (which waits until every rank has finished), and then rank 0
-commits by replacing ``index.json`` in one atomic rename; only after that is generation g
-removed. A save killed at any instant, on any rank, leaves ``index.json`` naming a
-generation whose files are all complete: the previous one or the new one. A load checks the
-size and SHA-256 of every file it reads against the index and refuses on every rank if one
-differs.
+It holds what a run needs to continue exactly: the stack, the optimizer, the scheduler, the
+loader's position and any extras (the step, the epoch, metrics), as ``phalanx.save`` does
+in one file. A save is a transaction (:mod:`._transaction`): the ranks agree on what they
+hold and that they share the directory before anything is written; rank 0 commits by
+replacing ``index.json`` in one atomic rename once every file is complete; only then is the
+previous generation removed. A save killed at any instant, on any rank, leaves ``index.json``
+naming a generation whose files are all complete: the previous one or the new one. A load
+checks the size and SHA-256 of every file it reads against the index, and every part
+against the objects it is loaded into, and refuses on every rank if anything differs.
 
-Every per-member tensor is stored under its name with its block of rows, so a loader on any
-number of ranks reads, for each of its members, the rows it needs (safetensors reads slices
-without loading whole files). torch.distributed.checkpoint is not used: it takes plain
-per-rank tensors saved under one name for replicas and keeps one rank's block.
+Every per-member tensor is stored with its block of rows, so a load on any number of ranks
+reads, for each of its members, the rows it needs (safetensors reads slices without loading
+whole files).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
-from phalanx._checks import CheckpointError, check_optimizer, type_name
-from phalanx._files import atomic_write_text, fsync_directory, save_atomic
+from phalanx._checks import CheckpointError, check_like, check_optimizer, probe_load, type_name
+from phalanx._files import atomic_write_text, save_atomic
 from phalanx._stack import Stack
-from phalanx.distributed._mesh import Shard, collective, layout
+from phalanx.distributed import _health
+from phalanx.distributed._agree import describe_members, exchange
+from phalanx.distributed._mesh import Shard, layout
+from phalanx.distributed._parts import PARTS, encode_part, localize_loader
 from phalanx.distributed._shard import shard_of
-from phalanx.distributed._sources import (
-    FORMAT,
-    GENERATION,
-    INDEX,
-    MEMBER,
-    OLD_SHARD_FILE,
-    REPLICA,
-    STACK,
-    VERSION,
-    Sharded,
-    SingleFile,
+from phalanx.distributed._sources import FORMAT, INDEX, STACK, VERSION, Sharded, SingleFile
+from phalanx.distributed._transaction import (
+    file_name,
+    generation_name,
+    is_root,
+    missing_files,
+    outcome,
+    preflight,
+    remove_superseded,
 )
 
 __all__ = ["load", "save"]
 
-
-def _file_name(block: range) -> str:
-    return f"members-{block.start:06d}-{block.stop:06d}.safetensors"
-
-
-def _generation_name(generation: int) -> str:
-    return f"gen-{generation:06d}"
-
-
-def _flatten_optimizer(
-    state: dict[str, Any], n_local: int, where: str
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[Any], str]:
-    """Splits an optimizer state dict into member tensors, replicated tensors and the rest.
-
-    A tensor with dim 0 of size n_local carries the member axis; a 0-d tensor is the same for
-    every member. Anything else cannot be resharded, so it is refused.
-    """
-    members: dict[str, torch.Tensor] = {}
-    replicas: dict[str, torch.Tensor] = {}
-    plain: list[Any] = []
-    leaves, spec = pytree.tree_flatten_with_path(state)
-    for path, leaf in leaves:
-        key = pytree.keystr(path)
-        if not isinstance(leaf, torch.Tensor):
-            if not (leaf is None or isinstance(leaf, bool | int | float | str)):
-                raise TypeError(
-                    f"{where}: optimizer state entry {key} is a {type(leaf).__name__}; only "
-                    f"tensors, numbers, strings, bools and None can be saved."
-                )
-            plain.append(leaf)
-            continue
-        plain.append({"tensor": key})
-        if leaf.dim() == 0:
-            replicas[key] = leaf
-        elif leaf.shape[0] == n_local:
-            members[key] = leaf
-        else:
-            raise ValueError(
-                f"{where}: optimizer state entry {key} has shape {tuple(leaf.shape)}; expected "
-                f"this rank's {n_local} members along dim 0, or a 0-d tensor. Only optimizers "
-                f"over this rank's stack.parameters() can be saved per shard."
-            )
-    return members, replicas, plain, pytree.treespec_dumps(spec)
+# Indirections the tests replace (to play every rank of a save in one process, or to kill
+# a save at each step: tests/test_crash.py).
+_preflight = preflight
+_outcome = outcome
+_remove_superseded = remove_superseded
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -104,125 +66,134 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
 
 
-def _next_generation(directory: Path) -> int:
-    """One past every generation present, committed or left by a killed save: a new save
-    never writes into a generation that an index may name."""
-    numbers = [0]
-    for entry in directory.iterdir():
-        match = GENERATION.fullmatch(entry.name)
-        if match:
-            numbers.append(int(match.group(1)))
-    try:
-        committed = json.loads((directory / INDEX).read_text()).get("generation", 0)
-        numbers.append(int(committed))
-    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
-        pass
-    return max(numbers) + 1
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of every tensor this rank would write, to compare data replicas."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key]
+        h.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
 
 
-def _agree_generation(directory: Path, shard: Shard) -> int:
-    """The generation this save writes, chosen by rank 0 and sent to every rank."""
-    mine = _next_generation(directory) if shard.rank == 0 else 0
-    return int(shard.broadcast(torch.tensor([mine]))[0])
-
-
-def _all_entries(entry: dict[str, Any], shard: Shard, where: str) -> list[dict[str, Any]]:
+def _all_entries(entry: dict[str, Any] | None, shard: Shard, where: str) -> list[Any]:
     """Every rank's shard entry, by rank; waits until every rank has written its file."""
-    if shard.world_size == 1:
-        return [entry]
-    table: list[Any] = [None] * shard.world_size
-    with collective(where, shard, "all_gather of the written files"):
-        dist.all_gather_object(table, entry)
-    return table
+    return exchange(entry, shard, where, "the written files")
 
 
 def save(
     path: str | os.PathLike[str],
     stack: Stack,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    loader: Any = None,
     *,
     shard: Shard | None = None,
+    **extra: Any,
 ) -> None:
-    """Saves this rank's members (and optimizer state) into a sharded checkpoint directory.
+    """Saves this rank's share of a training run into a sharded checkpoint directory.
 
-    Call it on every rank at the same point. The save is a transaction: each rank writes its
-    members into a new generation beside the committed one; once every rank has finished,
-    rank 0 commits it by atomically replacing ``index.json`` (which names every file with its
-    size and SHA-256), and only then removes the previous generation. If any rank is killed
-    at any instant, the directory still loads as the previous checkpoint (or, once committed,
-    the new one). The directory must be on a file system every rank sees. The checkpoint
-    loads with :func:`phalanx.distributed.load` on any number of ranks, a plain process
-    included.
+    The same call as :func:`phalanx.save`, on every rank at the same point: the stack, and
+    optionally the optimizer, the LR scheduler, the loader's position and extras (the step,
+    the epoch, a best score), so that :func:`phalanx.distributed.load` continues the run
+    exactly, on any number of ranks.
+
+    The save is a transaction. First the ranks compare what they hold (N, the members'
+    shapes and dtypes, each part's type, structure and everything in it that is not
+    per-member) and check that they all see one directory (rank 0 writes a marker file that
+    every rank must read back); on any difference every rank raises and nothing is written.
+    Then each rank writes its members' rows into a new generation beside the committed one;
+    once every rank has finished, rank 0 checks that it sees every file and commits by
+    atomically replacing ``index.json``, and only then removes the previous generation. If
+    any rank is killed at any instant, the directory still loads as the previous checkpoint
+    (or, once committed, the new one).
 
     Args:
-        path: the checkpoint directory; created if missing.
+        path: the checkpoint directory; created if missing. It must be on a file system
+            every rank sees (the save refuses otherwise).
         stack: this rank's stack.
-        optimizer: an optimizer over ``stack.parameters()`` whose state tensors are
-            per-member ``(n_local, ...)`` or 0-d, as phalanx.optim's and torch.optim's are.
+        optimizer: an optimizer over ``stack.parameters()``, phalanx's or torch's.
+        scheduler: an LR scheduler (torch's, or ``phalanx.optim.MemberLambdaLR``).
+        loader: this rank's ``phalanx.data.MemberLoader`` (from ``shard.loader``): its
+            position is saved for all N members, so it resumes on any world size.
         shard: this rank's :class:`Shard`; None for a stack built by
             :func:`phalanx.distributed.shard` or in a plain process.
+        **extra: more state: tensors, numbers, strings, lists and dicts of them, e.g.
+            ``step=1200``. They must be the same on every rank, except tensors whose dim 0
+            is this rank's number of members, which are saved per member.
 
     Raises:
-        ValueError: the stack does not hold the shard's members, or optimizer state that is
-            neither per-member nor 0-d.
+        ValueError: the stack does not hold the shard's members.
+        TypeError: some state is neither a tensor nor JSON data.
+        CheckpointError: (a ValueError, on every rank) the ranks disagree on what they hold,
+            or do not all see the directory ``path``; nothing was written, and the previous
+            checkpoint is as it was.
         DistributedError: another rank failed, or the timeout passed; nothing was committed.
 
     Example:
-        >>> phalanx.distributed.save("ckpt", stack, optimizer=opt)
+        >>> pdist.save("ckpt", stack, optimizer=opt, loader=loader, step=step)
     """
     where = "phalanx.distributed.save()"
     mine = shard if shard is not None else shard_of(stack, where)
     _check_stack(stack, mine, where)
     directory = Path(path)
     tensors = {STACK + k: v for k, v in stack.state_dict().items()}
-    optim_entry = None
-    if optimizer is not None:
-        members, replicas, plain, spec = _flatten_optimizer(
-            optimizer.state_dict(), mine.num_local, where
+    objects = {"optimizer": optimizer, "scheduler": scheduler, "loader": loader, "extra": extra}
+    parts = {
+        name: encode_part(name, obj, mine.num_local, mine.num_members)
+        for name, obj in objects.items()
+        if obj is not None and (name != "extra" or obj)
+    }
+    facts: dict[str, Any] = {
+        "num_members": mine.num_members,
+        "world_size": mine.world_size,
+        "the members' parameters and buffers (shape, dtype)": describe_members(stack),
+        "parts saved": sorted(parts),
+    }
+    for part in parts.values():
+        tensors.update(part.files())
+        facts.update(part.facts())
+    facts["replicas"] = mine.num_replicas
+    local = _contiguous(tensors)
+    rows = _digest(local) if mine.num_replicas > 1 else None
+    generation = _preflight(directory, mine, facts, where, rows)
+    entry = None
+    if mine.is_writer:  # one file per member block: its replica 0 writes it
+        name = f"{generation_name(generation)}/{file_name(mine.global_indices)}"
+        size, digest = save_atomic(local, directory / name, {"format": FORMAT})
+        entry = {
+            "file": name,
+            "start": mine.start,
+            "stop": mine.stop,
+            "size": size,
+            "sha256": digest,
+        }
+    # Waits until every file is complete, before the index names it.
+    shards = [e for e in _all_entries(entry, mine, where) if e is not None]
+    problem = None
+    if is_root(mine):
+        problem = missing_files(directory, shards)
+        if problem is None:
+            index = {
+                "format": FORMAT,
+                "version": VERSION,
+                "generation": generation,
+                "num_members": mine.num_members,
+                "saved_by_ranks": mine.world_size,
+                "shards": shards,
+                "stack_keys": sorted(stack.state_dict()),
+                "parts": {name: part.entry for name, part in parts.items()},
+            }
+            atomic_write_text(directory / INDEX, json.dumps(index, indent=1))  # the commit
+            _remove_superseded(directory, generation, {s["file"] for s in shards})
+    # No rank returns (and perhaps loads) before the index exists, and all learn the outcome.
+    problem = _outcome(problem, mine, where)
+    if problem is not None:
+        raise CheckpointError(
+            f"{where}: nothing was committed; the previous checkpoint in {directory} is as it "
+            f"was: {problem}"
         )
-        tensors.update({MEMBER + k: v for k, v in members.items()})
-        tensors.update({REPLICA + k: v for k, v in replicas.items()})
-        optim_entry = {
-            "type": type_name(optimizer),
-            "treespec": spec,
-            "leaves": plain,
-            "member_keys": sorted(members),
-        }
-    if mine.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    generation = _agree_generation(directory, mine)
-    name = f"{_generation_name(generation)}/{_file_name(mine.global_indices)}"
-    size, digest = save_atomic(_contiguous(tensors), directory / name, {"format": FORMAT})
-    entry = {"file": name, "start": mine.start, "stop": mine.stop, "size": size, "sha256": digest}
-    shards = _all_entries(entry, mine, where)  # every file is complete before the index names it
-    if mine.rank == 0:
-        index = {
-            "format": FORMAT,
-            "version": VERSION,
-            "generation": generation,
-            "num_members": mine.num_members,
-            "saved_by_ranks": mine.world_size,
-            "shards": shards,
-            "stack_keys": sorted(stack.state_dict()),
-            "optimizer": optim_entry,
-        }
-        atomic_write_text(directory / INDEX, json.dumps(index, indent=1))  # the commit
-        _remove_superseded(directory, generation, {s["file"] for s in shards})
-    mine.barrier()  # no rank returns (and perhaps loads) before the index exists
-
-
-def _remove_superseded(directory: Path, generation: int, listed: set[str]) -> None:
-    """After a commit: earlier generations, and files in this one that the index does not name."""
-    current = _generation_name(generation)
-    for entry in directory.iterdir():
-        if GENERATION.fullmatch(entry.name) and entry.name != current and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
-        elif OLD_SHARD_FILE.fullmatch(entry.name):
-            entry.unlink(missing_ok=True)
-    for entry in (directory / current).iterdir():
-        if f"{current}/{entry.name}" not in listed and not entry.name.startswith("."):
-            entry.unlink(missing_ok=True)
-    fsync_directory(directory)
+    _health.note_checkpoint(f"{directory} generation {generation}")
 
 
 def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
@@ -237,30 +208,31 @@ def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
 
 def _agree(problem: str | None, shard: Shard, where: str) -> str | None:
     """The first rank's problem on every rank, so that all refuse together or none does."""
-    if shard.world_size == 1 or not dist.is_initialized():
+    table = exchange(problem, shard, where, "the checkpoint checks")
+    if len(table) == 1:
         return problem
-    table: list[Any] = [None] * shard.world_size
-    with collective(where, shard, "all_gather of the file checks"):
-        dist.all_gather_object(table, problem)
     return next((f"(found by rank {r}) {p}" for r, p in enumerate(table) if p is not None), None)
 
 
 def load(
     path: str | os.PathLike[str],
     stack: Stack,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    loader: Any = None,
     *,
     shard: Shard | None = None,
-) -> None:
-    """Loads this rank's members (and optimizer state) from a checkpoint of all N members.
+) -> dict[str, Any]:
+    """Restores this rank's share of a run from a checkpoint of all N members.
 
-    Call it on every rank at the same point. The checkpoint may have been written by any
-    number of ranks (a directory from :func:`phalanx.distributed.save`) or by one process (a
-    file from :func:`phalanx.save`): each rank reads only the rows of its own global members.
-    In a plain process, a stack of all N members loads everything, e.g. to write it again
-    with :func:`phalanx.save`. Every file read is checked against the size and SHA-256 the
-    index committed, and everything is checked before the stack or optimizer is written: on
-    any error nothing is changed, on any rank.
+    The same call as :func:`phalanx.load`, on every rank at the same point. The checkpoint
+    may have been written by any number of ranks (a directory from
+    :func:`phalanx.distributed.save`) or by one process (a file from :func:`phalanx.save`):
+    each rank reads only the rows of its own global members, and its loader continues where
+    each of its members' streams stopped. Every file read is checked against the size and
+    SHA-256 the index committed, and every part against the object it is loaded into, before
+    anything is written; the ranks agree, so on any error every rank raises and nothing is
+    changed on any rank.
 
     Args:
         path: a directory written by :func:`phalanx.distributed.save`, or a file written by
@@ -268,21 +240,25 @@ def load(
         stack: this rank's stack, built with the checkpoint's N (e.g. by
             ``phalanx.distributed.shard(factory, num_members=N)``); its tensors are
             overwritten in place.
-        optimizer: an optimizer over ``stack.parameters()`` of the saved type, to restore;
-            the checkpoint must hold optimizer state then.
+        optimizer, scheduler, loader: objects to restore, built like the saved ones (the
+            same types; the loader from ``shard.loader``); each must have been saved.
         shard: this rank's :class:`Shard`; None for a stack built by
             :func:`phalanx.distributed.shard` or in a plain process.
+
+    Returns:
+        The extras given to ``save``; per-member tensors hold this rank's members' rows.
 
     Raises:
         FileNotFoundError: ``path`` is neither a checkpoint file nor a directory with an
             index.
         CheckpointError: (a ValueError) a file is missing, truncated, corrupt or not a phalanx
             checkpoint; or the checkpoint has another N, other parameter names, shapes or
-            dtypes, another optimizer type, or no optimizer state when one is asked for.
+            dtypes, lacks a requested part, or holds one of another type or structure.
 
     Example:
         >>> stack, shard = phalanx.distributed.shard(make_member, num_members=8)
-        >>> phalanx.distributed.load("ckpt", stack, optimizer=opt)
+        >>> extra = phalanx.distributed.load("ckpt", stack, optimizer=opt, loader=loader)
+        >>> step = extra["step"]
     """
     from phalanx.distributed._shard import _shards
 
@@ -316,9 +292,36 @@ def load(
             f"does this (it leaves the previous generation whole); the files were changed or "
             f"lost after the save. Restore the directory from a copy."
         )
+    objects = {"optimizer": optimizer, "scheduler": scheduler, "loader": loader}
+    try:
+        state, states, extra = _read_checked(source, own, objects, shard, where, str(location))
+        refusal = None
+    except CheckpointError as e:
+        refusal = str(e)
+    # Every rank checked its own rows: all load, or all refuse with the first rank's reason.
+    refusal = _agree(refusal, shard, where)
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    # Every check passed on every rank: only now is anything written.
+    stack.load_state_dict(state)
+    for name, part_state in states.items():
+        objects[name].load_state_dict(part_state)
+    return extra
+
+
+def _read_checked(
+    source: Sharded | SingleFile,
+    own: dict[str, torch.Tensor],
+    objects: dict[str, Any],
+    shard: Shard,
+    where: str,
+    location: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """This rank's stack rows, parts and extras, each checked against what it loads into."""
     try:
         state = {key: source.stack_rows(key) for key in own}
-        optimizer_state = source.optimizer_state() if optimizer is not None else None
+        read = {name: source.part(name) for name in PARTS if objects.get(name) is not None}
+        extra = source.part("extra") or {}
     except CheckpointError:
         raise
     except Exception as e:  # a committed file or index whose contents disagree
@@ -337,14 +340,38 @@ def load(
             f"{where}: shapes or dtypes differ between the checkpoint and the stack (this "
             f"rank's {shard.num_local} members):\n  - " + "\n  - ".join(wrong)
         )
-    if optimizer is not None:
-        if optimizer_state is None:
+    states = {}
+    for name, saved in read.items():
+        obj = objects[name]
+        if saved is None:
             raise CheckpointError(
-                f"{where}: the checkpoint {location} holds no optimizer state; load without "
-                f"optimizer=, or save with optimizer=opt."
+                f"{where}: the checkpoint {location} holds no {name} state; load without "
+                f"{name}=, or save with {name}={name}."
             )
-        check_optimizer(where, str(location), optimizer, optimizer_state, source.optimizer_type)
-    # Every check passed: only now is anything written.
-    stack.load_state_dict(state)
-    if optimizer is not None and optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+        if not isinstance(saved, dict):
+            raise CheckpointError(
+                f"{where}: '{location}' is corrupt: its {name} state is not a mapping."
+            )
+        kind = source.part_type(name)
+        if name == "optimizer":
+            check_optimizer(where, location, obj, saved, kind)
+        else:
+            if kind != type_name(obj):
+                raise CheckpointError(
+                    f"{where}: '{location}' holds the state of a {kind} {name}, but a "
+                    f"{type_name(obj)} was given; build the {name} as it was when saved."
+                )
+            if name == "loader":
+                saved = localize_loader(saved, shard.start, shard.stop, shard.num_members)
+            problems = check_like(obj.state_dict(), saved, f"the {name} state")
+            if problems:
+                raise CheckpointError(
+                    f"{where}: the {name} state in '{location}' does not fit this {name}: "
+                    + "; ".join(problems)
+                    + f". Build the {name} as it was built when saved."
+                )
+            probe_load(where, location, name, obj, saved)
+        states[name] = saved
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{where}: '{location}' is corrupt: its extras are not a mapping.")
+    return state, states, extra

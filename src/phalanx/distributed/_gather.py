@@ -2,6 +2,8 @@
 
 Shards are uneven when K does not divide N: each rank pads its block to the largest block,
 all_gather moves equal-sized tensors, and the padding is trimmed before the blocks are joined.
+Every collective runs on the member axis's group (``shard.group``): with data replicas, each
+replica's member ranks gather among themselves, and ``src`` is a rank of that axis.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def gather(x: Any, shard: Shard) -> Any:
                 f"entries along dim 0; got {got} at {pytree.keystr(path) or 'the input'}. Pass "
                 f"this rank's members' values, not all N."
             )
+    shard.check_job(where)
     if shard.world_size == 1:  # copies, as with K ranks: no result aliases live weights
         return pytree.tree_map(lambda t: t.detach().clone(), x)
     _check_same_everywhere(leaves, shard, where)
@@ -74,7 +77,7 @@ def gather(x: Any, shard: Shard) -> Any:
             padded = t.new_zeros((width, *t.shape[1:]))
             padded[: len(t)] = t
             blocks = [torch.empty_like(padded) for _ in range(shard.world_size)]
-            dist.all_gather(blocks, padded.contiguous())
+            dist.all_gather(blocks, padded.contiguous(), group=shard.group)
             joined = torch.cat([b[: len(r)] for b, r in zip(blocks, shard.ranges)])
             out.append(joined.to(device=leaf.device, dtype=leaf.dtype))
     return pytree.tree_unflatten(out, spec)
@@ -82,21 +85,28 @@ def gather(x: Any, shard: Shard) -> Any:
 
 def _check_same_everywhere(leaves: list[torch.Tensor], shard: Shard, where: str) -> None:
     """Raises on every rank when the ranks' leaves differ in count, dtype or trailing shape."""
-    mine = torch.tensor([len(leaves), _signature(leaves)], dtype=torch.int64, device=comm_device())
+    # N and K too: ranks with another N pad to another width, and all_gather of tensors of
+    # different sizes aborts the process inside gloo instead of raising.
+    facts = [shard.num_members, shard.world_size, len(leaves), _signature(leaves)]
+    mine = torch.tensor(facts, dtype=torch.int64, device=comm_device())
     everyone = [torch.empty_like(mine) for _ in range(shard.world_size)]
     with collective(where, shard, "all_gather of shapes"):
-        dist.all_gather(everyone, mine)
+        dist.all_gather(everyone, mine, group=shard.group)
     if all(torch.equal(e, everyone[0]) for e in everyone):
         return
-    described = [(str(t.dtype), tuple(t.shape)) for t in leaves]
+    described = (
+        f"N={shard.num_members} over {shard.world_size} ranks: "
+        f"{[(str(t.dtype), tuple(t.shape)) for t in leaves]}"
+    )
     table: list[Any] = [None] * shard.world_size
     with collective(where, shard, "all_gather of shapes"):
-        dist.all_gather_object(table, described)
+        dist.all_gather_object(table, described, group=shard.group)
     lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(table))
     raise ValueError(
         f"{where}: the ranks passed tensors of different dtypes or shapes (after dim 0, the "
-        f"members) as (dtype, shape) per tensor:\n{lines}\nEvery rank must pass the same "
-        f"structure, with only dim 0 differing."
+        f"members), or hold shards of another N, as (dtype, shape) per tensor:\n{lines}\n"
+        f"Every rank must pass the same structure, with only dim 0 differing, and shards of "
+        f"one N."
     )
 
 
@@ -123,6 +133,7 @@ def broadcast(x: Any, shard: Shard, *, src: int = 0) -> Any:
     where = "phalanx.distributed.broadcast()"
     if not 0 <= src < shard.world_size:
         raise ValueError(f"{where}: src must be a rank in 0..{shard.world_size - 1}; got {src}.")
+    shard.check_job(where)
     if shard.world_size == 1:
         return x
     header: list[Any] = [None]
@@ -136,7 +147,7 @@ def broadcast(x: Any, shard: Shard, *, src: int = 0) -> Any:
             else (pytree.treespec_dumps(spec), [(t.dtype, tuple(t.shape)) for t in leaves]),
         ]
     with collective(where, shard, "broadcast"):
-        dist.broadcast_object_list(header, src=src, device=comm_device())
+        dist.broadcast_object_list(header, group_src=src, group=shard.group, device=comm_device())
     if header[0] is None:
         raise TypeError(
             f"{where}: rank {src} must pass a tensor or a tuple, list or dict of tensors; "
@@ -150,6 +161,6 @@ def broadcast(x: Any, shard: Shard, *, src: int = 0) -> Any:
                 t = leaves[k].detach().to(comm_device()).contiguous()
             else:
                 t = torch.empty(shape, dtype=dtype, device=comm_device())
-            dist.broadcast(t, src=src)
+            dist.broadcast(t, group_src=src, group=shard.group)
             out.append(t if shard.rank == src else t.to(shard.device))
     return pytree.tree_unflatten(out, pytree.treespec_loads(spec_text))

@@ -28,12 +28,19 @@ from typing import Any
 
 import torch
 
-from phalanx.distributed._mesh import DEFAULT_TIMEOUT, DistributedError, init, shutdown
+from phalanx.distributed import _health
+from phalanx.distributed._mesh import (
+    DEFAULT_TIMEOUT,
+    DistributedError,
+    init,
+    shutdown,
+)
 
 __all__ = ["launch"]
 
 _POLL_S = 0.05
 _GRACE_S = 5.0  # after a failure, how long the other ranks get to report theirs
+_LAUNCH_FAILURE_TIMEOUT = 5.0  # local ranks: a dead one is named sooner than by the default
 
 
 def _entry(
@@ -45,6 +52,7 @@ def _entry(
     timeout_s: float,
     threads: int,
     results: Any,
+    failure_timeout: float | None,
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only, whatever interfaces exist
     torch.set_num_threads(threads)
@@ -54,13 +62,17 @@ def _entry(
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        failure_timeout=failure_timeout,
     )
+    _health.wait_in_collectives = False  # the parent names a dead rank from its exit code
     try:
         value = fn(*args)
     except BaseException as e:
         # Report before leaving the group: the parent names the rank that failed first, not
         # the ranks that then failed waiting for it.
         secondary = isinstance(e, DistributedError)
+        text = str(e).strip().splitlines()
+        _health.leave(f"failed: {type(e).__name__}: {text[0][:300] if text else ''}")
         results.put((rank, False, pickle.dumps((secondary, traceback.format_exc()))))
         raise SystemExit(1) from None
     else:
@@ -75,6 +87,7 @@ def launch(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT.total_seconds(),
     threads: int = 1,
+    failure_timeout: float | None = None,
 ) -> list[Any]:
     """Runs ``fn(*args)`` on ``nprocs`` local CPU ranks in one gloo process group.
 
@@ -90,6 +103,8 @@ def launch(
             failed, the others get this long to finish too, then are terminated and named.
             While every rank is running, the launch waits as long as the work takes.
         threads: intra-op threads per rank.
+        failure_timeout: the failure detector's deadline, as for
+            :func:`phalanx.distributed.init`; None: the smaller of ``timeout`` and 5 s.
 
     Returns:
         ``fn``'s return value on each rank, by rank (each must be picklable).
@@ -120,6 +135,8 @@ def launch(
             f"import fn by name: pass a module-level function, not a lambda or a nested "
             f"function ({type(e).__name__}: {e})."
         ) from e
+    if failure_timeout is None:
+        failure_timeout = min(float(timeout), _LAUNCH_FAILURE_TIMEOUT)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     run = _Run(nprocs, float(timeout))
@@ -128,7 +145,17 @@ def launch(
         processes = [
             ctx.Process(
                 target=_entry,
-                args=(r, fn, args, nprocs, store, float(timeout), threads, results),
+                args=(
+                    r,
+                    fn,
+                    args,
+                    nprocs,
+                    store,
+                    float(timeout),
+                    threads,
+                    results,
+                    failure_timeout,
+                ),
                 daemon=True,
             )
             for r in range(nprocs)

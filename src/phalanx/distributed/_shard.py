@@ -27,6 +27,7 @@ def shard(
     seed: int | None = 0,
     backend: str = "auto",
     device: torch.device | str | None = None,
+    replicas: int = 1,
 ) -> tuple[Stack, Shard]:
     """This rank's block of N members as a :class:`phalanx.Stack`, and its :class:`Shard`.
 
@@ -47,6 +48,11 @@ def shard(
             stack plus one member.
         backend: the stack's backend, as for :func:`phalanx.stack`.
         device: where to put this rank's members; None: its GPU under nccl, else the CPU.
+        replicas: data replicas of each member block, on a 2-D ``DeviceMesh`` ("member",
+            "replica"): K ranks hold K / replicas member blocks, each ``replicas`` times.
+            Every phalanx collective then runs on the member axis; average gradients over
+            ``shard.replica_group`` (e.g. ``DDP(stack, process_group=shard.replica_group)``).
+            See :func:`phalanx.distributed.layout`.
 
     Returns:
         ``(stack, shard)``: the stack of ``shard.num_local`` members, member j being global
@@ -75,7 +81,7 @@ def shard(
                 f"{where}: with a factory, pass num_members=N, the number of members over all "
                 f"ranks."
             )
-        mine = layout(num_members, device=device)
+        mine = layout(num_members, device=device, replicas=replicas)
         # One member at a time into the stacked tensors: never two copies of the weights.
         stack = build_members(
             members,
@@ -92,10 +98,34 @@ def shard(
                 f"{where}: num_members={num_members} but {len(modules)} modules were given; "
                 f"pass all N modules (each rank keeps its block) and drop num_members."
             )
-        mine = layout(len(modules), device=device)
+        mine = layout(len(modules), device=device, replicas=replicas)
         stack = Stack(modules[mine.start : mine.stop], backend=backend).to(mine.device)
+    _check_ranks_agree(stack, mine, where)
     _shards[stack] = mine
     return stack, mine
+
+
+def _check_ranks_agree(stack: Stack, mine: Shard, where: str) -> None:
+    """Raises on every rank when the ranks were given another N or other members.
+
+    Found here, at the start, instead of as a gloo abort in the first gather (another N
+    gives other block sizes) or as a checkpoint that can never load (other shapes).
+    """
+    from phalanx.distributed._agree import describe_members, differences, exchange
+
+    facts = {
+        "num_members": mine.num_members,
+        "replicas": mine.num_replicas,
+        "the members' parameters and buffers (shape, dtype)": describe_members(stack),
+    }
+    problems = differences(exchange(facts, mine, where, "the members' description"))
+    if problems:
+        raise ValueError(
+            f"{where}: the ranks were given different members, so they cannot train, "
+            f"gather or checkpoint as one run (rank {mine.rank} of {mine.world_size}; every "
+            f"rank raises this):\n  - " + "\n  - ".join(problems) + "\nGive every rank the "
+            "same num_members and the same member architecture (read the same config)."
+        )
 
 
 def shard_of(stack: Stack, where: str) -> Shard:

@@ -18,16 +18,18 @@ from torch.utils import _pytree as pytree
 
 from phalanx._checks import CheckpointError, decode, parse_meta
 from phalanx._files import checksum
+from phalanx.distributed._parts import MEMBER, REPLICA
 
 __all__ = ["FORMAT", "INDEX", "VERSION", "Sharded", "SingleFile", "read_index"]
 
 FORMAT = "phalanx.distributed.checkpoint"
-VERSION = 2
+VERSION = 3  # 3: every part of a run ("parts"); 2: the stack and an optimizer, still read
 INDEX = "index.json"
 GENERATION = re.compile(r"gen-(\d{6,})")
 SHARD_FILE = re.compile(r"gen-\d{6,}/members-\d{6,}-\d{6,}\.safetensors")
 OLD_SHARD_FILE = re.compile(r"members-\d{6,}-\d{6,}\.safetensors")  # version 1, flat
-STACK, MEMBER, REPLICA = "stack/", "optim/", "optim-replicated/"
+STACK = "stack/"
+V2_MEMBER, V2_REPLICA = "optim/", "optim-replicated/"  # version 2's optimizer tensors
 
 
 def _corrupt(file: Path, what: str) -> CheckpointError:
@@ -53,7 +55,7 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise _corrupt(file, f"it cannot be read as text ({e})") from None
     index = parse_meta(text, where, str(file))
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
+    if index.get("format") != FORMAT or index.get("version") not in (2, VERSION):
         raise CheckpointError(
             f"{where}: {file} is not a phalanx.distributed checkpoint index of this version "
             f"(format {index.get('format')!r}, version {index.get('version')!r}); expected "
@@ -89,6 +91,17 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     keys = index.get("stack_keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise _corrupt(file, "'stack_keys' is not a list of strings")
+    parts = index.get("parts", {})
+    if not isinstance(parts, dict) or not all(
+        isinstance(part, dict)
+        and isinstance(part.get("members"), list)
+        and isinstance(part.get("replicas"), list)
+        and all(isinstance(k, str) for k in part["members"] + part["replicas"])
+        and (part.get("type") is None or isinstance(part.get("type"), str))
+        and "state" in part
+        for part in parts.values()
+    ):
+        raise _corrupt(file, "'parts' is not {name: {type, state, members, replicas}}")
     optim = index.get("optimizer")
     if optim is not None and not (
         isinstance(optim, dict)
@@ -122,7 +135,7 @@ class Sharded:
         self.directory = directory
         self.num_members = int(self.index["num_members"])
         self.stack_keys = set(self.index["stack_keys"])
-        self.optimizer_type = (self.index["optimizer"] or {}).get("type")
+        self.optimizer_type = (self.index.get("optimizer") or {}).get("type")
         self._files: list[tuple[range, Any]] = []
         self._block = range(0)
 
@@ -157,8 +170,24 @@ class Sharded:
     def stack_rows(self, key: str) -> torch.Tensor:
         return self.rows(STACK + key)
 
-    def optimizer_state(self) -> dict[str, Any] | None:
-        entry = self.index["optimizer"]
+    def part_type(self, name: str) -> str | None:
+        if self.index["version"] == 2:
+            return self.optimizer_type if name == "optimizer" else None
+        entry = self.index.get("parts", {}).get(name)
+        return None if entry is None else entry.get("type")
+
+    def part(self, name: str) -> Any:
+        """The decoded state of a part (``optimizer``, ..., ``extra``), or None if not saved."""
+        if self.index["version"] == 2:
+            return self._v2_optimizer_state() if name == "optimizer" else None
+        entry = self.index.get("parts", {}).get(name)
+        if entry is None:
+            return None
+        rows = _PartTensors(self, set(entry["members"]), set(entry["replicas"]))
+        return decode(entry["state"], rows, "phalanx.distributed.load()", str(self.directory), name)
+
+    def _v2_optimizer_state(self) -> dict[str, Any] | None:
+        entry = self.index.get("optimizer")
         if entry is None:
             return None
         members = set(entry["member_keys"])
@@ -167,12 +196,29 @@ class Sharded:
             if isinstance(leaf, dict):
                 key = leaf["tensor"]
                 # Replicated tensors are the same in every file: read the first one's.
-                leaf = self.rows(MEMBER + key) if key in members else self._replica(key)
+                leaf = (
+                    self.rows(V2_MEMBER + key) if key in members else self.replica(V2_REPLICA + key)
+                )
             leaves.append(leaf)
         return pytree.tree_unflatten(leaves, pytree.treespec_loads(entry["treespec"]))
 
-    def _replica(self, key: str) -> torch.Tensor:
-        return self._files[0][1].get_tensor(REPLICA + key)
+    def replica(self, key: str) -> torch.Tensor:
+        return self._files[0][1].get_tensor(key)
+
+
+class _PartTensors:
+    """A part's tensors by the keys its JSON names: this block's rows, or the one replica."""
+
+    def __init__(self, source: Sharded, members: set[str], replicas: set[str]) -> None:
+        self.source, self.members, self.replicas = source, members, replicas
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.members or key in self.replicas
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.members:
+            return self.source.rows(MEMBER + key)
+        return self.source.replica(REPLICA + key)
 
 
 class SingleFile:
@@ -224,7 +270,12 @@ class SingleFile:
             return self.file.get_slice(key)[self._block.start : self._block.stop]
         return self.file.get_tensor(key)
 
-    def optimizer_state(self) -> dict[str, Any] | None:
-        if "optimizer" not in self.meta:
+    def part_type(self, name: str) -> str | None:
+        types = self.meta.get("types")
+        return types.get(name) if isinstance(types, dict) else None
+
+    def part(self, name: str) -> Any:
+        """The decoded state of a part (``optimizer``, ..., ``extra``), or None if not saved."""
+        if name not in self.meta:
             return None
-        return decode(self.meta["optimizer"], self, self._where, self.path, "optimizer")
+        return decode(self.meta[name], self, self._where, self.path, name)

@@ -76,7 +76,9 @@ def copy_across_ranks(
     # stepped, one has not) fail with a message instead of a mismatched receive.
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(shard.world_size)]
     try:
-        dist.all_gather(sizes, torch.tensor([size], dtype=torch.int64, device=device))
+        dist.all_gather(
+            sizes, torch.tensor([size], dtype=torch.int64, device=device), group=shard.group
+        )
     except RuntimeError as e:
         raise _error(shard, "the all_gather of member sizes", e) from e
     if len({int(s) for s in sizes}) > 1:
@@ -102,8 +104,13 @@ def copy_across_ranks(
     # Sources are packed above, before any local write; receives are written after the
     # local copies, so every source is read before any target is written.
     try:
-        requests = [dist.isend(buf, owner[d], tag=d) for buf, d in outgoing]
-        requests += [dist.irecv(buf, owner[s], tag=d) for buf, s, d in incoming]
+        # Peers are ranks of the member axis: with data replicas, each replica's ranks copy
+        # among themselves, so every replica's target receives the same source.
+        group = shard.group
+        requests = [dist.isend(buf, group=group, group_dst=owner[d], tag=d) for buf, d in outgoing]
+        requests += [
+            dist.irecv(buf, group=group, group_src=owner[s], tag=d) for buf, s, d in incoming
+        ]
         if local:
             ls, ld = zip(*local)
             copy_members(
