@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     for did in ids:
         r = run_one(DYNAMIC[did])
         if args.memory:
-            r["first_step_peak_mib"] = {w: _peak_child(did, w, 0) for w in ("loop", "phalanx")}
+            ways = ("loop", "loop backend", "phalanx")
+            r["first_step_peak_mib"] = {w: _peak_child(did, w, 0) for w in ways}
         results.append(r)
         e1, e2 = r["epochs"][0], r["epochs"][-1]
         line = (
