@@ -603,3 +603,42 @@ def test_successive_halving_errors_name_what_is_wrong(tmp_path):
         ValueError, match=r"holds no successive halving state; write it with SuccessiveHalving.save"
     ):
         halving.load(str(tmp_path / "plain.safetensors"))
+
+
+def _sharded_pbt_run(n: int, path: str | None, resume: bool) -> dict:
+    """PBT over the ranks for 4 rounds; with ``path``, saved after round 2 (or, ``resume``,
+    loaded there from ``path`` instead of running the first two rounds)."""
+    stack, shard = pdist.shard(
+        lambda i: _member(i).to(F64), num_members=n, seed=None, backend="loop"
+    )
+    opt = phalanx.optim.Adam(
+        stack.parameters(), lr=shard.local(torch.linspace(1e-3, 5e-2, n, dtype=F64))
+    )
+    x, y = _data(F64)
+    loader = shard.loader(x, y, batch_size=8, seed=3)
+    pbt = PBT(stack, opt, {"lr": LogUniform(1e-4, 1.0)}, interval=2, loader=loader,
+              copy_data=True, seed=11, shard=shard, mode="max")  # fmt: skip
+    first = 3
+    if resume:
+        assert path is not None
+        extra = pbt.load(path)
+        first = int(extra["round"]) + 1
+    for step in range(first, 5) if resume else range(1, 5):
+        _train(stack, opt, loader, 2)
+        with torch.no_grad():
+            accuracy = phalanx.metrics.accuracy(stack(x[:20]), y[:20])
+        pbt.exploit(accuracy, step=2 * step)
+        if path is not None and not resume and step == 2:
+            pbt.save(path, round=step)
+    return {"weights": shard.gather(dict(stack.state_dict())), "log": pbt.log}
+
+
+def test_a_sharded_pbt_run_saves_its_driver_and_resumes_exactly(tmp_path):
+    path = str(tmp_path / "pbt")
+    whole = pdist.launch(_sharded_pbt_run, 2, 6, None, False, timeout=60.0)[0]
+    pdist.launch(_sharded_pbt_run, 2, 6, path, False, timeout=60.0)
+    resumed = pdist.launch(_sharded_pbt_run, 2, 6, path, True, timeout=60.0)
+    for rank in (0, 1):
+        assert resumed[rank]["log"] == whole["log"]
+        for k, v in whole["weights"].items():
+            assert torch.equal(resumed[rank]["weights"][k], v), k

@@ -371,13 +371,18 @@ class PBT:
         self.last_step = int(state["last_step"])
 
     def save(self, path: str, **extra: Any) -> None:
-        """Saves the stack, optimizer, loader and this driver in one `phalanx.save` file."""
+        """Saves the stack, optimizer, loader and this driver: one `phalanx.save` file, or,
+        with a `shard` over several ranks, one `phalanx.distributed.save` directory (called
+        on every rank; the driver's state is the same on every rank and is compared before
+        the commit)."""
         if self.shard is not None and self.shard.world_size > 1:
-            raise NotImplementedError(
-                "phalanx.population.PBT.save(): sharded runs are saved with "
-                "phalanx.distributed.save(), which keeps no driver state yet; save "
-                "pbt.state_dict() from rank 0 beside it."
-            )
+            import phalanx.distributed as pdist
+
+            pdist.save(
+                path, self.stack, optimizer=self.optimizer, loader=self.loader,
+                shard=self.shard, population=self.state_dict(), **extra,
+            )  # fmt: skip
+            return
         phalanx.save(
             path, self.stack, optimizer=self.optimizer, loader=self.loader,
             population=self.state_dict(), **extra,
@@ -389,6 +394,13 @@ class PBT:
         Returns:
             The other `extra` values given to `save`.
         """
-        extra = phalanx.load(path, self.stack, optimizer=self.optimizer, loader=self.loader)
+        if self.shard is not None and self.shard.world_size > 1:
+            import phalanx.distributed as pdist
+
+            extra = pdist.load(
+                path, self.stack, optimizer=self.optimizer, loader=self.loader, shard=self.shard
+            )
+        else:
+            extra = phalanx.load(path, self.stack, optimizer=self.optimizer, loader=self.loader)
         self.load_state_dict(extra.pop("population"))
         return extra
