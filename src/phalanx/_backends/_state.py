@@ -31,8 +31,10 @@ Snapshot = list[tuple[nn.Module, dict[str, Any]]]
 
 def hooked(module: nn.Module) -> list[str]:
     """The paths of the submodules that hold hooks ('' is the root), global hooks as '*'."""
-    paths = [p for p, m in module.named_modules() if any(getattr(m, h) for h in _HOOKS)]
-    return (["*"] if compat.global_module_hooks() else []) + paths
+    found = ["*"] if compat.global_module_hooks() else []
+    if any(getattr(m, h) for m in module.modules() for h in _HOOKS):  # names only on a hit
+        found += [p for p, m in module.named_modules() if any(getattr(m, h) for h in _HOOKS)]
+    return found
 
 
 def snapshot(module: nn.Module) -> Snapshot:
