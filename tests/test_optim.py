@@ -447,6 +447,9 @@ BIT_CASES = [
     ("Adam", {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1, "amsgrad": True}),
     ("AdamW", {"lr": 1e-2}),
     ("AdamW", {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),
+    # Without amsgrad a shared-number step takes torch's own operations on whole tensors:
+    ("Adam", {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1, "maximize": True}),
+    ("AdamW", {"lr": 1e-2, "weight_decay": 0.1}),
 ]
 
 
