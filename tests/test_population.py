@@ -436,16 +436,21 @@ def test_plot_population_draws_schedules_and_exploits(tmp_path):
 # ----------------------------------------------------------------------------- two ranks
 
 
-def _sharded(n: int, seed: int) -> dict:
-    """Adam on per-member data, a cross-rank copy, then PBT rounds; results gathered."""
+def _sharded_run(n: int, backend: str) -> tuple:
+    """This rank's stack, shard, Adam (per-member lr), loader and the data, in float64."""
     stack, shard = pdist.shard(
-        lambda i: _member(i).to(F64), num_members=n, seed=None, backend="vmap"
+        lambda i: _member(i).to(F64), num_members=n, seed=None, backend=backend
     )
     opt = phalanx.optim.Adam(
         stack.parameters(), lr=shard.local(torch.linspace(1e-3, 5e-2, n, dtype=F64))
     )
     x, y = _data(F64)
-    loader = shard.loader(x, y, batch_size=8, seed=3)
+    return stack, shard, opt, shard.loader(x, y, batch_size=8, seed=3), x, y
+
+
+def _sharded(n: int, seed: int) -> dict:
+    """Adam on per-member data, a cross-rank copy, then PBT rounds; results gathered."""
+    stack, shard, opt, loader, x, y = _sharded_run(n, "vmap")
     _train(stack, opt, loader, 3)
     # Sources on both ranks, targets on both, and target 0 is also a source: a rotation.
     copy_members(stack, [5, 0, 1], [0, 4, 2], optimizer=opt, loader=loader, shard=shard)
@@ -608,14 +613,7 @@ def test_successive_halving_errors_name_what_is_wrong(tmp_path):
 def _sharded_pbt_run(n: int, path: str | None, resume: bool) -> dict:
     """PBT over the ranks for 4 rounds; with ``path``, saved after round 2 (or, ``resume``,
     loaded there from ``path`` instead of running the first two rounds)."""
-    stack, shard = pdist.shard(
-        lambda i: _member(i).to(F64), num_members=n, seed=None, backend="loop"
-    )
-    opt = phalanx.optim.Adam(
-        stack.parameters(), lr=shard.local(torch.linspace(1e-3, 5e-2, n, dtype=F64))
-    )
-    x, y = _data(F64)
-    loader = shard.loader(x, y, batch_size=8, seed=3)
+    stack, shard, opt, loader, x, y = _sharded_run(n, "loop")
     pbt = PBT(stack, opt, {"lr": LogUniform(1e-4, 1.0)}, interval=2, loader=loader,
               copy_data=True, seed=11, shard=shard, mode="max")  # fmt: skip
     first = 3

@@ -35,7 +35,7 @@ def has_tangents(tensors: Iterable[torch.Tensor]) -> bool:
     """True when forward-mode AD is on and one of ``tensors`` carries a tangent."""
     from torch.autograd import forward_ad
 
-    if getattr(forward_ad, "_current_level", 0) < 0:
+    if not forward_ad_active():
         return False
     return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 

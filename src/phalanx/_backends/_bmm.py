@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def linear_ops(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -26,6 +27,14 @@ def linear_ops(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     if b is None:
         return torch.bmm(x, w.transpose(1, 2))
     return torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
+
+
+def linear_shared(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """A shared input ``x (*, in)`` against every member's ``w (N, out, in)``, ``b (N, out)``:
+    one GEMM against the weights concatenated along the output dimension, ``(*, N, out)``."""
+    n, out_f, in_f = w.shape
+    y = F.linear(x, w.reshape(n * out_f, in_f), None if b is None else b.reshape(-1))
+    return y.unflatten(-1, (n, out_f))
 
 
 class _LinearBmm(torch.autograd.Function):

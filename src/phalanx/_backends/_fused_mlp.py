@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx import _torch_compat as compat
-from phalanx._backends._bmm import linear_ops
+from phalanx._backends._bmm import linear_ops, linear_shared
 
 if TYPE_CHECKING:
     from phalanx._backends import StackView
@@ -112,11 +112,8 @@ def _activation_grad(g: torch.Tensor, out: torch.Tensor, kind: str, slope: float
 
 def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, shared: bool) -> torch.Tensor:
     """One Linear for all members: h (N, M, in) or, shared, (M, in) -> (N, M, out)."""
-    n, out_f, in_f = w.shape
     if shared:
-        flat_b = None if b is None else b.reshape(-1)
-        y = F.linear(h, w.reshape(n * out_f, in_f), flat_b)  # (M, N * out)
-        return y.view(h.shape[0], n, out_f).transpose(0, 1)
+        return linear_shared(h, w, b).transpose(0, 1)  # (M, N, out) -> (N, M, out)
     return linear_ops(h, w, b)
 
 

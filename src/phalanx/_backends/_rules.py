@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from phalanx import _torch_compat as compat
-from phalanx._backends._bmm import linear_bmm
+from phalanx._backends._bmm import linear_bmm, linear_shared
 from phalanx._backends._recurrence import batched
 
 Dims = Sequence[int | None]
@@ -62,9 +62,7 @@ def _linear(n: int, dims: Dims, x, w, b=None):
     b = _first(b, bd, n)  # (N, out) | None
     out_f, in_f = w.shape[1], w.shape[2]
     if xd is None:  # a shared input: one GEMM against every member's weights
-        flat_b = None if b is None else b.reshape(-1)
-        y = F.linear(x, w.reshape(n * out_f, in_f), flat_b)  # (*, N * out)
-        return y.unflatten(-1, (n, out_f)), x.dim() - 1
+        return linear_shared(x, w, b), x.dim() - 1  # (*, N, out)
     x = x.movedim(xd, 0)
     y = linear_bmm(x.reshape(n, -1, in_f), w, b)
     return y.reshape(*x.shape[:-1], out_f), 0
@@ -320,14 +318,14 @@ def _batch_norm(n: int, dims: Dims, x, mean, var, w, b, training, momentum, eps)
         xs = x.movedim(xd, 0)
         y = F.batch_norm(xs.flatten(0, 1), mean, var, w, b, training, momentum, eps)
         return y.unflatten(0, (n, -1)), 0
-    if any(d is None for d, t in zip(dims[1:5], (mean, var, w, b)) if t is not None):
-        return _per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
     xs = _first(x, xd, n)  # (N, B, C, *sp)
-    if xs.dim() < 3:
-        return _per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
     stats = [_first(t, d, n) for t, d in zip((mean, var), dims[1:3])]
-    if any(t is not None and not t.is_contiguous() for t in stats):
+    if (
+        any(d is None for d, t in zip(dims[1:5], (mean, var, w, b)) if t is not None)
+        or xs.dim() < 3
         # the running statistics are updated in place through a flat view of them
+        or any(t is not None and not t.is_contiguous() for t in stats)
+    ):
         return _per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
     channels = xs.transpose(0, 1).flatten(1, 2)  # (B, N * C, *sp)
     y = F.batch_norm(

@@ -84,6 +84,11 @@ def holds_tensor(value: Any) -> bool:
     return False
 
 
+def stored_tensors(before: Snapshot) -> list[tuple[nn.Module, str, Any]]:
+    """The attributes set or replaced since ``before`` that now hold a tensor."""
+    return [c for c in written(before) if holds_tensor(c[0].__dict__.get(c[1]))]
+
+
 class PerMemberAttributes:
     """One copy per member of the attributes a forward writes on its modules (the loop's).
 

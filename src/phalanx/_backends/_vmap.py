@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from phalanx._backends import BackendRefusal
 from phalanx._backends._rules import CORRECTNESS, BatchedOps, Rule
-from phalanx._backends._state import holds_tensor, hooked, put_back, snapshot, written
+from phalanx._backends._state import hooked, put_back, snapshot, stored_tensors
 
 if TYPE_CHECKING:
     from phalanx._backends import StackView
@@ -83,9 +83,9 @@ def vmapped(
                 "tensor, .item(), int(), tolist()), which one call for all members cannot "
                 f"decide member by member (torch.func says: {why})"
             )
-        put_back([c for c in written(before) if holds_tensor(c[0].__dict__.get(c[1]))])
+        put_back(stored_tensors(before))
         _refuse(name, why, e)
-    stored = [c for c in written(before) if holds_tensor(c[0].__dict__.get(c[1]))]
+    stored = stored_tensors(before)
     if stored:
         put_back(stored)
         module, key, _ = stored[0]
