@@ -25,12 +25,10 @@ from torch import Tensor, nn
 
 from phalanx._checks import (
     CheckpointError,
-    check_like,
-    check_optimizer,
+    check_part,
     check_stack,
     decode,
     parse_meta,
-    probe_load,
     type_name,
 )
 from phalanx._files import read_safetensors, save_atomic
@@ -276,27 +274,7 @@ def restore(
                 f"phalanx.save(..., {name}={name}) or do not pass {name}= to load."
             )
         state = decode(meta[name], tensors, where, path, name)
-        if not isinstance(state, dict):
-            raise CheckpointError(
-                f"{where}: '{path}' is corrupt: its {name} state is not a mapping."
-            )
-        if name == "optimizer":
-            check_optimizer(where, path, obj, state, types.get(name))
-        else:
-            if types.get(name) != type_name(obj):
-                raise CheckpointError(
-                    f"{where}: '{path}' holds the state of a {types.get(name)} {name}, but a "
-                    f"{type_name(obj)} was given; build the {name} as it was when saved."
-                )
-            problems = check_like(obj.state_dict(), state, f"the {name} state")
-            if problems:
-                raise CheckpointError(
-                    f"{where}: the {name} state in '{path}' does not fit this {name}: "
-                    + "; ".join(problems)
-                    + f". Build the {name} as it was built when saved."
-                )
-            probe_load(where, path, name, obj, state)
-        states[name] = state
+        states[name] = check_part(where, str(path), name, obj, state, types.get(name))
     extra = decode(meta.get("extra", {}), tensors, where, path, "extra")
     # Every check passed: only now is anything written.
     stack.load_state_dict(stack_state)

@@ -13,6 +13,7 @@ import copy
 import inspect
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -351,3 +352,43 @@ def check_optimizer(where: str, path: str, optimizer: Any, saved: Any, saved_typ
             + "; ".join(problems)
             + ". Build the optimizer over the same stack and parameter groups it was saved with."
         )
+
+
+def check_part(
+    where: str,
+    location: str,
+    name: str,
+    obj: Any,
+    state: Any,
+    kind: str | None,
+    adapt: Callable[[dict], dict] | None = None,
+) -> dict:
+    """A saved optimizer, scheduler or loader state, checked against the object it will load
+    into (its type, its keys and shapes, a trial load), before anything is written.
+
+    ``adapt`` turns the saved state into what ``obj`` takes (a sharded loader's global
+    position into this rank's) after the type check. Returns the state to load.
+    """
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{where}: '{location}' is corrupt: its {name} state is not a mapping."
+        )
+    if name == "optimizer":
+        check_optimizer(where, location, obj, state, kind)
+        return state
+    if kind != type_name(obj):
+        raise CheckpointError(
+            f"{where}: '{location}' holds the state of a {kind} {name}, but a "
+            f"{type_name(obj)} was given; build the {name} as it was when saved."
+        )
+    if adapt is not None:
+        state = adapt(state)
+    problems = check_like(obj.state_dict(), state, f"the {name} state")
+    if problems:
+        raise CheckpointError(
+            f"{where}: the {name} state in '{location}' does not fit this {name}: "
+            + "; ".join(problems)
+            + f". Build the {name} as it was built when saved."
+        )
+    probe_load(where, location, name, obj, state)
+    return state

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from phalanx._checks import CheckpointError, check_like, check_optimizer, probe_load, type_name
+from phalanx._checks import CheckpointError, check_part
 from phalanx._files import atomic_write_text, save_atomic
 from phalanx._stack import Stack
 from phalanx.distributed import _health
@@ -348,30 +348,14 @@ def _read_checked(
                 f"{where}: the checkpoint {location} holds no {name} state; load without "
                 f"{name}=, or save with {name}={name}."
             )
-        if not isinstance(saved, dict):
-            raise CheckpointError(
-                f"{where}: '{location}' is corrupt: its {name} state is not a mapping."
-            )
-        kind = source.part_type(name)
-        if name == "optimizer":
-            check_optimizer(where, location, obj, saved, kind)
-        else:
-            if kind != type_name(obj):
-                raise CheckpointError(
-                    f"{where}: '{location}' holds the state of a {kind} {name}, but a "
-                    f"{type_name(obj)} was given; build the {name} as it was when saved."
-                )
-            if name == "loader":
-                saved = localize_loader(saved, shard.start, shard.stop, shard.num_members)
-            problems = check_like(obj.state_dict(), saved, f"the {name} state")
-            if problems:
-                raise CheckpointError(
-                    f"{where}: the {name} state in '{location}' does not fit this {name}: "
-                    + "; ".join(problems)
-                    + f". Build the {name} as it was built when saved."
-                )
-            probe_load(where, location, name, obj, saved)
-        states[name] = saved
+
+        def local(state: dict) -> dict:
+            return localize_loader(state, shard.start, shard.stop, shard.num_members)
+
+        states[name] = check_part(
+            where, str(location), name, obj, saved, source.part_type(name),
+            adapt=local if name == "loader" else None,
+        )  # fmt: skip
     if not isinstance(extra, dict):
         raise CheckpointError(f"{where}: '{location}' is corrupt: its extras are not a mapping.")
     return state, states, extra
