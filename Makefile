@@ -4,18 +4,18 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: demo test lint bench docs-bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml tools/pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]' -e tools
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/phalanx demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples benchmarks
-	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/ruff check src tests tools examples benchmarks
+	$(VENV)/bin/ruff format --check src tests tools examples benchmarks
 	$(VENV)/bin/mypy
 
 test: lint

@@ -44,7 +44,7 @@ fi
 # 2. The benchmark, one workload at a time (--quick: a few rounds each; the captured step's
 # compilation is most of the time).
 for w in W1 W2 W3 W4 W5 W6 W7; do
-    if timeout 45 "$PY" -m phalanx bench --device cuda --quick --workloads "$w" \
+    if timeout 45 "$PY" -m phalanx_tools bench --device cuda --quick --workloads "$w" \
         --json "$OUT/bench-$w.json" > "$OUT/bench-$w.txt" 2>"$OUT/bench-$w.err"; then
         note "bench $w: ok"
     else

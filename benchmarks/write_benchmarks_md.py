@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from phalanx._bench.report import CONVENTIONS, format_markdown, read_results
+from phalanx_tools.bench.report import CONVENTIONS, format_markdown, read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path, plot_path = out_dir / "benchmarks.json", out_dir / "benchmarks.png"
     # Run beside the page, so that the command it quotes names the files next to it.
     command = [
-        sys.executable, "-m", "phalanx", "bench",
+        sys.executable, "-m", "phalanx_tools", "bench",
         "--json", json_path.name, "--plot", plot_path.name, *args.bench_args,
     ]  # fmt: skip
     print(f"running in {out_dir}:", *command[2:], file=sys.stderr, flush=True)

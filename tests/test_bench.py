@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx._backends import BACKENDS
-from phalanx._bench import report
-from phalanx._bench.contenders import Contender, LoopRunner, TorchFuncRunner
-from phalanx._bench.machine import Machine
-from phalanx._bench.suite import Settings, run_phase
-from phalanx._bench.timing import interleaved
-from phalanx._bench.workloads import WORKLOADS, build, cost
-from phalanx._cli import main
+from phalanx import BACKENDS
+from phalanx_tools.bench import report
+from phalanx_tools.bench.contenders import Contender, LoopRunner, TorchFuncRunner
+from phalanx_tools.bench.machine import Machine
+from phalanx_tools.bench.suite import Settings, run_phase
+from phalanx_tools.bench.timing import interleaved
+from phalanx_tools.bench.workloads import WORKLOADS, build, cost
+from phalanx_tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTENDERS = [
@@ -238,7 +238,7 @@ def test_bad_options_fail_clearly(capsys, argv, message):
 
 
 def test_procs_hands_over_to_the_sharded_bench(capsys, monkeypatch):
-    from phalanx._bench import sharded
+    from phalanx_tools.bench import sharded
 
     seen = {}
 
@@ -253,7 +253,7 @@ def test_procs_hands_over_to_the_sharded_bench(capsys, monkeypatch):
 
     monkeypatch.delattr(sharded, "bench_sharded")
     assert main(["bench", "--procs", "2", "--device", "cpu", "--workloads", "W1"]) == 2
-    assert "--procs needs phalanx._bench.sharded" in capsys.readouterr().err
+    assert "--procs needs phalanx_tools.bench.sharded" in capsys.readouterr().err
 
 
 def test_a_failing_reference_stops_the_bench():

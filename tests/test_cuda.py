@@ -99,7 +99,7 @@ def test_captured_step_matches_eager_step_on_cuda(backend):
 
 
 def test_bench_runs_on_cuda(tmp_path):
-    from phalanx._cli import main
+    from phalanx_tools.cli import main
 
     out = tmp_path / "bench.json"
     assert (

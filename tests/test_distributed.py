@@ -25,9 +25,9 @@ from torch import nn
 import phalanx
 import phalanx.distributed as pdist
 from conftest import assert_close
-from phalanx._bench.sharded import bench_sharded
 from phalanx._checkpoint import CheckpointError
 from phalanx.distributed import DistributedError, Shard
+from phalanx_tools.bench.sharded import bench_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64

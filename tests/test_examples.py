@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx._cli import main
+from phalanx_tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from torch import nn
 import phalanx
 from conftest import Arch, assert_close, check_forward_and_gradients, reference_outputs
 from phalanx._backends import BackendRefusal, _fused
-from phalanx._modules import intra_op_threads
+from phalanx_tools.threads import intra_op_threads
 
 
 class Wrap(nn.Module):

@@ -24,7 +24,6 @@ from torch import nn
 import phalanx
 import phalanx.distributed as pdist
 from conftest import assert_close
-from phalanx._modules import intra_op_threads
 from phalanx.population import (
     PBT,
     Factors,
@@ -36,6 +35,7 @@ from phalanx.population import (
     plot_population,
     rungs,
 )
+from phalanx_tools.threads import intra_op_threads
 
 F64 = torch.float64
 HERE = Path(__file__).resolve().parent
@@ -513,7 +513,7 @@ def test_lineage_follows_the_log_back():
 
 
 def test_demo_pbt_compares_the_three_at_equal_compute(capsys, tmp_path):
-    from phalanx._cli import main
+    from phalanx_tools.cli import main
 
     plot = tmp_path / "pbt.png"
     argv = ["demo", "--pbt", "--members", "8", "--seeds", "2", "--epochs", "1", "--hidden", "16"]

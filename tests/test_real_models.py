@@ -3,7 +3,7 @@
 models x backends {loop, vmap, auto, fused} x {shared, per-member} input, N = 3: outputs,
 per-member losses, input and parameter gradients, and parameters and buffers after three Adam
 steps, member by member, no further from a float64 loop than the float32 loop is (see
-``phalanx._bench.real_suite``). Second derivatives on the MLP-like models.
+``phalanx_tools.bench.real_suite``). Second derivatives on the MLP-like models.
 
 What torch.func cannot batch is a strict xfail with the failure observed; the fused backend
 runs every model of the zoo unchanged.
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import phalanx
-from phalanx._bench import real_suite
-from phalanx._bench.real_suite import (
+from phalanx_tools.bench import real_suite
+from phalanx_tools.bench.real_suite import (
     CONTENDERS,
     MODELS,
     check_against_loop,
@@ -26,7 +26,7 @@ from phalanx._bench.real_suite import (
     format_table,
     time_model,
 )
-from phalanx._bench.suite import Settings
+from phalanx_tools.bench.suite import Settings
 
 BACKENDS = ["loop", "vmap", "auto", "fused"]
 MODES = ["shared", "per-member"]

@@ -3,11 +3,13 @@
 from typing import Any
 
 from phalanx import data, metrics, optim, population
+from phalanx._backends import BACKENDS, BackendRefusal
+from phalanx._build import stack
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
 from phalanx._split import merge, split
-from phalanx._stack import Stack, stack
+from phalanx._stack import Stack
 from phalanx._step import CompiledStep, compile_step
 
 __version__ = "0.1.0"
@@ -23,6 +25,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BACKENDS",
+    "BackendRefusal",
     "CheckpointError",
     "CompiledStep",
     "Stack",

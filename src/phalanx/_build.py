@@ -1,4 +1,4 @@
-"""N members built from a factory straight into stacked tensors, one member at a time.
+"""``phalanx.stack``: a :class:`Stack` from N modules, or from a factory one member at a time.
 
 Stacking N ready-made members holds every weight twice: the members, then the stack
 (256 members of a 1024-1024-1024 MLP: 2.28 GiB of members, 4.30 GiB at the peak of
@@ -16,7 +16,8 @@ weights are bit for bit those of ``torch.manual_seed(seed + i); factory(i)``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -180,3 +181,63 @@ def stack_from_factory(
     return build_members(
         factory, range(num_members), seed=seed, backend=backend, device=device, where=where
     )
+
+
+def stack(
+    models: Sequence[nn.Module] | nn.ModuleList | Callable[..., nn.Module],
+    *,
+    backend: str = "auto",
+    num_members: int | None = None,
+    seed: int | None = 0,
+    device: torch.device | str | None = None,
+) -> Stack:
+    """Stacks N modules of one architecture into one :class:`Stack`.
+
+    The members' parameters and buffers are copied into stacked tensors ``(N, *shape)``; the
+    original modules are left untouched (use :meth:`Stack.copy_to` to write results back).
+
+    Args:
+        models: N >= 1 modules (a list, tuple or ``nn.ModuleList``) with the same module types,
+            parameter and buffer names, shapes, dtypes, devices, train/eval mode, settings,
+            hooks and ties; or a factory that builds one member (``lambda i: MLP()``), called
+            N times, each member copied into the stack and dropped before the next is built,
+            so that memory never holds two copies of the weights.
+        backend: "auto" (the fastest backend that runs the architecture exactly, announced
+            when it has to fall back), "fused", "vmap" or "loop" (member by member: the
+            reference).
+        num_members: with a factory, N.
+        seed: with a factory, member i is built right after ``torch.manual_seed(seed + i)``,
+            so its weights are those of ``torch.manual_seed(seed + i); factory(i)``; None
+            leaves seeding to the factory.
+        device: with a factory, where the stacked tensors live.
+
+    Returns:
+        The stack, an ``nn.Module``.
+
+    Raises:
+        TypeError: ``models`` is not a sequence of modules.
+        ValueError: no members, an unknown backend, or members that differ; every
+            difference is listed at once.
+
+    Example:
+        >>> models = [nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 2)) for _ in range(8)]
+        >>> stack = phalanx.stack(models)
+        >>> stack(torch.randn(32, 10)).shape
+        torch.Size([8, 32, 2])
+    """
+    if callable(models) and not isinstance(models, nn.Module):
+        if num_members is None:
+            raise TypeError(
+                "phalanx.stack(): a factory needs num_members=N, the number of members to "
+                "build, e.g. phalanx.stack(lambda i: MLP(), num_members=8)."
+            )
+        return stack_from_factory(
+            models, num_members=num_members, seed=seed, backend=backend, device=device
+        )
+    models = cast("Sequence[nn.Module] | nn.ModuleList", models)
+    if num_members is not None and num_members != len(models):
+        raise ValueError(
+            f"phalanx.stack(): num_members={num_members} but {len(models)} modules were given; "
+            f"drop num_members when passing modules."
+        )
+    return Stack(models, backend=backend)

@@ -1,11 +1,7 @@
-"""Small helpers shared across phalanx: module trees and torch's thread setting."""
+"""Module-tree helpers shared across phalanx."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-import torch
 from torch import nn
 
 
@@ -17,15 +13,3 @@ def copy_modes(source: nn.Module, target: nn.Module) -> None:
     """
     for name, module in target.named_modules():
         module.training = source.get_submodule(name).training
-
-
-@contextlib.contextmanager
-def intra_op_threads(count: int | None) -> Iterator[None]:
-    """Runs with ``count`` intra-op threads (None: torch's setting), then restores it."""
-    before = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -14,9 +14,6 @@ whether a ``torch.func`` transform is around the stack: a refusal under the user
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from typing import Any
 
 import torch
@@ -24,9 +21,7 @@ from torch.utils import _pytree as pytree
 
 from phalanx import _torch_compat as compat
 from phalanx._backends import StackView, get_backend
-
-_PHALANX = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+from phalanx._warnings import warn
 
 
 def _reason(e: BaseException) -> str:
@@ -35,14 +30,6 @@ def _reason(e: BaseException) -> str:
         return str(why)
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside phalanx and torch."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith((_PHALANX, _TORCH)):
-        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
-    return level
 
 
 SNAPSHOT_BYTES = 8 << 20
@@ -142,11 +129,10 @@ class AutoBackend:
         where = "with grad enabled" if grad else "under torch.no_grad"
         if transformed:
             where += " inside a torch.func transform or forward-mode AD"
-        warnings.warn(
+        warn(
             f"phalanx: backend 'fused' cannot run this model exactly ({reason}); backend "
             f"'auto' runs 'loop' instead {where}. Pass backend='loop' to phalanx.stack() to "
-            f"choose it directly and silence this warning.",
-            stacklevel=user_stacklevel(),
+            f"choose it directly and silence this warning."
         )
 
 

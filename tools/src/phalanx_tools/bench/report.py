@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from phalanx._bench.suite import Result, Row
+from phalanx_tools.bench.suite import Result, Row
 
 CONVENTIONS = (
     "Times are per call: median over interleaved rounds, spread = interquartile range "

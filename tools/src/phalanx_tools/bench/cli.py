@@ -9,12 +9,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from phalanx._bench.contenders import default_contenders, phalanx_adam
-from phalanx._bench.machine import BUSY, measure
-from phalanx._bench.report import format_text, plot, problems, text_table, write_json
-from phalanx._bench.suite import FULL, PHASES, QUICK, run_suite
-from phalanx._bench.workloads import WORKLOADS
-from phalanx._modules import intra_op_threads
+from phalanx_tools.bench.contenders import default_contenders, phalanx_adam
+from phalanx_tools.bench.machine import BUSY, measure
+from phalanx_tools.bench.report import format_text, plot, problems, text_table, write_json
+from phalanx_tools.bench.suite import FULL, PHASES, QUICK, run_suite
+from phalanx_tools.bench.workloads import WORKLOADS
+from phalanx_tools.threads import intra_op_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--procs",
         type=int,
         metavar="K",
-        help="shard the members over K processes (the sharded benchmark, phalanx._bench.sharded)",
+        help="shard the members over K processes (the sharded benchmark, phalanx_tools.bench.sharded)",
     )
     parser.add_argument(
         "--threads",
@@ -138,10 +138,10 @@ def _command(args: argparse.Namespace, workloads: list[str], phases: list[str]) 
 
 def _sharded(args: argparse.Namespace, workloads: list[str], device: torch.device) -> int:
     try:
-        from phalanx._bench.sharded import bench_sharded
+        from phalanx_tools.bench.sharded import bench_sharded
     except ImportError as e:
         print(
-            f"phalanx bench: --procs needs phalanx._bench.sharded, which this "
+            f"phalanx bench: --procs needs phalanx_tools.bench.sharded, which this "
             f"installation does not provide ({e}). Run without --procs.",
             file=sys.stderr,
         )
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         workload or phase, ``--device cuda`` without a GPU, ``--procs`` unavailable).
     """
     if args.dynamic:
-        from phalanx._bench.dynamic import main as dynamic_main
+        from phalanx_tools.bench.dynamic import main as dynamic_main
 
         argv = ["--threads", str(args.threads)] if args.threads else []
         argv += ["--json", args.json] if args.json else []
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             argv += ["--workloads", args.workloads]
         return dynamic_main(argv)
     if args.real:
-        from phalanx._bench.real_suite import main as real_main
+        from phalanx_tools.bench.real_suite import main as real_main
 
         argv = ["--members", str(args.members)]
         argv += ["--threads", str(args.threads)] if args.threads else []

@@ -4,7 +4,7 @@ For each workload and phase the suite builds every contender from the same membe
 runs each once and compares the result with the loop's (the forward output; or the per-member
 losses, the gradients and, after one Adam step, the parameters and buffers). A contender that
 raises is "n/a", one that disagrees is "WRONG"; neither is timed. The others are timed round
-by round, interleaved (see :mod:`phalanx._bench.timing`).
+by round, interleaved (see :mod:`phalanx_tools.bench.timing`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from phalanx._bench.contenders import Contender, Runner, default_contenders
-from phalanx._bench.machine import Machine
-from phalanx._bench.timing import interleaved, peak_memory
-from phalanx._bench.workloads import WORKLOADS, Data, Workload, build, cost
+from phalanx_tools.bench.contenders import Contender, Runner, default_contenders
+from phalanx_tools.bench.machine import Machine
+from phalanx_tools.bench.timing import interleaved, peak_memory
+from phalanx_tools.bench.workloads import WORKLOADS, Data, Workload, build, cost
 
 PHASES = ("forward", "train")
 
@@ -50,7 +50,7 @@ class _NoProgress:
 
 @dataclass(frozen=True)
 class Settings:
-    """How hard to time: see :func:`phalanx._bench.timing.interleaved`."""
+    """How hard to time: see :func:`phalanx_tools.bench.timing.interleaved`."""
 
     rounds: int
     min_rounds: int

@@ -26,9 +26,8 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 import phalanx
-from phalanx._backends import BACKENDS
-from phalanx._bench.workloads import Data, Workload
-from phalanx._step import compile_step
+from phalanx import BACKENDS, compile_step
+from phalanx_tools.bench.workloads import Data, Workload
 
 #: Learning rate of every contender's Adam.
 LR = 1e-3

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import phalanx
-from phalanx._modules import intra_op_threads
+from phalanx_tools.threads import intra_op_threads
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     data = load_digits(args.seed)
     if args.pbt:
-        from phalanx._demo_population import run_population
+        from phalanx_tools.demo_population import run_population
 
         with intra_op_threads(args.threads):
             return run_population(data, args)

@@ -29,8 +29,8 @@ def _block(workload: Any, block: range, device: torch.device) -> Any:
     the one-process run and every other contender see; members outside the block are never
     built (the builder makes member i under seed ``i``, whatever the others are).
     """
-    from phalanx._bench.contenders import PhalanxRunner, phalanx_adam
-    from phalanx._bench.workloads import Data, build
+    from phalanx_tools.bench.contenders import PhalanxRunner, phalanx_adam
+    from phalanx_tools.bench.workloads import Data, build
 
     counter = iter(range(workload.num_members))
 
@@ -89,8 +89,8 @@ def _rank_main(name: str, quick: bool, device: str, threads_1proc: int) -> dict[
     """
     import torch.distributed as dist
 
-    from phalanx._bench.workloads import WORKLOADS
-    from phalanx.distributed._mesh import layout
+    from phalanx.distributed import layout
+    from phalanx_tools.bench.workloads import WORKLOADS
 
     w = WORKLOADS[name]
     shard = layout(w.num_members)
@@ -126,7 +126,7 @@ def bench_sharded(
 ) -> list[dict[str, Any]]:
     """Times workloads on ``procs`` local ranks against one process holding every member.
 
-    Members and data come from the benchmark's builder (``phalanx._bench.workloads``), run
+    Members and data come from the benchmark's builder (``phalanx_tools.bench.workloads``), run
     by its phalanx contender (backend "auto", phalanx's Adam). ``procs`` ranks are launched
     (:func:`phalanx.distributed.launch`); rounds alternate between rank 0 alone running all N
     members with this process's intra-op threads (the other ranks idle) and every rank
@@ -153,10 +153,10 @@ def bench_sharded(
     Example:
         >>> rows = bench_sharded(["W1", "W6"], procs=2, quick=True, device="cpu")
     """
-    from phalanx._bench.workloads import WORKLOADS
-    from phalanx.distributed._launch import launch
+    from phalanx.distributed import launch
+    from phalanx_tools.bench.workloads import WORKLOADS
 
-    where = "phalanx._bench.sharded.bench_sharded()"
+    where = "phalanx_tools.bench.sharded.bench_sharded()"
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"{where}: unknown workloads {unknown}; choose from {sorted(WORKLOADS)}.")

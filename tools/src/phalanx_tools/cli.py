@@ -11,8 +11,11 @@ import importlib
 import sys
 
 _SUBCOMMANDS = {
-    "bench": ("phalanx._bench.cli", "time the benchmark workloads against the loop and torch.func"),
-    "demo": ("phalanx._demo", "train a population of networks on scikit-learn's digits"),
+    "bench": (
+        "phalanx_tools.bench.cli",
+        "time the benchmark workloads against the loop and torch.func",
+    ),
+    "demo": ("phalanx_tools.demo", "train a population of networks on scikit-learn's digits"),
 }
 
 

@@ -1,6 +1,6 @@
 """The real-model suite: models as people publish them, checked against the loop, then timed.
 
-Each :class:`RealModel` wraps one class of :mod:`phalanx._bench.real_models` with what a
+Each :class:`RealModel` wraps one class of :mod:`zoo` with what a
 training step needs: a member factory, a batch builder (one batch shared by every member, or
 one batch per member), the loss its authors train it with, and the mode ``phalanx bench``
 times it in.
@@ -18,7 +18,7 @@ times it in.
   ``torch.optim.Adam(fused=True)`` (which isolates the gain from batching) and torch.func's
   ensembling recipe, interleaved, in one process, on identical inputs.
 
-Run it with ``python -m phalanx._bench.real_suite --members 16 --threads 1``.
+Run it with ``python -m phalanx_tools.bench.real_suite --members 16 --threads 1``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 import phalanx
-from phalanx._bench import real_models as rm
+from phalanx_tools._zoo import load as _load_zoo
+
+rm = _load_zoo()
 
 Mode = Literal["shared", "per-member"]
 
@@ -296,7 +298,7 @@ MODELS: dict[str, RealModel] = {
         ),
         RealModel(
             "gru_forecaster",
-            "GRUModel of 'Building RNN, LSTM, and GRU for time series using PyTorch'",
+            "GRU forecaster (ours, in the form of public time-series posts)",
             lambda: rm.GRUModel(4, 32, 2, 1, 0.0),
             _sequence,
             F.mse_loss,
@@ -653,7 +655,7 @@ class _Step:
             self.base = copy.deepcopy(members[0]).to("meta")
             self.opt = torch.optim.Adam(self.params.values(), lr=LR)
         else:
-            from phalanx._bench.contenders import phalanx_adam
+            from phalanx_tools.bench.contenders import phalanx_adam
 
             self.stack = phalanx.stack(members, backend="auto")
             self.opt = phalanx_adam()[0](self.stack.parameters(), lr=LR)
@@ -789,19 +791,19 @@ def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> Mod
     (float32, rtol 1e-4 / atol 1e-5: a guard that the timed code computes the right thing;
     :func:`check_against_loop` is the exactness test); one that raises is "n/a", one that
     disagrees "WRONG", and neither is timed. The rest are timed round by round, interleaved
-    (:func:`phalanx._bench.timing.interleaved`).
+    (:func:`phalanx_tools.bench.timing.interleaved`).
 
     Args:
         model: the model.
         n: the number of members.
-        settings: rounds and budget, e.g. ``phalanx._bench.suite.QUICK`` or ``FULL``.
+        settings: rounds and budget, e.g. ``phalanx_tools.bench.suite.QUICK`` or ``FULL``.
         seed: seeds weights and data.
 
     Returns:
         The row: auto's backend, each contender's status and median time, the step's GFLOP.
     """
-    from phalanx._bench.suite import reason_of
-    from phalanx._bench.timing import interleaved
+    from phalanx_tools.bench.suite import reason_of
+    from phalanx_tools.bench.timing import interleaved
 
     members = [model.make(i, seed) for i in range(n)]
     batch = make_batch(model, n, model.mode, batch=model.batch, seed=seed)
@@ -852,7 +854,7 @@ def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> Mod
 
 def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
     """The real-model table: auto's backend, times, speed-ups and shares of the GEMM peak."""
-    from phalanx._bench.report import fmt_time, text_table
+    from phalanx_tools.bench.report import fmt_time, text_table
 
     def ratio(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}x"
@@ -898,16 +900,16 @@ def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m phalanx._bench.real_suite``: check and time the real models."""
+    """``python -m phalanx_tools.bench.real_suite``: check and time the real models."""
     import argparse
     import json
     from dataclasses import asdict
 
-    from phalanx._bench.machine import measure
-    from phalanx._bench.suite import FULL, QUICK
-    from phalanx._modules import intra_op_threads
+    from phalanx_tools.bench.machine import measure
+    from phalanx_tools.bench.suite import FULL, QUICK
+    from phalanx_tools.threads import intra_op_threads
 
-    parser = argparse.ArgumentParser(prog="python -m phalanx._bench.real_suite")
+    parser = argparse.ArgumentParser(prog="python -m phalanx_tools.bench.real_suite")
     parser.add_argument("--members", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--models", default=",".join(MODELS))

@@ -32,7 +32,7 @@ from torch import Tensor
 
 import phalanx
 import phalanx.population as population
-from phalanx._demo import MOMENTUM, Digits, _bar, _mlp
+from phalanx_tools.demo import MOMENTUM, Digits, _bar, _mlp
 
 __all__ = ["run_population"]
 

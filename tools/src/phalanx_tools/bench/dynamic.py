@@ -180,7 +180,7 @@ def _peak_child(did: str, which: str, seed: int) -> float:
     the peak, VmHWM, is reset through /proc/self/clear_refs right before the step)."""
     code = (
         "import random, torch\n"
-        "from phalanx._bench import dynamic as D\n"
+        "from phalanx_tools.bench import dynamic as D\n"
         "def status(key):\n"
         "    for line in open('/proc/self/status'):\n"
         "        if line.startswith(key):\n"

@@ -1,5 +1,0 @@
-import sys
-
-from phalanx._cli import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from phalanx_tools.cli import main
+
+sys.exit(main())
