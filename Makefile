@@ -17,6 +17,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools examples benchmarks
 	$(VENV)/bin/ruff format --check src tests tools examples benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(VENV)/bin/pytest

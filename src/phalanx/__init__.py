@@ -1,8 +1,6 @@
 """phalanx: N PyTorch models of one architecture run as one computation."""
 
-from typing import Any
-
-from phalanx import data, metrics, optim, population
+from phalanx import data, distributed, metrics, optim, population
 from phalanx._backends import BACKENDS, BackendRefusal
 from phalanx._build import stack
 from phalanx._checkpoint import CheckpointError, export_members, load, save
@@ -13,15 +11,6 @@ from phalanx._stack import Stack
 from phalanx._step import CompiledStep, compile_step
 
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> Any:
-    # phalanx.distributed imports torch.distributed: only on first use.
-    if name == "distributed":
-        import importlib
-
-        return importlib.import_module("phalanx.distributed")
-    raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
 
 
 __all__ = [

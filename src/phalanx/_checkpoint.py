@@ -32,6 +32,7 @@ from phalanx._checks import (
     type_name,
 )
 from phalanx._files import read_safetensors, save_atomic
+from phalanx.optim import LBFGS
 
 __all__ = ["CheckpointError", "export_members", "load", "read", "restore", "save"]
 
@@ -108,8 +109,6 @@ def save(
     Example:
         >>> phalanx.save("run.safetensors", stack, optimizer=opt, loader=loader, epoch=3)
     """
-    from phalanx.optim import LBFGS
-
     if isinstance(optimizer, LBFGS):
         raise TypeError(
             "phalanx.save(): phalanx.optim.LBFGS keeps one history per member, of different "

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from phalanx._clip import clip_grad_norm_
 from phalanx._losses import member_losses
+from phalanx._stack import Stack
 from phalanx._step_graph import (
     ADAM_HYPERS,
     OUTPUTS,
@@ -46,6 +47,8 @@ from phalanx._step_graph import (
     step_function,
     unflatten,
 )
+from phalanx.optim import Adam
+from phalanx.optim._base import MemberOptimizer, NonFiniteWarning
 
 logger = logging.getLogger("phalanx")
 
@@ -437,8 +440,6 @@ class CompiledStep:
 
     def _after_isolation(self, skipped: Tensor | None, newly_frozen: Tensor | None) -> None:
         """Records skipped members on the optimizer and warns, as its own step does."""
-        from phalanx.optim._base import NonFiniteWarning
-
         opt: Any = self.optimizer
         assert skipped is not None
         opt.last_skipped = skipped
@@ -637,15 +638,11 @@ def _set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
 
 
 def _member_optimizer() -> Any:
-    from phalanx.optim._base import MemberOptimizer
-
     return MemberOptimizer
 
 
 def _unsupported_optimizer(optimizer: Any) -> str | None:
     """Why the captured step cannot express this optimizer's update, or None."""
-    from phalanx.optim import Adam
-
     if not isinstance(optimizer, Adam):
         return (
             f"the captured step implements phalanx.optim.Adam and AdamW; got "
@@ -722,8 +719,6 @@ def compile_step(
         >>> for x, y in loader:
         ...     losses = step(x, y)  # (N,)
     """
-    from phalanx._stack import Stack
-
     if not isinstance(stack, Stack):
         raise TypeError(
             f"{_WHERE}: stack must be a phalanx.Stack; got {type(stack).__name__}. Build one "

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from phalanx.optim._surgery import member_index, pairs
+from phalanx._members import member_index, pairs
 
 __all__ = ["MemberLoader"]
 

@@ -40,7 +40,7 @@ from phalanx.distributed import _health
 from phalanx.distributed._agree import describe_members, exchange
 from phalanx.distributed._mesh import Shard, layout
 from phalanx.distributed._parts import PARTS, encode_part, localize_loader
-from phalanx.distributed._shard import shard_of
+from phalanx.distributed._shard import _shards, shard_of
 from phalanx.distributed._sources import FORMAT, INDEX, STACK, VERSION, Sharded, SingleFile
 from phalanx.distributed._transaction import (
     file_name,
@@ -260,8 +260,6 @@ def load(
         >>> extra = phalanx.distributed.load("ckpt", stack, optimizer=opt, loader=loader)
         >>> step = extra["step"]
     """
-    from phalanx.distributed._shard import _shards
-
     where = "phalanx.distributed.load()"
     location = Path(path)
     source: Sharded | SingleFile = (

@@ -15,6 +15,7 @@ import torch
 
 from phalanx._stack import Stack
 from phalanx.distributed._mesh import Shard
+from phalanx.distributed._shard import shard_of
 
 __all__ = ["to_dtensor", "to_dtensors"]
 
@@ -54,7 +55,5 @@ def to_dtensors(stack: Stack, shard: Shard | None = None) -> dict[str, Any]:
         >>> dcp.save(pdist.to_dtensors(stack), checkpoint_id="dcp")  # on K ranks
         >>> dcp.load(pdist.to_dtensors(stack), checkpoint_id="dcp")  # on any K': in place
     """
-    from phalanx.distributed._shard import shard_of
-
     mine = shard if shard is not None else shard_of(stack, "phalanx.distributed.to_dtensors()")
     return {k: to_dtensor(v, mine) for k, v in stack.state_dict(keep_vars=False).items()}

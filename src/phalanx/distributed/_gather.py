@@ -9,13 +9,16 @@ replica's member ranks gather among themselves, and ``src`` is a rank of that ax
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from phalanx.distributed._mesh import Shard, collective, comm_device
+from phalanx.distributed._group import collective, comm_device
+
+if TYPE_CHECKING:
+    from phalanx.distributed._mesh import Shard
 
 __all__ = ["broadcast", "gather"]
 

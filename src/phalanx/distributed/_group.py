@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from phalanx.distributed import _health
+from phalanx.distributed._errors import DistributedError
+
 if TYPE_CHECKING:
     from phalanx.distributed._mesh import Shard
 
@@ -37,10 +40,6 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 DEFAULT_FAILURE_TIMEOUT = 15.0  # seconds of silence after which a rank is named dead
 _timeout: datetime.timedelta = DEFAULT_TIMEOUT
 _failure_timeout: float | None = DEFAULT_FAILURE_TIMEOUT
-
-
-class DistributedError(RuntimeError):
-    """A collective failed: another rank raised, died, or stopped making the same calls."""
 
 
 def is_distributed() -> bool:
@@ -143,7 +142,6 @@ def init(
 
 
 def _start_heartbeat() -> None:
-    from phalanx.distributed import _health
 
     if _failure_timeout is None or _health.current() is not None:
         return
@@ -175,7 +173,6 @@ def shutdown() -> None:
     Collects garbage first: process-group objects still referenced at interpreter exit have
     aborted runs after correct results.
     """
-    from phalanx.distributed import _health
 
     _health.stop("finished")
     gc.collect()
@@ -193,7 +190,6 @@ def comm_device() -> torch.device:
 @contextmanager
 def collective(where: str, shard: Shard, op: str) -> Iterator[None]:
     """Turns a failed collective into a :class:`DistributedError` that says what to check."""
-    from phalanx.distributed import _health
 
     try:
         yield

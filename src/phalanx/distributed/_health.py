@@ -36,6 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phalanx.distributed._errors import DistributedError
+
 __all__ = ["Monitor", "current", "leave", "start", "stop", "verdict"]
 
 _PREFIX = "phalanx/health"
@@ -214,8 +216,6 @@ class Monitor:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    from phalanx.distributed._mesh import DistributedError
-
     found = _monitor.take() if _monitor is not None else None
     if found is not None:
         raise DistributedError(found)

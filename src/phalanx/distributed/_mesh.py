@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.data import MemberLoader
+from phalanx.distributed._gather import broadcast, gather
 from phalanx.distributed._group import (
     DEFAULT_FAILURE_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -210,8 +212,6 @@ class Shard:
 
         See :func:`phalanx.distributed.gather`.
         """
-        from phalanx.distributed._gather import gather
-
         return gather(x, self)
 
     def broadcast(self, x: Any, src: int = 0) -> Any:
@@ -219,8 +219,6 @@ class Shard:
 
         See :func:`phalanx.distributed.broadcast`.
         """
-        from phalanx.distributed._gather import broadcast
-
         return broadcast(x, self, src=src)
 
     def barrier(self) -> None:
@@ -240,8 +238,6 @@ class Shard:
             seed: the loader's seed; give the same one on every rank.
             **kwargs: ``batch_size``, ``shuffle``, ``bootstrap``, ``drop_last``.
         """
-        from phalanx.data import MemberLoader
-
         return MemberLoader(
             *tensors, num_members=self.num_local, first_member=self.start, seed=seed, **kwargs
         )

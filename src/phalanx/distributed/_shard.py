@@ -10,7 +10,8 @@ from torch import nn
 
 from phalanx._build import build_members
 from phalanx._stack import Stack
-from phalanx.distributed._mesh import Shard, init, layout
+from phalanx.distributed._agree import describe_members, differences, exchange
+from phalanx.distributed._mesh import Shard, init, is_distributed, layout
 
 __all__ = ["shard", "shard_of"]
 
@@ -111,8 +112,6 @@ def _check_ranks_agree(stack: Stack, mine: Shard, where: str) -> None:
     Found here, at the start, instead of as a gloo abort in the first gather (another N
     gives other block sizes) or as a checkpoint that can never load (other shapes).
     """
-    from phalanx.distributed._agree import describe_members, differences, exchange
-
     facts = {
         "num_members": mine.num_members,
         "replicas": mine.num_replicas,
@@ -130,8 +129,6 @@ def _check_ranks_agree(stack: Stack, mine: Shard, where: str) -> None:
 
 def shard_of(stack: Stack, where: str) -> Shard:
     """The Shard of a stack built by :func:`shard`; a whole-stack Shard in a plain process."""
-    from phalanx.distributed._mesh import is_distributed
-
     if stack in _shards:
         return _shards[stack]
     if is_distributed():

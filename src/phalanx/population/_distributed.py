@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from phalanx.optim._surgery import pairs
-from phalanx.population._surgery import copy_members, member_tensors
+from phalanx._members import pairs
+from phalanx.distributed import DistributedError
+from phalanx.population._rows import copy_within, member_tensors
 
 if TYPE_CHECKING:
     from phalanx._stack import Stack
@@ -49,8 +50,6 @@ def _unpack(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
 
 
 def _error(shard: Shard, what: str, e: Exception) -> Exception:
-    from phalanx.distributed import DistributedError
-
     return DistributedError(
         f"{WHERE}: rank {shard.rank} of {shard.world_size}: {what} did not complete ({e}). "
         "Another rank most likely raised or died, or called copy_members with other indices."
@@ -113,9 +112,7 @@ def copy_across_ranks(
         ]
         if local:
             ls, ld = zip(*local)
-            copy_members(
-                stack, list(ls), list(ld), optimizer=optimizer, hyperparameters=hyperparameters
-            )
+            copy_within(stack, list(ls), list(ld), optimizer, None, hyperparameters, WHERE)
         for request in requests:
             if request is not None:
                 request.wait()

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-import phalanx
-from phalanx._checkpoint import CheckpointError, read, restore
+from phalanx._checkpoint import CheckpointError, read, restore, save
 from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
 from phalanx.population._pbt import check_mode, ranking
-from phalanx.population._surgery import check_run, keep_members
+from phalanx.population._rows import check_run
+from phalanx.population._surgery import keep_members
 
 if TYPE_CHECKING:
     from phalanx._stack import Stack
@@ -185,7 +185,7 @@ class SuccessiveHalving:
 
     def save(self, path: str, **extra: Any) -> None:
         """Saves the (compacted) stack, optimizer, loader and this driver with `phalanx.save`."""
-        phalanx.save(
+        save(
             path, self.stack, optimizer=self.optimizer, loader=self.loader,
             population=self.state_dict(), **extra,
         )  # fmt: skip

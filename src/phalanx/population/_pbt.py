@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-import phalanx
+from phalanx import _checkpoint as checkpoint
 from phalanx.data import MemberLoader
+from phalanx.distributed import _checkpoint as sharded
 from phalanx.optim import MemberOptimizer
 from phalanx.population._mutations import Mutation, check_mutation, mutate
-from phalanx.population._surgery import check_run, copy_members
+from phalanx.population._rows import check_run
+from phalanx.population._surgery import copy_members
 
 if TYPE_CHECKING:
     from phalanx._stack import Stack
@@ -376,14 +378,12 @@ class PBT:
         on every rank; the driver's state is the same on every rank and is compared before
         the commit)."""
         if self.shard is not None and self.shard.world_size > 1:
-            import phalanx.distributed as pdist
-
-            pdist.save(
+            sharded.save(
                 path, self.stack, optimizer=self.optimizer, loader=self.loader,
                 shard=self.shard, population=self.state_dict(), **extra,
             )  # fmt: skip
             return
-        phalanx.save(
+        checkpoint.save(
             path, self.stack, optimizer=self.optimizer, loader=self.loader,
             population=self.state_dict(), **extra,
         )  # fmt: skip
@@ -395,12 +395,10 @@ class PBT:
             The other `extra` values given to `save`.
         """
         if self.shard is not None and self.shard.world_size > 1:
-            import phalanx.distributed as pdist
-
-            extra = pdist.load(
+            extra = sharded.load(
                 path, self.stack, optimizer=self.optimizer, loader=self.loader, shard=self.shard
             )
         else:
-            extra = phalanx.load(path, self.stack, optimizer=self.optimizer, loader=self.loader)
+            extra = checkpoint.load(path, self.stack, optimizer=self.optimizer, loader=self.loader)
         self.load_state_dict(extra.pop("population"))
         return extra

@@ -12,66 +12,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from phalanx._members import member_index
 from phalanx._modules import copy_modes
 from phalanx._stack import Stack
 from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
-from phalanx.optim._surgery import member_index, pairs
+from phalanx.population._distributed import copy_across_ranks
+from phalanx.population._rows import check_run, copy_within
 
 if TYPE_CHECKING:
     from phalanx.distributed import Shard
 
-__all__ = ["check_run", "copy_members", "keep_members", "member_tensors"]
-
-
-def member_tensors(stack: Stack) -> list[Tensor]:
-    """The stack's stacked parameters and buffers, each (N, *shape), in a fixed order."""
-    params = [p for _, p in stack.module.named_parameters()]
-    return params + [b for _, b in stack.module.named_buffers()]
-
-
-def check_run(stack: Stack, optimizer: Any, loader: Any, where: str) -> None:
-    """Refuses an optimizer or loader that does not train `stack`, before anything changes.
-
-    The optimizer must be a phalanx optimizer over this stack's own parameters (one of
-    another stack, even of the same N, would have its rows copied instead); optimizer and
-    loader must hold the stack's number of members.
-    """
-    if not isinstance(stack, Stack):
-        raise TypeError(
-            f"{where}: stack must be a phalanx.Stack (from phalanx.stack(models)); got "
-            f"{type(stack).__name__}."
-        )
-    retired = getattr(stack, "_phalanx_replaced_by", None)
-    if retired is not None:
-        raise ValueError(f"{where}: {retired}")
-    n = len(stack)
-    if optimizer is not None and not isinstance(optimizer, MemberOptimizer):
-        raise TypeError(
-            f"{where}: optimizer must be a phalanx optimizer (phalanx.optim.SGD, Adam, AdamW), "
-            f"whose state has a member axis; got {type(optimizer).__module__}."
-            f"{type(optimizer).__name__}. Build it with phalanx.optim over stack.parameters()."
-        )
-    if loader is not None and not isinstance(loader, MemberLoader):
-        raise TypeError(
-            f"{where}: loader must be a phalanx.data.MemberLoader; got {type(loader).__name__}."
-        )
-    for name, obj in (("optimizer", optimizer), ("loader", loader)):
-        if obj is not None and obj.num_members != n:
-            raise ValueError(
-                f"{where}: the {name} holds {obj.num_members} members but the stack {n}; pass "
-                f"the {name} that trains this stack."
-            )
-    if optimizer is not None:
-        own = {id(p) for p in stack.parameters()}  # ids of objects held here: safe
-        held = [p for group in optimizer.param_groups for p in group["params"]]
-        stray = [j for j, p in enumerate(held) if id(p) not in own]
-        if stray:
-            raise ValueError(
-                f"{where}: optimizer parameters {stray} (of {len(held)}) are not parameters of "
-                f"this stack: the optimizer trains another stack. Pass the optimizer built "
-                f"over this stack's parameters()."
-            )
+__all__ = ["copy_members", "keep_members"]
 
 
 def _retire(stack: Stack, smaller: Stack) -> None:
@@ -132,17 +84,9 @@ def copy_members(
     where = "phalanx.population.copy_members()"
     check_run(stack, optimizer, loader, where)
     if shard is not None and shard.world_size > 1:
-        from phalanx.population._distributed import copy_across_ranks
-
         copy_across_ranks(stack, source, target, optimizer, loader, hyperparameters, shard)
         return
-    src, dst = pairs(source, target, len(stack), where)
-    for t in member_tensors(stack):
-        t[dst.to(t.device)] = t[src.to(t.device)]
-    if optimizer is not None:
-        optimizer.copy_members(src, dst, hyperparameters=hyperparameters)
-    if loader is not None:
-        loader.copy_members(src, dst)
+    copy_within(stack, source, target, optimizer, loader, hyperparameters, where)
 
 
 @torch.no_grad()
