@@ -7,7 +7,24 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_"]
+__all__ = ["clip_coefficients", "clip_grad_norm_", "clip_grad_value_", "member_norms"]
+
+
+def member_norms(grads: list[Tensor], n: int, norm_type: float) -> Tensor:
+    """(N,) each member's gradient norm over all its (N, ...) gradients (the one rule, used by
+    ``clip_grad_norm_`` and traced by ``compile_step``)."""
+    device = grads[0].device
+    norms = torch.stack(
+        [torch.linalg.vector_norm(g.reshape(n, -1), norm_type, dim=1).to(device) for g in grads],
+        dim=1,
+    )  # (N, number of parameters)
+    return torch.linalg.vector_norm(norms, norm_type, dim=1)
+
+
+def clip_coefficients(max_norm: Tensor, total: Tensor) -> Tensor:
+    """(N,) the factor each member's gradients are scaled by: ``min(1, max_norm / (norm + 1e-6))``
+    as torch.nn.utils.clip_grad_norm_ computes it for one model."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def _grads(fn: str, parameters: Tensor | Iterable[Tensor]) -> tuple[list[Tensor], int]:
@@ -77,16 +94,7 @@ def clip_grad_norm_(
     grads, n = _grads(fn, parameters)
     if not grads:
         return torch.zeros(n)
-    norm_type = float(norm_type)
-    first = grads[0]
-    norms = torch.stack(
-        [
-            torch.linalg.vector_norm(g.reshape(n, -1), norm_type, dim=1).to(first.device)
-            for g in grads
-        ],
-        dim=1,
-    )  # (N, number of parameters)
-    total = torch.linalg.vector_norm(norms, norm_type, dim=1)  # (N,)
+    total = member_norms(grads, n, float(norm_type))
     if error_if_nonfinite and not bool(total.isfinite().all()):
         bad = (~total.isfinite()).nonzero().flatten().tolist()
         raise RuntimeError(
@@ -94,8 +102,7 @@ def clip_grad_norm_(
             "Pass error_if_nonfinite=False to scale them anyway, or skip those members with "
             "a phalanx optimizer's skip_nonfinite=True."
         )
-    coef = _per_member(fn, "max_norm", max_norm, n, total) / (total + 1e-6)
-    coef = torch.clamp(coef, max=1.0)
+    coef = clip_coefficients(_per_member(fn, "max_norm", max_norm, n, total), total)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype).view(-1, *([1] * (g.dim() - 1))))
     return total

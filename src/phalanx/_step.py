@@ -47,8 +47,9 @@ from phalanx._step_graph import (
     step_function,
     unflatten,
 )
+from phalanx._warnings import warn
 from phalanx.optim import Adam
-from phalanx.optim._base import MemberOptimizer, NonFiniteWarning
+from phalanx.optim._base import MemberOptimizer
 
 logger = logging.getLogger("phalanx")
 
@@ -212,11 +213,10 @@ class CompiledStep:
 
     def _fall_back(self, reason: str) -> None:
         self.choice = "eager"
-        warnings.warn(
+        warn(
             f"{_WHERE}: {reason}; running the eager step (forward, backward, "
             f"optimizer.step()) instead. It gives the same results, without the capture's "
-            f"speed.",
-            stacklevel=3,
+            f"speed."
         )
 
     # -------------------------------------------------------------------------------- eager
@@ -286,7 +286,7 @@ class CompiledStep:
     def _warn_eager_once(self, reason: str) -> None:
         if reason not in self._eager_reasons:
             self._eager_reasons.add(reason)
-            warnings.warn(f"{_WHERE}: {reason}; this call runs the eager step.", stacklevel=4)
+            warn(f"{_WHERE}: {reason}; this call runs the eager step.")
 
     def _plan(self, args: tuple, mask: Tensor | None) -> Plan:
         stack, opt = self.stack, self.optimizer
@@ -443,18 +443,8 @@ class CompiledStep:
         opt: Any = self.optimizer
         assert skipped is not None
         opt.last_skipped = skipped
-        if opt.warn_skipped and bool(skipped.any()):
-            message = (
-                f"{opt._NAME}.step(): skipped members {skipped.nonzero().flatten().tolist()}: "
-                "their loss or gradients are not finite, so their weights and optimizer state "
-                "are unchanged this step (see opt.last_skipped and opt.bad_steps)."
-            )
-            if newly_frozen is not None and bool(newly_frozen.any()):
-                message += (
-                    f" Members {newly_frozen.nonzero().flatten().tolist()} are now frozen "
-                    f"after {opt.freeze_after} non-finite steps (see opt.frozen)."
-                )
-            warnings.warn(message, NonFiniteWarning, stacklevel=4)
+        if opt.warn_skipped:
+            opt.warn_if_skipped(skipped, newly_frozen)
 
     def _tensors(self, args: tuple, target: Any, mask: Tensor | None) -> dict[str, Any]:
         """The graph's inputs: the live tensors of the stack and the optimizer, and the data.
@@ -504,28 +494,10 @@ class CompiledStep:
         key = [_value_key(group[k]) for group in opt.param_groups for k in _HYPER_KEYS]
         if self._hypers is not None and self._hypers[0] == key:
             return self._hypers[1]
-        n, device = len(self.stack), params[0].device
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-
-        def values(v: Any) -> Tensor:
-            if isinstance(v, Tensor) and v.dtype == torch.bool:
-                return v.to(device).expand(n)
-            return torch.as_tensor(v, device=device).to(dtype).expand(n).contiguous()
-
+        device = params[0].device
         by_param: dict[int, dict[str, Tensor]] = {}
         for group in opt.param_groups:
-            lr = values(group["lr"])
-            if group["member_lr"] is not None:
-                lr = values(group["member_lr"]) * lr
-            beta1, beta2 = group["betas"]
-            h = {
-                "lr": lr,
-                "beta1": values(beta1),
-                "beta2": values(beta2),
-                "eps": values(group["eps"]),
-                "weight_decay": values(group["weight_decay"]),
-                "maximize": torch.as_tensor(group["maximize"], device=device).expand(n),
-            }
+            h = opt.member_hyperparameters(group, device)
             assert set(h) == set(ADAM_HYPERS)
             for p in group["params"]:
                 by_param[id(p)] = h

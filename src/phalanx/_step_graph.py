@@ -25,7 +25,10 @@ from torch import Tensor
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from phalanx._clip import clip_coefficients, member_norms
 from phalanx._losses import member_losses
+from phalanx.optim._adam import adam_update_
+from phalanx.optim._base import finite_members, isolate
 
 #: The hyperparameters of one parameter's update, each an (N,) tensor.
 ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
@@ -187,24 +190,11 @@ def _per_member(h: Tensor, like: Tensor) -> Tensor:
 
 def _clip(grads: list[Tensor], max_norm: Tensor, norm_type: float, n: int) -> Tensor:
     """``phalanx.clip_grad_norm_`` on gradient values: returns the (N,) norms, scales grads."""
-    norms = torch.stack(
-        [torch.linalg.vector_norm(g.reshape(n, -1), norm_type, dim=1) for g in grads], dim=1
-    )
-    total = torch.linalg.vector_norm(norms, norm_type, dim=1)  # (N,)
-    coef = torch.clamp(max_norm.to(total.dtype) / (total + 1e-6), max=1.0)
+    total = member_norms(grads, n, norm_type)
+    coef = clip_coefficients(max_norm.to(total.dtype), total)
     for k, g in enumerate(grads):
         grads[k] = g * _per_member(coef, g)
     return total
-
-
-def _finite(tensors: list[Tensor], n: int) -> Tensor:
-    """(N,) bool: members all of whose elements are finite (as ``finite_members``)."""
-    finite = torch.ones(n, dtype=torch.bool, device=tensors[0].device)
-    for t in tensors:
-        if t.numel():
-            low, high = torch.aminmax(t.reshape(n, -1), dim=1)
-            finite = finite & low.isfinite() & high.isfinite()
-    return finite
 
 
 def _adam(
@@ -212,29 +202,27 @@ def _adam(
 ) -> dict[str, Tensor]:
     """One Adam(W) update of a stacked parameter: the new values, nothing written yet.
 
-    The operations and their order are those of ``phalanx.optim.Adam``'s foreach path with
-    tensor hyperparameters: (N,) float64 values cast to the parameter's dtype as (N, 1, ...).
+    ``phalanx.optim.adam_update_`` itself, run on copies (the caller keeps the old values of
+    members a mask or isolation leaves alone), with the (N,) hyperparameters the graph takes
+    as inputs.
     """
-    step = state["step"] + 1
-    g = g * _per_member(torch.where(h["maximize"], -1.0, 1.0), g)
-    lr, wd = h["lr"], h["weight_decay"]
-    if plan.decoupled:
-        p = p * _per_member(1 - lr * wd, p)
-    else:
-        g = torch.addcmul(g, p, _per_member(wd, p))
-    exp_avg = torch.lerp(state["exp_avg"], g, _per_member(1 - h["beta1"], g))
-    exp_avg_sq = state["exp_avg_sq"] * _per_member(h["beta2"], g)
-    exp_avg_sq = torch.addcmul(exp_avg_sq, g * _per_member(1 - h["beta2"], g), g)
-    new = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    if plan.amsgrad:
-        new["max_exp_avg_sq"] = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
-        denom = new["max_exp_avg_sq"].sqrt()
-    else:
-        denom = exp_avg_sq.sqrt()
-    bias_correction1 = 1 - h["beta1"] ** step
-    bias_correction2 = 1 - h["beta2"] ** step
-    denom = denom / _per_member(bias_correction2.sqrt(), p) + _per_member(h["eps"], p)
-    new["param"] = torch.addcdiv(p, exp_avg * _per_member(-(lr / bias_correction1), p), denom)
+    new = {"param": p.clone(), **{key: value.clone() for key, value in state.items()}}
+    new["step"] = state["step"] + 1
+    adam_update_(
+        [new["param"]],
+        [g],
+        [new["step"]],
+        [new["exp_avg"]],
+        [new["exp_avg_sq"]],
+        [new["max_exp_avg_sq"]] if plan.amsgrad else None,
+        lr=h["lr"],
+        beta1=h["beta1"],
+        beta2=h["beta2"],
+        eps=h["eps"],
+        weight_decay=h["weight_decay"],
+        maximize=h["maximize"],
+        decoupled=plan.decoupled,
+    )
     return new
 
 
@@ -274,16 +262,10 @@ def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | N
             norms = _clip(grads, t["max_norm"], plan.norm_type, n)
         active, skipped, newly_frozen = t["mask"], None, None
         if plan.isolate:
-            finite = _finite(grads, n) & losses.isfinite()
-            frozen = t["frozen"]
-            considered = ~frozen if active is None else active & ~frozen
-            skipped = considered & ~finite
-            bad_steps = t["bad_steps"] + skipped
-            t["bad_steps"].copy_(bad_steps)
-            if plan.freeze_after is not None:
-                newly_frozen = ~frozen & (bad_steps >= plan.freeze_after)
-                frozen.copy_(frozen | newly_frozen)
-            active = considered & finite
+            finite = finite_members(grads, n, losses.device) & losses.isfinite()
+            active, skipped, newly_frozen = isolate(
+                finite, active, t["frozen"], t["bad_steps"], plan.freeze_after
+            )
         with torch.no_grad():
             for (k, _), g in zip(with_grad, grads):  # the gradients after clipping
                 p, state = params[k], t["state"][k]

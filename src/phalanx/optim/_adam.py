@@ -9,7 +9,70 @@ from torch import Tensor
 
 from ._base import MemberOptimizer, axpy, math_dtype, rows, signed, views
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "adam_update_"]
+
+
+def adam_update_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    steps: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor] | None,
+    *,
+    lr: float | Tensor,
+    beta1: float | Tensor,
+    beta2: float | Tensor,
+    eps: float | Tensor,
+    weight_decay: float | Tensor,
+    maximize: float | Tensor,
+    decoupled: bool,
+) -> None:
+    """One Adam(W) update of stacked parameters and their state, in place: the one rule.
+
+    ``steps`` are the (N,) counts after this step's increment. Each hyperparameter is a number
+    or an (N,) tensor in the math dtype (bool for ``maximize``). The same operations, in the
+    same order and precision, as torch.optim's single-tensor Adam, with (N, 1, ...) tensors
+    where it has Python floats. ``phalanx.optim.Adam`` runs it eagerly; ``phalanx.compile_step``
+    traces it into its graph, so the captured update is this function, not a copy of it.
+    """
+    grads = signed(grads, maximize)
+    if isinstance(weight_decay, Tensor) or weight_decay != 0:
+        if decoupled:
+            torch._foreach_mul_(params, views(1 - lr * weight_decay, params))
+        else:
+            grads = axpy(grads, params, views(weight_decay, params))
+
+    torch._foreach_lerp_(exp_avgs, grads, views(1 - beta1, grads))
+    torch._foreach_mul_(exp_avg_sqs, views(beta2, grads))
+    if isinstance(beta2, Tensor):
+        # addcmul's value must be a number: fold (1 - beta2) into the first factor, which
+        # rounds the same as torch's value * grad * grad.
+        scaled = torch._foreach_mul(grads, views(1 - beta2, grads))
+        torch._foreach_addcmul_(exp_avg_sqs, scaled, grads)
+    else:
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+    if max_exp_avg_sqs is not None:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        denoms = torch._foreach_sqrt(max_exp_avg_sqs)
+    else:
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+
+    # Bias corrections per parameter and member, (P, N) in float64 as torch's Python
+    # floats: a member's count is its own, and a parameter without a gradient in some
+    # steps has its own count, as in torch.
+    step = torch.stack(steps)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    torch._foreach_div_(denoms, rows(bias_correction2.sqrt(), params))
+    torch._foreach_add_(denoms, views(eps, denoms))
+    # lr / bias_correction1 as a tensor division: a Python float over a tensor is
+    # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
+    # torch.optim's float division (and from the per-member path's tensor division).
+    lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
+    neg_step_sizes = rows(-(lr_t / bias_correction1), params)
+    torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, neg_step_sizes), denoms)
 
 
 class Adam(MemberOptimizer):
@@ -121,48 +184,44 @@ class Adam(MemberOptimizer):
         if counts is not None:
             self._shared_update(group, params, grads, counts, exp_avgs, exp_avg_sqs)
             return
-        grads = signed(grads, self._values(group["maximize"], device))
-        lr = self._lr(group, device)
-        beta1, beta2 = (self._values(b, device) for b in group["betas"])
-        weight_decay = self._values(group["weight_decay"], device)
+        adam_update_(
+            params,
+            grads,
+            steps,
+            exp_avgs,
+            exp_avg_sqs,
+            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
+            lr=self._lr(group, device),
+            beta1=self._values(group["betas"][0], device),
+            beta2=self._values(group["betas"][1], device),
+            eps=self._values(group["eps"], device),
+            weight_decay=self._values(group["weight_decay"], device),
+            maximize=self._values(group["maximize"], device),
+            decoupled=self._DECOUPLED,
+        )
 
-        if isinstance(weight_decay, Tensor) or weight_decay != 0:
-            if self._DECOUPLED:
-                torch._foreach_mul_(params, views(1 - lr * weight_decay, params))
-            else:
-                grads = axpy(grads, params, views(weight_decay, params))
+    def member_hyperparameters(
+        self, group: dict[str, Any], device: torch.device
+    ) -> dict[str, Tensor]:
+        """A group's hyperparameters as (N,) tensors in the math dtype, as ``adam_update_`` takes
+        them (the captured step feeds them to its graph as inputs)."""
 
-        torch._foreach_lerp_(exp_avgs, grads, views(1 - beta1, grads))
-        torch._foreach_mul_(exp_avg_sqs, views(beta2, grads))
-        if isinstance(beta2, Tensor):
-            # addcmul's value must be a number: fold (1 - beta2) into the first factor, which
-            # rounds the same as torch's value * grad * grad.
-            scaled = torch._foreach_mul(grads, views(1 - beta2, grads))
-            torch._foreach_addcmul_(exp_avg_sqs, scaled, grads)
-        else:
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        def full(value: float | Tensor) -> Tensor:
+            if isinstance(value, Tensor):
+                return value.contiguous()
+            return torch.full((self.num_members,), value, dtype=math_dtype(device), device=device)
 
-        if group["amsgrad"]:
-            max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states]
-            torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
-            denoms = torch._foreach_sqrt(max_exp_avg_sqs)
-        else:
-            denoms = torch._foreach_sqrt(exp_avg_sqs)
-
-        # Bias corrections per parameter and member, (P, N) in float64 as torch's Python
-        # floats: a member's count is its own, and a parameter without a gradient in some
-        # steps has its own count, as in torch.
-        step = torch.stack(steps)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        torch._foreach_div_(denoms, rows(bias_correction2.sqrt(), params))
-        torch._foreach_add_(denoms, views(self._values(group["eps"], device), denoms))
-        # lr / bias_correction1 as a tensor division: a Python float over a tensor is
-        # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
-        # torch.optim's float division (and from the per-member path's tensor division).
-        lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
-        neg_step_sizes = rows(-(lr_t / bias_correction1), params)
-        torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, neg_step_sizes), denoms)
+        maximize = self._values(group["maximize"], device)
+        return {
+            "lr": full(self._lr(group, device)),
+            "beta1": full(self._values(group["betas"][0], device)),
+            "beta2": full(self._values(group["betas"][1], device)),
+            "eps": full(self._values(group["eps"], device)),
+            "weight_decay": full(self._values(group["weight_decay"], device)),
+            "maximize": maximize
+            if isinstance(maximize, Tensor)
+            else torch.full((self.num_members,), bool(maximize), device=device),
+        }
 
     def _shared_counts(self, group: dict[str, Any], steps: list[Tensor]) -> list[float] | None:
         """Each parameter's step count when every member shares it and every hyperparameter

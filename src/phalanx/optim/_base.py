@@ -10,12 +10,13 @@ never over members.
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, overload
 
 import torch
 from torch import Tensor
+
+from phalanx._warnings import warn
 
 from ._surgery import MemberSurgery
 
@@ -114,6 +115,26 @@ def finite_members(tensors: Sequence[Tensor], n: int, device: torch.device) -> T
             low, high = torch.aminmax(t.reshape(n, -1), dim=1)
             finite &= (low.isfinite() & high.isfinite()).to(device)
     return finite
+
+
+def isolate(
+    finite: Tensor, mask: Tensor | None, frozen: Tensor, bad_steps: Tensor, freeze_after: int | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Non-finite isolation, the one rule: which members step, which are skipped, which freeze.
+
+    ``finite`` (N,) bool: members whose loss and gradients are finite; ``mask``: the members
+    asked to step (None: all). Counts each skipped member in ``bad_steps`` and, with
+    ``freeze_after``, freezes a member after that many, both in place. Returns
+    ``(active, skipped, newly_frozen)``, ``newly_frozen`` None without ``freeze_after``.
+    """
+    considered = ~frozen if mask is None else mask & ~frozen
+    skipped = considered & ~finite
+    bad_steps += skipped
+    newly_frozen = None
+    if freeze_after is not None:
+        newly_frozen = ~frozen & (bad_steps >= freeze_after)
+        frozen |= newly_frozen
+    return considered & finite, skipped, newly_frozen
 
 
 class _Group(dict[str, Any]):
@@ -482,32 +503,32 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                     "per-member losses, before summing them."
                 )
             finite &= torch.isfinite(loss.detach()).to(device)
-        considered = ~self.frozen if mask is None else mask & ~self.frozen
-        skipped = considered & ~finite
+        active, skipped, newly_frozen = isolate(
+            finite, mask, self.frozen, self.bad_steps, self.freeze_after
+        )
         self.last_skipped = skipped
-        self.bad_steps += skipped
-        newly_frozen = torch.zeros_like(skipped)
-        if self.freeze_after is not None:
-            newly_frozen = ~self.frozen & (self.bad_steps >= self.freeze_after)
-            self.frozen |= newly_frozen
-        active = considered & finite
         if not self.warn_skipped:
             return active  # no host sync: always the masked path
         if bool(active.all()):
             return None  # the one host sync of a clean step; take the unmasked path
-        if bool(skipped.any()):
-            message = (
-                f"{self._NAME}.step(): skipped members {skipped.nonzero().flatten().tolist()}: "
-                "their loss or gradients are not finite, so their weights and optimizer state "
-                "are unchanged this step (see opt.last_skipped and opt.bad_steps)."
-            )
-            if bool(newly_frozen.any()):
-                message += (
-                    f" Members {newly_frozen.nonzero().flatten().tolist()} are now frozen "
-                    f"after {self.freeze_after} non-finite steps (see opt.frozen)."
-                )
-            warnings.warn(message, NonFiniteWarning, stacklevel=4)
+        self.warn_if_skipped(skipped, newly_frozen)
         return active
+
+    def warn_if_skipped(self, skipped: Tensor, newly_frozen: Tensor | None) -> None:
+        """Warns which members a step skipped (and froze): the eager and the captured step."""
+        if not bool(skipped.any()):
+            return
+        message = (
+            f"{self._NAME}.step(): skipped members {skipped.nonzero().flatten().tolist()}: "
+            "their loss or gradients are not finite, so their weights and optimizer state "
+            "are unchanged this step (see opt.last_skipped and opt.bad_steps)."
+        )
+        if newly_frozen is not None and bool(newly_frozen.any()):
+            message += (
+                f" Members {newly_frozen.nonzero().flatten().tolist()} are now frozen "
+                f"after {self.freeze_after} non-finite steps (see opt.frozen)."
+            )
+        warn(message, NonFiniteWarning)
 
     # ----------------------------------------------------------------------------------------
     # State
