@@ -17,34 +17,9 @@ import phalanx
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
-# Honest per-dtype tolerances: batched kernels may sum in another order than the loop.
-TOLERANCES = {
-    torch.float64: {"rtol": 1e-10, "atol": 1e-12},
-    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
-}
-# After many optimizer steps: Adam divides by sqrt(v), which magnifies last-bit differences of
-# small gradients, so fp32 trajectories drift by a few ulps per step. float64 stays tight.
-TRAJECTORY_TOLERANCES = {
-    torch.float64: {"rtol": 1e-9, "atol": 1e-11},
-    torch.float32: {"rtol": 1e-4, "atol": 2e-5},
-}
-
-
-def assert_close(
-    actual: Any,
-    expected: Any,
-    *,
-    dtype: torch.dtype = torch.float32,
-    msg: str = "",
-    trajectory: bool = False,
-):
-    """assert_close over pytrees of tensors with the project's tolerances for ``dtype``."""
-    tol = (TRAJECTORY_TOLERANCES if trajectory else TOLERANCES)[dtype]
-    a_flat, a_spec = pytree.tree_flatten(actual)
-    e_flat, e_spec = pytree.tree_flatten(expected)
-    assert a_spec == e_spec, f"{msg}: structures differ: {a_spec} vs {e_spec}"
-    for a, e in zip(a_flat, e_flat):
-        torch.testing.assert_close(a, e, **tol, msg=lambda m: f"{msg}: {m}")
+# What "equal" means is defined once, in phalanx.testing: assert_equal_to_loop against a
+# float64 loop, and this fixed-tolerance screen for two results of one precision.
+assert_close = phalanx.testing.assert_close
 
 
 # --------------------------------------------------------------------------------- architectures

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import phalanx
+from phalanx.testing import assert_equal_to_loop
 
 IN, HIDDEN, B, T, N = 3, 5, 4, 6, 3
 
@@ -93,11 +94,10 @@ def _loop(members, args, per_member, penalty, dtype):
     return outs, list(grads[:n_in]), per_param
 
 
-def _as_close_as_the_loop(got, loop32, loop64, what: str, factor: float = 4.0) -> None:
-    got, loop32, loop64 = got.detach().double(), loop32.detach().double(), loop64.detach()
-    ulps = 8 * torch.finfo(torch.float32).eps * (1 + loop64.abs().max())
-    err, own = (got - loop64).abs().max(), (loop32 - loop64).abs().max()
-    assert err <= factor * own + ulps, f"{what}: {err:.3g} from the float64 loop, float32 {own:.3g}"
+def _as_close_as_the_loop(got, loop32, loop64, what: str) -> None:
+    # Recurrent states are O(1) (tanh, sigmoid): a gradient may cancel from O(1) terms.
+    floor_scale = 1 + loop64.abs().max().item()
+    assert_equal_to_loop(got, loop32, loop64, what=what, floor_scale=floor_scale)
 
 
 def check(mode, kw, *, per_member, states, train=True, penalty=False, n=N):

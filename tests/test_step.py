@@ -26,13 +26,13 @@ import phalanx
 from conftest import ARCHS, assert_close, make_members
 from phalanx._step import CompiledStep, compile_step, decide
 from phalanx.optim._base import NonFiniteWarning
+from phalanx.testing import assert_equal_to_loop
 
 N = 4
 STEPS = 5
 LR = torch.tensor([1e-3, 1e-2, 3e-2, 1e-1], dtype=torch.float64)
 ARCH = {a.name: a for a in ARCHS}
 # How much further from the float64 loop than the float32 loop the captured step may be.
-FACTOR = 4.0
 # Adam's eps in the comparison with the loop. With eps=1e-8 Adam divides a near-zero
 # gradient's rounding noise by its own magnitude (the first step is lr * sign(gradient)), so
 # any change of summation order, which batching makes, moves such an element by up to lr in
@@ -99,18 +99,17 @@ def _eager(members, data, *, loss_fn, in_dim, decoupled, max_norm):
 
 
 def _assert_rounding_close(stack, loop32, loop64):
-    """Member by member, over all its weights and buffers (as one vector):
-    ||captured - loop64|| <= FACTOR * ||loop32 - loop64|| + 4 ulps of ||loop64||."""
+    """Member by member and tensor by tensor, equal to the loop to float rounding
+    (phalanx.testing's rule) after the steps."""
     params, buffers = stack._stacked_state()
     state = {k: v for k, v in {**params, **buffers}.items() if v.is_floating_point()}
-    for i in range(N):
-        truth = torch.cat([loop64[i].state_dict()[k].flatten() for k in state])
-        ours = torch.cat([v[i].detach().double().flatten() for v in state.values()])
-        f32 = torch.cat([loop32[i].state_dict()[k].double().flatten() for k in state])
-        err, base = (ours - truth).norm().item(), (f32 - truth).norm().item()
-        ulps = 4 * torch.finfo(torch.float32).eps * truth.norm().item()
-        assert err <= FACTOR * base + ulps, (
-            f"member {i}: {err:.3g} from the float64 loop, the float32 loop is {base:.3g} from it"
+    for k, ours in state.items():
+        assert_equal_to_loop(
+            ours,
+            torch.stack([m.state_dict()[k] for m in loop32]),
+            torch.stack([m.state_dict()[k] for m in loop64]),
+            what=k,
+            per_member=True,
         )
 
 

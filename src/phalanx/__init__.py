@@ -1,6 +1,6 @@
 """phalanx: N PyTorch models of one architecture run as one computation."""
 
-from phalanx import data, distributed, metrics, optim, population
+from phalanx import data, distributed, metrics, optim, population, testing
 from phalanx._backends import BACKENDS, BackendRefusal
 from phalanx._build import stack
 from phalanx._checkpoint import CheckpointError, export_members, load, save
@@ -34,4 +34,5 @@ __all__ = [
     "save",
     "split",
     "stack",
+    "testing",
 ]

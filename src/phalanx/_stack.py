@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx import _torch_compat as compat
 from phalanx._backends import CHOICES, StackView, get_backend
 from phalanx._memory import reuse_freed_memory
 from phalanx._modules import copy_modes
@@ -26,12 +27,13 @@ def _swap_in(module: nn.Module, params: dict[str, torch.Tensor], buffers: dict[s
     for name, b in module.named_buffers():
         by_id[id(b)] = buffers[name]
     for sub in module.modules():
-        for leaf, old in sub._parameters.items():
+        own_params, own_buffers = compat.own_parameters(sub), compat.own_buffers(sub)
+        for leaf, old in own_params.items():
             if old is not None:
-                sub._parameters[leaf] = by_id[id(old)]  # type: ignore[assignment]
-        for leaf, old_buffer in sub._buffers.items():
+                own_params[leaf] = by_id[id(old)]
+        for leaf, old_buffer in own_buffers.items():
             if old_buffer is not None:
-                sub._buffers[leaf] = by_id[id(old_buffer)]
+                own_buffers[leaf] = by_id[id(old_buffer)]
 
 
 class Stack(nn.Module):
@@ -131,8 +133,12 @@ class Stack(nn.Module):
     def _stacked_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The stacked parameters and buffers by name, each ``(N, *shape)``."""
         try:
-            params = {name: owner._parameters[leaf] for name, owner, leaf in self._param_slots}
-            buffers = {name: owner._buffers[leaf] for name, owner, leaf in self._buffer_slots}
+            params = {
+                name: compat.own_parameters(owner)[leaf] for name, owner, leaf in self._param_slots
+            }
+            buffers = {
+                name: compat.own_buffers(owner)[leaf] for name, owner, leaf in self._buffer_slots
+            }
         except KeyError as e:
             raise RuntimeError(
                 f"phalanx: the stack's tensor {e.args[0]!r} is gone from its module: the module "
@@ -145,7 +151,7 @@ class Stack(nn.Module):
                 "phalanx: a stacked parameter of the stack's module was set to None after "
                 "phalanx.stack(); change the members before stacking them."
             )
-        return params, buffers  # type: ignore[return-value]
+        return params, buffers
 
     def apply(self, fn: Callable[[nn.Module], None]) -> Stack:
         """Calls ``fn`` on every submodule of each member in turn, as on N separate modules.

@@ -24,15 +24,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
+from phalanx import _torch_compat as compat
 from phalanx._clip import clip_grad_norm_
 from phalanx._losses import member_losses
 from phalanx._stack import Stack
@@ -47,6 +46,7 @@ from phalanx._step_graph import (
     step_function,
     unflatten,
 )
+from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
 from phalanx.optim import Adam
 from phalanx.optim._base import MemberOptimizer
@@ -319,8 +319,6 @@ class CompiledStep:
 
     def _capture(self, args: tuple, target: Any, mask: Tensor | None) -> _Entry:
         """Traces the step into one aten graph and compiles it: the entry's ``run``."""
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         logger.info("phalanx.compile_step(): tracing and compiling the training step")
         start = time.perf_counter()
         plan = self._plan(args, mask)
@@ -340,7 +338,7 @@ class CompiledStep:
 
         rng = _rng_state()
         try:
-            graph = make_fx(flat_step)(*copies)
+            graph = compat.make_fx(flat_step)(*copies)
         finally:
             _set_rng_state(rng)
         layout = dataclasses.replace(layout, outputs=tuple(returned))
@@ -350,9 +348,10 @@ class CompiledStep:
         options: dict[str, Any] = {}
         if self.backend == "inductor":
             # Inductor's own random numbers differ from eager's: dropout would not match.
-            from torch._inductor import list_mode_options
-
-            options = {**(list_mode_options(mode) if mode else {}), "fallback_random": True}
+            options = {
+                **(compat.inductor_mode_options(mode) if mode else {}),
+                "fallback_random": True,
+            }
             if not cuda:
                 # Split a CPU kernel over threads only when each gets >= 64K elements (inductor's
                 # default is 512): tiny members' kernels are microseconds, less than OpenMP's
@@ -371,17 +370,9 @@ class CompiledStep:
             compiled: Any
             with torch.no_grad():  # an inference graph: the step takes its own gradients
                 if self.backend == "inductor":
-                    with warnings.catch_warnings():
-                        # Importing it imports torch.utils.mkldnn, which uses the deprecated
-                        # torch.jit.script_method: torch's own warning, not the user's concern.
-                        warnings.filterwarnings("ignore", "`torch.jit.script_method`")
-                        from torch._inductor.compile_fx import compile_fx
-
-                    compiled = compile_fx(graph, copies, config_patches=options)
+                    compiled = compat.inductor_compile(graph, copies, options)
                 else:
-                    from torch._dynamo import lookup_backend
-
-                    compiled = lookup_backend(self.backend)(graph, copies)
+                    compiled = compat.dynamo_backend(self.backend)(graph, copies)
 
             def run(flat: list[Tensor]) -> tuple[Tensor, ...]:
                 return tuple(compiled(*flat))
@@ -397,10 +388,10 @@ class CompiledStep:
             # CUDA graphs may write only into tensors whose address never changes.
             for k in ("params", "buffers"):
                 for x in real[k]:
-                    torch._dynamo.mark_static_address(x)
+                    compat.mark_static_address(x)
             for state in real["state"]:
                 for x in state.values():
-                    torch._dynamo.mark_static_address(x)
+                    compat.mark_static_address(x)
         if self.backend == "inductor":
             mode = None  # torch.compile takes a mode or options, not both: it is in options
         compiled = torch.compile(
@@ -571,7 +562,7 @@ class _Held:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: Tensor) -> None:
-        self.tensor, self.version = tensor, tensor._version
+        self.tensor, self.version = tensor, compat.version(tensor)
 
     def __eq__(self, other: object) -> bool:
         return (

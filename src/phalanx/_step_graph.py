@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.func import functional_call
-from torch.utils import _pytree as pytree
 
 from phalanx._clip import clip_coefficients, member_norms
 from phalanx._losses import member_losses
+from phalanx._torch_compat import pytree
 from phalanx.optim._adam import adam_update_
 from phalanx.optim._base import finite_members, isolate
 

@@ -8,8 +8,15 @@ answer (the one that keeps phalanx on its exact general path) rather than failin
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+
+# torch's pytree has no public module in 2.13 (torch.utils._pytree is what torch.func and
+# torch.compile use themselves).
+from torch.utils import _pytree as pytree
+
+__all__ = ["CHECKED_ON", "pytree"]  # and every function below
 
 CHECKED_ON = "2.13"
 """The torch release these functions were read from."""
@@ -67,3 +74,89 @@ def is_wrapped(t: torch.Tensor) -> bool:
     """True for a torch.func wrapper (a batched or grad-tracking tensor), False for a plain one."""
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return True if check is None else bool(check(t))
+
+
+# ------------------------------------------------------------------------------ module internals
+# nn.Module keeps a module's own parameters, buffers and hooks in private dicts; reading them
+# is the only way to see a module's own (not its children's) entries including None slots,
+# and to swap a tensor in without re-registering it.
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._parameters``: the module's own parameter slots (values may be None)."""
+    return module._parameters
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._buffers``: the module's own buffer slots (values may be None)."""
+    return module._buffers
+
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+"""The per-module hook dicts of ``nn.Module`` (register_forward_hook and its siblings)."""
+
+
+def module_hooks(module: torch.nn.Module) -> dict[str, dict[Any, Any]]:
+    """The module's own hooks, by the name of their dict in :data:`HOOK_DICTS`."""
+    return {name: getattr(module, name, {}) for name in HOOK_DICTS}
+
+
+# ------------------------------------------------------------------------------ optimizer ops
+# The multi-tensor ("foreach") operations torch.optim is built on, and its fused Adam kernel.
+foreach_add = torch._foreach_add
+foreach_add_ = torch._foreach_add_
+foreach_addcdiv_ = torch._foreach_addcdiv_
+foreach_addcmul = torch._foreach_addcmul
+foreach_addcmul_ = torch._foreach_addcmul_
+foreach_div_ = torch._foreach_div_
+foreach_lerp_ = torch._foreach_lerp_
+foreach_maximum_ = torch._foreach_maximum_
+foreach_mul = torch._foreach_mul
+foreach_mul_ = torch._foreach_mul_
+foreach_neg = torch._foreach_neg
+foreach_sqrt = torch._foreach_sqrt
+fused_adam_ = torch._fused_adam_
+fused_adamw_ = torch._fused_adamw_
+
+
+# --------------------------------------------------------------------------- the captured step
+
+
+def make_fx(fn: Any) -> Any:
+    """``torch.fx.experimental.proxy_tensor.make_fx``: traces ``fn`` into one aten graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx as trace
+
+    return trace(fn)
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """``torch._inductor.list_mode_options``: the inductor options a torch.compile mode sets."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def inductor_compile(graph: Any, example_inputs: Any, options: dict[str, Any]) -> Any:
+    """``torch._inductor.compile_fx.compile_fx``: compiles a traced aten graph directly, without
+    TorchDynamo's frame evaluation and guards (half of a tiny step's time)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # Importing it imports torch.utils.mkldnn, which uses the deprecated
+        # torch.jit.script_method: torch's own warning, not the user's concern.
+        warnings.filterwarnings("ignore", "`torch.jit.script_method`")
+        from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph, example_inputs, config_patches=options)
+
+
+def dynamo_backend(name: Any) -> Any:
+    """``torch._dynamo.lookup_backend``: the compiler torch.compile(backend=name) would use."""
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(name)
+
+
+def mark_static_address(t: torch.Tensor) -> None:
+    """``torch._dynamo.mark_static_address``: tells CUDA graphs ``t`` never moves."""
+    torch._dynamo.mark_static_address(t)

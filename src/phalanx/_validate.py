@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from phalanx import _torch_compat as compat
+
 
 def _fmt_shape(shape: Iterable[int]) -> str:
     dims = tuple(shape)
@@ -57,7 +59,7 @@ def _tensor_table(module: nn.Module) -> dict[str, tuple[str, torch.Tensor | None
     # Buffers registered as None (e.g. BatchNorm without running stats) are part of the
     # architecture too: a member that tracks statistics cannot be stacked with one that does not.
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        for leaf, b in sub._buffers.items():
+        for leaf, b in compat.own_buffers(sub).items():
             if b is None:
                 table[f"{prefix}.{leaf}" if prefix else leaf] = ("buffer", None)
     return table
@@ -248,14 +250,6 @@ def _hook_identity(fn: Any) -> Any:
     return ("code", code, cells)
 
 
-_HOOKS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-
 def behaviour_differences(
     reference: nn.Module, other: nn.Module, index: int, *, ref_name: str = "member 0"
 ) -> list[str]:
@@ -277,7 +271,10 @@ def behaviour_differences(
         where = f"submodule {path!r}" if path else "the root module"
         # A forward pre-hook may keep a tensor attribute it recomputes on every call (old-style
         # spectral_norm's 'weight'): that is derived from the member's tensors, not a setting.
-        derived = ref._forward_pre_hooks and oth._forward_pre_hooks
+        derived = (
+            compat.module_hooks(ref)["_forward_pre_hooks"]
+            and compat.module_hooks(oth)["_forward_pre_hooks"]
+        )
         # Settings that extra_repr shows differ are reported by architecture_differences.
         keys = (
             set()
@@ -296,9 +293,10 @@ def behaviour_differences(
                     f"{who} {where} has {key}={_show(oth.__dict__[key])}, {ref_name} has "
                     f"{key}={_show(ref.__dict__[key])}"
                 )
-        for hooks in _HOOKS:
-            a = [_hook_identity(h) for h in getattr(ref, hooks).values()]
-            b = [_hook_identity(h) for h in getattr(oth, hooks).values()]
+        ref_hooks, oth_hooks = compat.module_hooks(ref), compat.module_hooks(oth)
+        for hooks in compat.HOOK_DICTS:
+            a = [_hook_identity(h) for h in ref_hooks[hooks].values()]
+            b = [_hook_identity(h) for h in oth_hooks[hooks].values()]
             if a != b:
                 kind = hooks.strip("_").replace("_", " ")[:-1]
                 diffs.append(

@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from phalanx import _torch_compat as compat
 from phalanx._backends import StackView, get_backend
+from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
 
 

@@ -37,10 +37,7 @@ _CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
 
 
 def has_hooks(module: nn.Module) -> bool:
-    return any(
-        getattr(module, h)
-        for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    )
+    return any(compat.module_hooks(module).values())
 
 
 def mlp_layers(seq: nn.Module) -> list[nn.Module] | None:

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call
-from torch.utils import _pytree as pytree
 
 from phalanx import _torch_compat as compat
 from phalanx._backends._state import PerMemberAttributes
+from phalanx._torch_compat import pytree
 
 if TYPE_CHECKING:
     from phalanx._backends import StackView

@@ -24,7 +24,6 @@ _INTERNALS = frozenset(nn.Module().__dict__) | {
     "_flat_weights",
     "_flat_weight_refs",
 }
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 Snapshot = list[tuple[nn.Module, dict[str, Any]]]
 
@@ -32,8 +31,8 @@ Snapshot = list[tuple[nn.Module, dict[str, Any]]]
 def hooked(module: nn.Module) -> list[str]:
     """The paths of the submodules that hold hooks ('' is the root), global hooks as '*'."""
     found = ["*"] if compat.global_module_hooks() else []
-    if any(getattr(m, h) for m in module.modules() for h in _HOOKS):  # names only on a hit
-        found += [p for p, m in module.named_modules() if any(getattr(m, h) for h in _HOOKS)]
+    if any(any(compat.module_hooks(m).values()) for m in module.modules()):  # names only on a hit
+        found += [p for p, m in module.named_modules() if any(compat.module_hooks(m).values())]
     return found
 
 

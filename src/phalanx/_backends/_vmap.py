@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call, vmap
-from torch.utils import _pytree as pytree
 
 from phalanx._backends import BackendRefusal
 from phalanx._backends._rules import CORRECTNESS, BatchedOps, Rule
 from phalanx._backends._state import hooked, put_back, snapshot, stored_tensors
+from phalanx._torch_compat import pytree
 
 if TYPE_CHECKING:
     from phalanx._backends import StackView

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
+from phalanx._torch_compat import pytree
 from phalanx.distributed._group import collective, comm_device
 
 if TYPE_CHECKING:

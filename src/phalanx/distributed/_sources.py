@@ -14,10 +14,10 @@ from typing import Any, TypeGuard
 
 import torch
 from safetensors import safe_open
-from torch.utils import _pytree as pytree
 
 from phalanx._checks import CheckpointError, decode, parse_meta
 from phalanx._files import checksum
+from phalanx._torch_compat import pytree
 from phalanx.distributed._parts import MEMBER, REPLICA
 
 __all__ = ["FORMAT", "INDEX", "VERSION", "Sharded", "SingleFile", "read_index"]

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from phalanx import _torch_compat as compat
+
 from ._base import MemberOptimizer, axpy, math_dtype, rows, signed, views
 
 __all__ = ["Adam", "AdamW", "adam_update_"]
@@ -39,25 +41,25 @@ def adam_update_(
     grads = signed(grads, maximize)
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
         if decoupled:
-            torch._foreach_mul_(params, views(1 - lr * weight_decay, params))
+            compat.foreach_mul_(params, views(1 - lr * weight_decay, params))
         else:
             grads = axpy(grads, params, views(weight_decay, params))
 
-    torch._foreach_lerp_(exp_avgs, grads, views(1 - beta1, grads))
-    torch._foreach_mul_(exp_avg_sqs, views(beta2, grads))
+    compat.foreach_lerp_(exp_avgs, grads, views(1 - beta1, grads))
+    compat.foreach_mul_(exp_avg_sqs, views(beta2, grads))
     if isinstance(beta2, Tensor):
         # addcmul's value must be a number: fold (1 - beta2) into the first factor, which
         # rounds the same as torch's value * grad * grad.
-        scaled = torch._foreach_mul(grads, views(1 - beta2, grads))
-        torch._foreach_addcmul_(exp_avg_sqs, scaled, grads)
+        scaled = compat.foreach_mul(grads, views(1 - beta2, grads))
+        compat.foreach_addcmul_(exp_avg_sqs, scaled, grads)
     else:
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        compat.foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
 
     if max_exp_avg_sqs is not None:
-        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
-        denoms = torch._foreach_sqrt(max_exp_avg_sqs)
+        compat.foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        denoms = compat.foreach_sqrt(max_exp_avg_sqs)
     else:
-        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        denoms = compat.foreach_sqrt(exp_avg_sqs)
 
     # Bias corrections per parameter and member, (P, N) in float64 as torch's Python
     # floats: a member's count is its own, and a parameter without a gradient in some
@@ -65,14 +67,14 @@ def adam_update_(
     step = torch.stack(steps)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    torch._foreach_div_(denoms, rows(bias_correction2.sqrt(), params))
-    torch._foreach_add_(denoms, views(eps, denoms))
+    compat.foreach_div_(denoms, rows(bias_correction2.sqrt(), params))
+    compat.foreach_add_(denoms, views(eps, denoms))
     # lr / bias_correction1 as a tensor division: a Python float over a tensor is
     # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
     # torch.optim's float division (and from the per-member path's tensor division).
     lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
     neg_step_sizes = rows(-(lr_t / bias_correction1), params)
-    torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, neg_step_sizes), denoms)
+    compat.foreach_addcdiv_(params, compat.foreach_mul(exp_avgs, neg_step_sizes), denoms)
 
 
 class Adam(MemberOptimizer):
@@ -176,7 +178,7 @@ class Adam(MemberOptimizer):
         steps = [s["step"] for s in states]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        torch._foreach_add_(steps, 1)
+        compat.foreach_add_(steps, 1)
         if self._fused_kernel_applies(group, steps):
             self._fused_update(group, params, grads, steps, exp_avgs, exp_avg_sqs)
             return
@@ -255,15 +257,15 @@ class Adam(MemberOptimizer):
         lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
         eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
         if group["maximize"]:
-            grads = list(torch._foreach_neg(grads))
+            grads = list(compat.foreach_neg(grads))
         if weight_decay != 0:
             if self._DECOUPLED:
-                torch._foreach_mul_(params, 1 - lr * weight_decay)
+                compat.foreach_mul_(params, 1 - lr * weight_decay)
             else:
-                grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+                grads = list(compat.foreach_add(grads, params, alpha=weight_decay))
+        compat.foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        compat.foreach_mul_(exp_avg_sqs, beta2)
+        compat.foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         for p, m, v, step in zip(params, exp_avgs, exp_avg_sqs, counts):
             bias_correction1 = 1 - beta1**step
             bias_correction2 = 1 - beta2**step
@@ -297,7 +299,7 @@ class Adam(MemberOptimizer):
         exp_avg_sqs: list[Tensor],
     ) -> None:
         states = [self.state[p] for p in params]
-        kernel = torch._fused_adamw_ if self._DECOUPLED else torch._fused_adam_
+        kernel = compat.fused_adamw_ if self._DECOUPLED else compat.fused_adam_
         beta1, beta2 = group["betas"]
         kernel(
             params,

@@ -16,6 +16,7 @@ from typing import Any, TypeAlias, overload
 import torch
 from torch import Tensor
 
+from phalanx import _torch_compat as compat
 from phalanx._warnings import warn
 
 from ._surgery import MemberSurgery
@@ -85,8 +86,8 @@ def rows(values: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
 def axpy(ys: list[Tensor], xs: list[Tensor], a: Hyper) -> list[Tensor]:
     """`ys + a * xs`, rounded as torch's `y.add(x, alpha=a)` (one fused multiply-add)."""
     if isinstance(a, list):
-        return list(torch._foreach_addcmul(ys, xs, a))
-    return list(torch._foreach_add(ys, xs, alpha=a))
+        return list(compat.foreach_addcmul(ys, xs, a))
+    return list(compat.foreach_add(ys, xs, alpha=a))
 
 
 def _hypers_to(group: dict[str, Any], device: torch.device) -> None:
@@ -102,8 +103,8 @@ def signed(grads: list[Tensor], maximize: float | Tensor) -> list[Tensor]:
     """The gradients, negated for the members that maximize."""
     if isinstance(maximize, Tensor):
         sign = torch.where(maximize, -1.0, 1.0)  # g * -1 is exactly -g
-        return list(torch._foreach_mul(grads, views(sign, grads)))
-    return list(torch._foreach_neg(grads)) if maximize else grads
+        return list(compat.foreach_mul(grads, views(sign, grads)))
+    return list(compat.foreach_neg(grads)) if maximize else grads
 
 
 def finite_members(tensors: Sequence[Tensor], n: int, device: torch.device) -> Tensor:

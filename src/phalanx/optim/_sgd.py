@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from phalanx import _torch_compat as compat
+
 from ._base import MemberOptimizer, axpy, math_dtype, rows, signed, views
 
 __all__ = ["SGD"]
@@ -103,7 +105,7 @@ class SGD(MemberOptimizer):
     def _update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         device = params[0].device
         steps = [self.state[p]["step"] for p in params]
-        torch._foreach_add_(steps, 1)
+        compat.foreach_add_(steps, 1)
         grads = signed(grads, self._values(group["maximize"], device))
         weight_decay = self._values(group["weight_decay"], device)
         if isinstance(weight_decay, Tensor) or weight_decay != 0:
@@ -125,8 +127,8 @@ class SGD(MemberOptimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
                     fresh[j] = True
             bufs = [self.state[p]["momentum_buffer"] for p in params]
-            torch._foreach_mul_(bufs, rows(torch.where(fresh, 0.0, momentum), bufs))
-            torch._foreach_addcmul_(bufs, grads, rows(torch.where(fresh, 1.0, keep), bufs))
+            compat.foreach_mul_(bufs, rows(torch.where(fresh, 0.0, momentum), bufs))
+            compat.foreach_addcmul_(bufs, grads, rows(torch.where(fresh, 1.0, keep), bufs))
             nesterov = self._values(group["nesterov"], device)
             if isinstance(nesterov, Tensor):
                 ahead = axpy(grads, bufs, views(momentum, bufs))
@@ -139,6 +141,6 @@ class SGD(MemberOptimizer):
 
         lr = self._lr(group, device)
         if isinstance(lr, Tensor):
-            torch._foreach_addcmul_(params, grads, views(-lr, params))
+            compat.foreach_addcmul_(params, grads, views(-lr, params))
         else:
-            torch._foreach_add_(params, grads, alpha=-lr)
+            compat.foreach_add_(params, grads, alpha=-lr)

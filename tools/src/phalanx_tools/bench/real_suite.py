@@ -46,11 +46,8 @@ rm = _load_zoo()
 
 Mode = Literal["shared", "per-member"]
 
-#: The stack's error against the float64 loop may be this many times the float32 loop's own.
-FACTOR = 4.0
-#: ... plus this many float32 ulps of the largest magnitude of the tensor compared: a result
-#: the float32 loop happens to get exactly (a sum of few terms) may differ by rounding.
-FLOOR_ULPS = 8.0
+#: The stack's error against the float64 loop: phalanx.testing's rule.
+FACTOR, FLOOR_ULPS = phalanx.testing.FACTOR, phalanx.testing.FLOOR_ULPS
 #: Learning rate of every Adam.
 LR = 1e-3
 #: Adam moves an element by lr * g / (|g| + eps): where |g| comes near eps (1e-8), the
@@ -497,35 +494,9 @@ def _observe(forward: Callable[[Batch], tuple[Any, torch.Tensor]], batch: Batch,
 
 def _compare(what: str, got: torch.Tensor, loop: torch.Tensor, ref: torch.Tensor,
              per_member: bool) -> list[str]:  # fmt: skip
-    """Problems where ``got`` is further from ``ref`` (float64) than ``loop`` (float32) is.
-
-    Member by member: member i's error is compared with the float32 loop's largest error
-    over all members on that tensor. Members are alike, and one member's float32 error is a
-    single draw whose maximum over the elements may be lucky (a member whose worst-conditioned
-    element happens to round well); the largest over N members is a steadier yardstick.
-    """
-    if got.shape != loop.shape:
-        return [f"{what}: shape {tuple(got.shape)}, the loop's is {tuple(loop.shape)}"]
-    got, loop, ref = got.double(), loop.double(), ref.double()
-    if per_member:
-        dims = tuple(range(1, got.dim()))
-        errors = (got - ref).abs().amax(dims) if dims else (got - ref).abs()
-        loop_err = ((loop - ref).abs().amax(dims) if dims else (loop - ref).abs()).max().item()
-        scales = ref.abs().amax(dims) if dims else ref.abs()
-    else:
-        errors, scales = (got - ref).abs().max()[None], ref.abs().max()[None]
-        loop_err = (loop - ref).abs().max().item()
-    problems = []
-    eps = torch.finfo(torch.float32).eps
-    for i, (err, scale) in enumerate(zip(errors.tolist(), scales.tolist())):
-        floor = FLOOR_ULPS * eps * scale
-        if not math.isfinite(err) or err > FACTOR * loop_err + floor:
-            member = f"member {i} " if per_member else ""
-            problems.append(
-                f"{member}{what}: max error {err:.3g} against the float64 loop, the float32 "
-                f"loop's is {loop_err:.3g} (allowed {FACTOR:g}x that + {floor:.2g})"
-            )
-    return problems
+    """Problems where ``got`` is further from ``ref`` (float64) than ``loop`` (float32) is:
+    ``phalanx.testing``'s rule, member by member where ``per_member``."""
+    return phalanx.testing.rounding_problems(got, loop, ref, what=what, per_member=per_member)
 
 
 def check_against_loop(model: RealModel, backend: str, n: int, mode: Mode, *, batch: int = 4,

@@ -1,0 +1,164 @@
+"""What "equal to the loop to float rounding" means, defined once for phalanx and its users.
+
+A stack is checked against the loop over its members, the N original modules run one by
+one. Batched kernels may sum in another order than the loop, so float32 results may differ
+in their last bits; how far is too far is not a tolerance tuned until a test passes but a
+yardstick earned from the loop itself: run the loop a second time in float64 (the
+reference) and allow the stack to be at most :data:`FACTOR` times as far from it as the
+float32 loop is, plus :data:`FLOOR_ULPS` float32 ulps of the tensor's magnitude (for values
+the float32 loop happens to get exactly, such as a sum of few terms).
+
+:func:`assert_equal_to_loop` applies that rule; phalanx's tests, its benchmark's exactness
+check and the real-model suite all use it. :func:`assert_close` is the fixed-tolerance screen
+for two results of one precision where no float64 reference exists (a trajectory of many
+optimizer steps, or a quick guard of a timed run); it is not the definition of exact.
+
+Example:
+    >>> models = [nn.Linear(4, 2) for _ in range(3)]
+    >>> stack = phalanx.stack(models)
+    >>> x = torch.randn(5, 4)
+    >>> loop = torch.stack([m(x) for m in models])
+    >>> reference = torch.stack([m.double()(x.double()) for m in models])
+    >>> phalanx.testing.assert_equal_to_loop(stack(x), loop, reference, what="outputs")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from phalanx._torch_compat import pytree
+
+__all__ = [
+    "FACTOR",
+    "FLOOR_ULPS",
+    "SAME_PRECISION",
+    "TRAJECTORY",
+    "assert_close",
+    "assert_equal_to_loop",
+    "rounding_problems",
+]
+
+FACTOR = 4.0
+"""The stack's error against the float64 loop may be this many times the float32 loop's own."""
+
+FLOOR_ULPS = 8.0
+"""... plus this many float32 ulps of the compared tensor's largest magnitude."""
+
+SAME_PRECISION = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-12},
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+}
+"""Tolerances of :func:`assert_close` for two results of one forward/backward."""
+
+TRAJECTORY = {
+    torch.float64: {"rtol": 1e-9, "atol": 1e-11},
+    torch.float32: {"rtol": 1e-4, "atol": 2e-5},
+}
+"""... and after many optimizer steps: Adam divides by sqrt(v), which magnifies last-bit
+differences of small gradients, so float32 trajectories drift by a few ulps per step."""
+
+
+def rounding_problems(
+    got: Tensor,
+    loop: Tensor | Sequence[Tensor],
+    reference: Tensor,
+    *,
+    what: str = "result",
+    per_member: bool = False,
+    factor: float = FACTOR,
+    floor_scale: float | None = None,
+) -> list[str]:
+    """Where ``got`` is further from ``reference`` than the float32 ``loop`` allows: the rule.
+
+    Args:
+        got: the stack's result, any float dtype.
+        loop: the float32 loop's result of the same shape, or several runs of it (the largest
+            distance of any run is the yardstick).
+        reference: the loop run in float64.
+        what: names the tensor in the messages.
+        per_member: compare member by member along dim 0 (each member's error against the
+            loop's largest over all members: members are alike, and one member's error is a
+            single draw whose maximum may be lucky).
+        factor: the allowed multiple of the loop's own error.
+        floor_scale: the magnitude the ulps of the floor are taken of; by default the
+            reference's largest magnitude (per member with ``per_member``). Give the size of
+            the terms where the result cancels (a gradient summed from O(1) terms to nearly
+            zero), whose rounding the result's own size does not show.
+
+    Returns:
+        One message per problem; empty when ``got`` is equal to the loop to float rounding.
+    """
+    runs = [loop] if isinstance(loop, Tensor) else list(loop)
+    if any(r.shape != got.shape for r in runs) or reference.shape != got.shape:
+        shapes = ", ".join(str(tuple(r.shape)) for r in runs)
+        return [f"{what}: shape {tuple(got.shape)}, the loop's is {shapes}"]
+    ref = reference.detach().double()
+    diff = (got.detach().double() - ref).abs()
+    loop_diffs = [(r.detach().double() - ref).abs() for r in runs]
+    dims = tuple(range(1, got.dim()))
+    if per_member and dims:
+        errors, scales = diff.amax(dims), ref.abs().amax(dims)
+        own = max(d.amax(dims).max().item() for d in loop_diffs)
+    elif per_member:
+        errors, scales = diff, ref.abs()
+        own = max(d.max().item() for d in loop_diffs)
+    else:
+        errors, scales = diff.max()[None], ref.abs().max()[None]
+        own = max(d.max().item() for d in loop_diffs)
+    eps = torch.finfo(torch.float32).eps
+    problems = []
+    for i, (err, scale) in enumerate(zip(errors.tolist(), scales.tolist())):
+        floor = FLOOR_ULPS * eps * (scale if floor_scale is None else max(scale, floor_scale))
+        if not err <= factor * own + floor:  # NaN fails
+            member = f"member {i} " if per_member else ""
+            problems.append(
+                f"{member}{what}: max error {err:.3g} against the float64 loop, the float32 "
+                f"loop's is {own:.3g} (allowed {factor:g}x that + {floor:.2g})"
+            )
+    return problems
+
+
+def assert_equal_to_loop(
+    got: Tensor,
+    loop: Tensor | Sequence[Tensor],
+    reference: Tensor,
+    *,
+    what: str = "result",
+    per_member: bool = False,
+    factor: float = FACTOR,
+    floor_scale: float | None = None,
+) -> None:
+    """Raises AssertionError unless ``got`` is equal to the loop to float rounding.
+
+    See :func:`rounding_problems` for the arguments.
+    """
+    problems = rounding_problems(
+        got, loop, reference, what=what, per_member=per_member, factor=factor,
+        floor_scale=floor_scale,
+    )  # fmt: skip
+    if problems:
+        raise AssertionError("; ".join(problems))
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    msg: str = "",
+    trajectory: bool = False,
+) -> None:
+    """``torch.testing.assert_close`` over pytrees of tensors with the tolerances above."""
+    tol = (TRAJECTORY if trajectory else SAME_PRECISION)[dtype]
+    a_flat, a_spec = pytree.tree_flatten(actual)
+    e_flat, e_spec = pytree.tree_flatten(expected)
+    if a_spec != e_spec:
+        raise AssertionError(f"{msg}: structures differ: {a_spec} vs {e_spec}")
+    for a, e in zip(a_flat, e_flat):
+        torch.testing.assert_close(
+            a, e, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m: f"{msg}: {m}"
+        )
