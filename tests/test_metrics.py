@@ -20,7 +20,7 @@ def test_loss_and_accuracy_equal_each_member_alone() -> None:
     shared = torch.randint(0, C, (B,))
     own = torch.randint(0, C, (N, B))
     for targets, member_targets in ((shared, [shared] * N), (own, list(own))):
-        loss = metrics.loss(logits, targets)
+        loss = metrics.loss(F.cross_entropy, logits, targets)
         acc = metrics.accuracy(logits, targets)
         assert loss.shape == acc.shape == (N,) and not loss.requires_grad
         for i in range(N):
@@ -33,7 +33,7 @@ def test_loss_and_accuracy_equal_each_member_alone() -> None:
 
 def test_loss_takes_any_torch_loss() -> None:
     pred, y = torch.randn(N, B, 3), torch.randn(B, 3)
-    mse = metrics.loss(pred, y, F.mse_loss)
+    mse = metrics.loss(F.mse_loss, pred, y)
     torch.testing.assert_close(mse, ((pred - y) ** 2).mean(dim=(1, 2)))
 
 

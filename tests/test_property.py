@@ -180,9 +180,7 @@ def test_generated_members_match_the_loop(kinds, n, batch, train, per_member, ba
         )
 
 
-def _loop(
-    members: list[nn.Module], x: torch.Tensor, per_member: bool, dtype: torch.dtype, nudge=0
-):
+def _loop(members: list[nn.Module], x: torch.Tensor, per_member: bool, dtype: torch.dtype, nudge=0):
     """The N modules run one by one in ``dtype``: outputs, and each member's gradients of the
     same loss (outputs plus a gradient penalty) as the stack's. With ``nudge`` (a seed) every
     weight is first moved one ulp up or down at random."""

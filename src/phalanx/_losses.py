@@ -98,6 +98,11 @@ def member_losses(
         >>> losses.sum().backward()
     """
     where = "phalanx.member_losses()"
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{where}: the loss function comes first: member_losses(loss_fn, output, target); "
+            f"got a {type(loss_fn).__name__} where loss_fn goes."
+        )
     if (
         in_dims[1] is None
         and isinstance(target, torch.Tensor)

@@ -4,14 +4,14 @@ Example:
     >>> logits = torch.randn(4, 32, 10)  # (N, B, C)
     >>> y = torch.randint(0, 10, (32,))  # shared targets (B,), or (N, B) per member
     >>> acc = phalanx.metrics.accuracy(logits, y)  # (N,)
-    >>> print(phalanx.metrics.table({"accuracy": acc, "loss": phalanx.metrics.loss(logits, y)}))
+    >>> print(phalanx.metrics.table({"accuracy": acc, "loss": phalanx.metrics.loss(F.cross_entropy, logits, y)}))
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,12 +19,38 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from phalanx._losses import member_losses
+from phalanx._warnings import warn
 
 __all__ = ["accuracy", "loss", "plot", "table"]
 
 
+def _shared(fn: str, in_dims: tuple[int | None, int | None] | None, shared: bool | None) -> Any:
+    """The target's member dim from ``in_dims`` (or the deprecated ``shared``); None: infer."""
+    if shared is not None:
+        warn(
+            f"{fn}: shared= is deprecated; pass in_dims=(0, None) for a shared target or "
+            f"in_dims=(0, 0) for per-member targets, as phalanx.member_losses takes it.",
+            DeprecationWarning,
+        )
+        if in_dims is None:
+            return bool(shared)
+    if in_dims is None:
+        return None
+    if tuple(in_dims) not in {(0, None), (0, 0)}:
+        raise ValueError(
+            f"{fn}: in_dims must be (0, None) (targets shared by every member) or (0, 0) "
+            f"(per-member targets); got {in_dims!r}."
+        )
+    return in_dims[1] is None
+
+
 def _targets(fn: str, outputs: Tensor, targets: Tensor, shared: bool | None) -> Tensor:
     """Targets as (N, B, ...): shared targets (B, ...) are expanded over the members."""
+    if not isinstance(outputs, Tensor) or not isinstance(targets, Tensor):
+        raise TypeError(
+            f"{fn}: outputs and targets must be tensors; got {type(outputs).__name__} and "
+            f"{type(targets).__name__}."
+        )
     if outputs.dim() < 2:
         raise ValueError(
             f"{fn}: outputs have shape {tuple(outputs.shape)}; expected (N, B, ...), members "
@@ -45,43 +71,69 @@ def _targets(fn: str, outputs: Tensor, targets: Tensor, shared: bool | None) -> 
 
 
 def loss(
-    outputs: Tensor,
-    targets: Tensor,
-    loss_fn: Callable[..., Tensor] = F.cross_entropy,
+    loss_fn: Any,
+    outputs: Any,
+    targets: Any = None,
     *,
+    in_dims: tuple[int | None, int | None] | None = None,
     shared: bool | None = None,
 ) -> Tensor:
     """Each member's loss on its batch, detached: for logging and model selection.
 
-    The value of `phalanx.member_losses` (use that one to train: it keeps the graph).
+    The value of `phalanx.member_losses` (use that one to train: it keeps the graph), with the
+    same arguments in the same order.
 
     Args:
+        loss_fn: a loss returning a scalar for one member's batch, e.g. `F.cross_entropy` or
+            `F.mse_loss`.
         outputs: (N, B, ...) the stack's outputs, e.g. logits (N, B, C).
         targets: (B, ...) shared by all members, or (N, B, ...) one batch per member.
-        loss_fn: a loss returning a scalar for one member's batch, e.g. `F.cross_entropy`
-            (default) or `F.mse_loss`.
-        shared: whether `targets` are shared; None infers it: per-member if `targets`
-            starts with (N, B).
+        in_dims: (0, None) for shared targets, (0, 0) for per-member ones, as
+            `phalanx.member_losses` takes it; None infers it: per-member if `targets` starts
+            with (N, B).
+        shared: deprecated; use `in_dims`.
 
     Returns:
         (N,) each member's loss.
 
     Example:
-        >>> loss(torch.zeros(2, 4, 3), torch.zeros(4, dtype=torch.long))
+        >>> loss(F.cross_entropy, torch.zeros(2, 4, 3), torch.zeros(4, dtype=torch.long))
         tensor([1.0986, 1.0986])
     """
-    targets = _targets("phalanx.metrics.loss()", outputs, targets, shared)
+    fn = "phalanx.metrics.loss()"
+    if isinstance(loss_fn, Tensor):  # the order before 0.2: loss(outputs, targets, loss_fn)
+        warn(
+            f"{fn}: the loss function comes first, as in phalanx.member_losses: "
+            f"loss(loss_fn, outputs, targets). loss(outputs, targets[, loss_fn]) is deprecated.",
+            DeprecationWarning,
+        )
+        loss_fn, outputs, targets = (
+            F.cross_entropy if targets is None else targets,
+            loss_fn,
+            outputs,
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"{fn}: loss_fn must be a callable loss; got {type(loss_fn).__name__}.")
+    targets = _targets(fn, outputs, targets, _shared(fn, in_dims, shared))
     with torch.no_grad():
         return member_losses(loss_fn, outputs, targets, in_dims=(0, 0))
 
 
-def accuracy(logits: Tensor, targets: Tensor, *, shared: bool | None = None) -> Tensor:
+def accuracy(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    in_dims: tuple[int | None, int | None] | None = None,
+    shared: bool | None = None,
+) -> Tensor:
     """The fraction of each member's batch whose arg-max class is the target.
 
     Args:
         logits: (N, B, C) class scores.
         targets: (B,) class indices shared by all members, or (N, B) per member.
-        shared: whether `targets` are shared; None infers it from their shape.
+        in_dims: (0, None) for shared targets, (0, 0) for per-member ones; None infers it
+            from their shape.
+        shared: deprecated; use `in_dims`.
 
     Returns:
         (N,) float accuracies in [0, 1].
@@ -93,7 +145,7 @@ def accuracy(logits: Tensor, targets: Tensor, *, shared: bool | None = None) -> 
     fn = "phalanx.metrics.accuracy()"
     if logits.dim() != 3:
         raise ValueError(f"{fn}: logits must have shape (N, B, C); got {tuple(logits.shape)}.")
-    targets = _targets(fn, logits, targets, shared)
+    targets = _targets(fn, logits, targets, _shared(fn, in_dims, shared))
     return (logits.argmax(dim=-1) == targets).float().mean(dim=1)
 
 
