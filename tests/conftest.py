@@ -230,7 +230,7 @@ def check_forward_and_gradients(backend, arch, mode, n, train):
 
     stacked_loss(out, n).backward()
     ref_loss.backward()
-    params, buffers = stack._stacked_state()
+    params, buffers = stack.stacked_state()
     for name, p in params.items():
         for i, m in enumerate(reference):
             assert_close(p.grad[i], m.get_parameter(name).grad, msg=f"member {i} grad {name}")

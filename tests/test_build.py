@@ -47,7 +47,7 @@ def test_each_member_is_bit_identical_to_its_own_seeded_factory_call() -> None:
 
     stack = stack_from_factory(factory, num_members=5, seed=11, backend="loop")
     members = _reference(factory, 5, seed=11)
-    params, buffers = stack._stacked_state()
+    params, buffers = stack.stacked_state()
     assert set(params) == {n for n, _ in members[0].named_parameters()}
     for i, member in enumerate(members):
         for name, p in member.named_parameters():

@@ -72,7 +72,7 @@ def test_twenty_adam_steps_match_loop(backend, arch, mode, n, train):
             member_loss(m(*member_args, **kwargs)).backward()
             o.step()
 
-    params, buffers = stack._stacked_state()
+    params, buffers = stack.stacked_state()
     for name, p in itertools.chain(params.items(), buffers.items()):
         for i, m in enumerate(reference):
             assert_close(

@@ -44,7 +44,7 @@ def test_backends_match_loop_on_cuda(backend, arch):
             ref_leaves = torch.utils._pytree.tree_leaves(m(*args, **kwargs))
             sum(leaf.square().mean() for leaf in ref_leaves).backward()
             o.step()
-    params, buffers = stack._stacked_state()
+    params, buffers = stack.stacked_state()
     for name, p in {**params, **buffers}.items():
         for i, m in enumerate(reference):
             assert_close(p[i], m.state_dict()[name], msg=f"member {i} {name}", trajectory=True)

@@ -101,7 +101,7 @@ def _eager(members, data, *, loss_fn, in_dim, decoupled, max_norm):
 def _assert_rounding_close(stack, loop32, loop64):
     """Member by member and tensor by tensor, equal to the loop to float rounding
     (phalanx.testing's rule) after the steps."""
-    params, buffers = stack._stacked_state()
+    params, buffers = stack.stacked_state()
     state = {k: v for k, v in {**params, **buffers}.items() if v.is_floating_point()}
     for k, ours in state.items():
         assert_equal_to_loop(

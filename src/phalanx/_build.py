@@ -127,7 +127,7 @@ def build_members(
             + "\nThe factory must build one architecture for every index (the same module "
             "types, parameter and buffer names, shapes, dtypes and train/eval mode)."
         )
-    return Stack._from_stacked(reference, params, buffers, len(indices), backend=backend)
+    return Stack.from_stacked(reference, params, buffers, len(indices), backend=backend)
 
 
 def stack_from_factory(

@@ -75,7 +75,7 @@ class Stack(nn.Module):
         self._setup(members[0], params, buffers, len(members), backend)
 
     @classmethod
-    def _from_stacked(
+    def from_stacked(
         cls,
         member: nn.Module,
         params: dict[str, torch.Tensor],
@@ -87,8 +87,10 @@ class Stack(nn.Module):
         """A stack over tensors that are already stacked, ``(N, *shape)`` each, without copies.
 
         ``member`` gives the architecture (its own tensors are never read; it may live on
-        ``meta``); ``params`` and ``buffers`` are keyed as ``member.named_parameters()`` and
-        ``member.named_buffers()`` and become the stack's tensors as they are.
+        ``meta``, such as another stack's :attr:`template`); ``params`` and ``buffers`` are
+        keyed as ``member.named_parameters()`` and ``member.named_buffers()`` and become the
+        stack's tensors as they are. ``phalanx.stack``'s factory form and
+        ``phalanx.population.keep_members`` build their stacks with it.
         """
         _check_backend(backend, "phalanx.stack()")
         self = cls.__new__(cls)
@@ -113,7 +115,7 @@ class Stack(nn.Module):
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
         object.__setattr__(
-            self, "_view", StackView(num_members, self.module, template, self._stacked_state)
+            self, "_view", StackView(num_members, self.module, template, self.stacked_state)
         )
         self._set_backend(backend)
         cpu = [t for t in [*params.values(), *buffers.values()] if t.device.type == "cpu"]
@@ -130,8 +132,9 @@ class Stack(nn.Module):
     def __len__(self) -> int:
         return self.num_members
 
-    def _stacked_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The stacked parameters and buffers by name, each ``(N, *shape)``."""
+    def stacked_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The stacked parameters and buffers by name, each ``(N, *shape)``: the tensors the
+        backends and ``compile_step`` run the member's forward with."""
         try:
             params = {
                 name: compat.own_parameters(owner)[leaf] for name, owner, leaf in self._param_slots
@@ -161,7 +164,7 @@ class Stack(nn.Module):
         (``nn.Module.apply`` on the stacked tensors would get it wrong). What ``fn`` writes
         into parameters and buffers is kept; other changes it makes are not.
         """
-        params, buffers = self._stacked_state()
+        params, buffers = self.stacked_state()
         with torch.no_grad():
             for i in range(self.num_members):
                 member = self._member_module(i)
@@ -189,6 +192,37 @@ class Stack(nn.Module):
     def backend(self, name: str) -> None:
         _check_backend(name, "Stack.backend")
         self._set_backend(name)
+
+    # ------------------------------------------------------------- the surface for phalanx
+    # What phalanx's other layers (the factory build, the population, compile_step) use of a
+    # stack; nothing else of it is read from outside this module.
+
+    @property
+    def template(self) -> nn.Module:
+        """Member 0's architecture on the ``meta`` device: module types, settings, modes."""
+        return self._template
+
+    @property
+    def requested_backend(self) -> str:
+        """The backend name the stack was given ("auto" stays "auto")."""
+        return self._requested
+
+    def retire(self, message: str) -> None:
+        """Makes this stack refuse to train (a forward with grad raises ``message``); under
+        ``torch.no_grad()`` it still evaluates its weights. ``keep_members`` retires the
+        stack it replaced, whose optimizer now steps the new one."""
+        object.__setattr__(self, "_retired", message)
+
+        def refuse(module: Any, args: Any) -> None:
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"Stack.forward(): {message}")
+
+        self.register_forward_pre_hook(refuse)
+
+    @property
+    def retired(self) -> str | None:
+        """Why this stack was retired (see :meth:`retire`), or None."""
+        return getattr(self, "_retired", None)
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, backend={self._requested!r}"
@@ -270,7 +304,7 @@ class Stack(nn.Module):
             for k, a in [*enumerate(args), *kwargs.items()]
             if isinstance(a, torch.Tensor) and a.is_meta
         ]
-        first = next(iter(self._stacked_state()[0].values()), None) if meta else None
+        first = next(iter(self.stacked_state()[0].values()), None) if meta else None
         if first is None or first.is_meta:
             return
         raise ValueError(
@@ -294,7 +328,7 @@ class Stack(nn.Module):
         return [self._member_module(i) for i in range(self.num_members)]
 
     def _member_module(self, i: int) -> nn.Module:
-        params, buffers = self._stacked_state()
+        params, buffers = self.stacked_state()
         member = copy.deepcopy(self._template)
         with torch.no_grad():
             _swap_in(
@@ -335,7 +369,7 @@ class Stack(nn.Module):
                 f"{where}: the modules do not match the stack's architecture:\n  - "
                 + "\n  - ".join(diffs)
             )
-        params, buffers = self._stacked_state()
+        params, buffers = self.stacked_state()
         with torch.no_grad():
             for i, m in enumerate(targets):
                 for name, p in params.items():

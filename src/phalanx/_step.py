@@ -444,7 +444,7 @@ class CompiledStep:
         tensors), and cheaply: this runs around every captured step.
         """
         opt: Any = self.optimizer
-        stacked, buffers = self.stack._stacked_state()
+        stacked, buffers = self.stack.stacked_state()
         params = list(stacked.values())
         states: list[dict[str, Tensor]] = []
         for p in params:

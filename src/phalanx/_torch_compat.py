@@ -160,3 +160,17 @@ def dynamo_backend(name: Any) -> Any:
 def mark_static_address(t: torch.Tensor) -> None:
     """``torch._dynamo.mark_static_address``: tells CUDA graphs ``t`` never moves."""
     torch._dynamo.mark_static_address(t)
+
+
+# ------------------------------------------------------------------------------ distributed
+
+
+def default_store() -> Any:
+    """``torch.distributed.distributed_c10d._get_default_store()``: the default process
+    group's key-value store, or None where this torch has none to give."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None

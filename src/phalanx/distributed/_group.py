@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from phalanx import _torch_compat as compat
 from phalanx.distributed import _health
 from phalanx.distributed._errors import DistributedError
 
@@ -142,14 +143,10 @@ def init(
 
 
 def _start_heartbeat() -> None:
-
     if _failure_timeout is None or _health.current() is not None:
         return
-    try:  # the default group's store: private in torch, so a missing one turns this off
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        store = _get_default_store()
-    except Exception:
+    store = compat.default_store()  # private in torch: None turns the heartbeat off
+    if store is None:
         return
     if dist.get_world_size() < 2:
         return

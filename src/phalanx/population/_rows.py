@@ -35,9 +35,8 @@ def check_run(stack: Stack, optimizer: Any, loader: Any, where: str) -> None:
             f"{where}: stack must be a phalanx.Stack (from phalanx.stack(models)); got "
             f"{type(stack).__name__}."
         )
-    retired = getattr(stack, "_phalanx_replaced_by", None)
-    if retired is not None:
-        raise ValueError(f"{where}: {retired}")
+    if stack.retired is not None:
+        raise ValueError(f"{where}: {stack.retired}")
     n = len(stack)
     if optimizer is not None and not isinstance(optimizer, MemberOptimizer):
         raise TypeError(

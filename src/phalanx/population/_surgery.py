@@ -34,13 +34,7 @@ def _retire(stack: Stack, smaller: Stack) -> None:
         "SuccessiveHalving.stop()); training this one would update nothing. Use the returned "
         "stack (under torch.no_grad() this one still evaluates its weights as they were)."
     )
-    stack._phalanx_replaced_by = message  # type: ignore[assignment]
-
-    def refuse(module: Any, args: Any) -> None:
-        if torch.is_grad_enabled():
-            raise RuntimeError(f"Stack.forward(): {message}")
-
-    stack.register_forward_pre_hook(refuse)
+    stack.retire(message)
 
 
 @torch.no_grad()
@@ -137,8 +131,8 @@ def keep_members(
     buffers = {name: rows(b) for name, b in stack.module.named_buffers()}
     # The backend the user asked for ("auto" stays "auto"), not the one auto picked: auto
     # re-races at the new size, where another backend may be faster.
-    backend = getattr(stack, "_requested", stack.backend)
-    smaller = Stack._from_stacked(stack._template, params, buffers, len(index), backend=backend)
+    backend = stack.requested_backend
+    smaller = Stack.from_stacked(stack.template, params, buffers, len(index), backend=backend)
     copy_modes(stack.module, smaller.module)
     smaller.training = stack.training
     if optimizer is not None:
