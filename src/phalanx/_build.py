@@ -167,9 +167,9 @@ def stack_from_factory(
             or members differ in architecture from member 0 (every difference is listed).
 
     Example:
-        >>> stack = phalanx.stack(lambda i: nn.Linear(1024, 1024), num_members=256, seed=0)
-        >>> torch.manual_seed(3)
-        >>> torch.equal(stack.module.weight[3], nn.Linear(1024, 1024).weight)
+        >>> stack = phalanx.stack(lambda i: nn.Linear(4, 2), num_members=8, seed=0)
+        >>> _ = torch.manual_seed(3)  # member 3 is built right after this seed
+        >>> torch.equal(stack.module.weight[3], nn.Linear(4, 2).weight)
         True
     """
     where = "phalanx.stack()"

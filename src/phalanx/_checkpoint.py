@@ -107,7 +107,18 @@ def save(
         TypeError: some state is neither a tensor nor JSON data (e.g. a function).
 
     Example:
+        >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> stack = phalanx.stack(lambda: nn.Linear(4, 1), num_members=4)
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+        >>> loader = phalanx.data.MemberLoader(X, Y, num_members=4, batch_size=16, seed=0)
+        >>> for xb, yb in loader:
+        ...     opt.zero_grad()
+        ...     losses = phalanx.member_losses(F.mse_loss, stack(xb, in_dims=0), yb, in_dims=(0, 0))
+        ...     losses.sum().backward()
+        ...     opt.step()
         >>> phalanx.save("run.safetensors", stack, optimizer=opt, loader=loader, epoch=3)
+        >>> phalanx.load("run.safetensors", stack, optimizer=opt, loader=loader)
+        {'epoch': 3}
     """
     if isinstance(optimizer, LBFGS):
         raise TypeError(
@@ -238,6 +249,13 @@ def load(
             file and every key, expected and got.
 
     Example:
+        >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> stack = phalanx.stack(lambda: nn.Linear(4, 1), num_members=4, backend="vmap")
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+        >>> loader = phalanx.data.MemberLoader(X, Y, num_members=4, batch_size=16, seed=0)
+        >>> phalanx.save("run.safetensors", stack, optimizer=opt, loader=loader, epoch=3)
+        >>> stack = phalanx.stack(lambda: nn.Linear(4, 1), num_members=4, backend="vmap")
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
         >>> extra = phalanx.load("run.safetensors", stack, optimizer=opt, loader=loader)
         >>> extra["epoch"]
         3
@@ -298,9 +316,15 @@ def export_members(stack: nn.Module, indices: Sequence[int] | Tensor) -> list[di
         IndexError: an index is outside [0, N).
 
     Example:
+        >>> stack = phalanx.stack([nn.Linear(4, 3) for _ in range(8)])
+        >>> x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
         >>> best = torch.topk(phalanx.metrics.accuracy(stack(x), y), k=3).indices
         >>> states = phalanx.export_members(stack, best)
+        >>> model = nn.Linear(4, 3)
         >>> model.load_state_dict(states[0])
+        <All keys matched successfully>
+        >>> torch.allclose(model(x), stack(x)[best[0]])
+        True
     """
     state = stack.state_dict()
     n = _num_members(stack)

@@ -94,8 +94,12 @@ def member_losses(
             ``loss_fn`` does not return one scalar per member.
 
     Example:
-        >>> losses = phalanx.member_losses(F.cross_entropy, stack(x), y)  # (N,)
-        >>> losses.sum().backward()
+        >>> stack = phalanx.stack([nn.Linear(4, 3) for _ in range(5)])
+        >>> x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))  # one batch for every member
+        >>> losses = phalanx.member_losses(F.cross_entropy, stack(x), y)
+        >>> losses.shape
+        torch.Size([5])
+        >>> losses.sum().backward()  # member i's gradient is that of its own loss alone
     """
     where = "phalanx.member_losses()"
     if not callable(loss_fn):

@@ -322,8 +322,13 @@ class Stack(nn.Module):
         stack's device and dtype, in the stack's train/eval mode.
 
         Example:
+            >>> stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)])
             >>> models = stack.unstack()
-            >>> models[2](x)  # equals stack(x)[2]
+            >>> models[2]
+            Linear(in_features=4, out_features=2, bias=True)
+            >>> x = torch.randn(5, 4)
+            >>> torch.allclose(models[2](x), stack(x)[2])
+            True
         """
         return [self._member_module(i) for i in range(self.num_members)]
 

@@ -678,9 +678,16 @@ def compile_step(
             parameters.
 
     Example:
-        >>> step = phalanx.compile_step(stack, F.cross_entropy, phalanx.optim.Adam(stack.parameters()))
-        >>> for x, y in loader:
-        ...     losses = step(x, y)  # (N,)
+        >>> stack = phalanx.stack([nn.Linear(4, 3) for _ in range(5)])
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+        >>> step = phalanx.compile_step(stack, F.cross_entropy, opt, backend="eager")  # or inductor
+        >>> x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+        >>> for _ in range(7):  # 3 eager steps, the capture, 3 captured steps timed
+        ...     losses = step(x, y)
+        >>> losses.shape
+        torch.Size([5])
+        >>> step.report  # the step it kept ("captured" or "eager"), and why
+        '...: eager step ... ms, captured step ... ms, compile ... s'
     """
     if not isinstance(stack, Stack):
         raise TypeError(

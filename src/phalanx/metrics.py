@@ -4,7 +4,14 @@ Example:
     >>> logits = torch.randn(4, 32, 10)  # (N, B, C)
     >>> y = torch.randint(0, 10, (32,))  # shared targets (B,), or (N, B) per member
     >>> acc = phalanx.metrics.accuracy(logits, y)  # (N,)
-    >>> print(phalanx.metrics.table({"accuracy": acc, "loss": phalanx.metrics.loss(F.cross_entropy, logits, y)}))
+    >>> losses = phalanx.metrics.loss(F.cross_entropy, logits, y)  # (N,)
+    >>> columns = {"accuracy": acc, "loss": losses}
+    >>> print(phalanx.metrics.table(columns, sort_by="loss", descending=False))  # best first
+    member  accuracy   loss
+         0     0.125  2.598
+         2   0.09375   2.65
+         3     0.125  3.056
+         1   0.09375  3.117
 """
 
 from __future__ import annotations
@@ -224,7 +231,10 @@ def plot(
         The path written.
 
     Example:
+        >>> lrs = torch.logspace(-4, 0, 8)  # (N,) one learning rate per member
+        >>> accuracy = torch.rand(8)  # (N,) e.g. phalanx.metrics.accuracy(stack(x), y)
         >>> plot(accuracy, "sweep.png", x=lrs, xlabel="learning rate", logx=True)
+        'sweep.png'
     """
     try:
         from matplotlib import cm, colormaps, colors

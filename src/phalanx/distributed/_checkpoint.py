@@ -131,7 +131,11 @@ def save(
         DistributedError: another rank failed, or the timeout passed; nothing was committed.
 
     Example:
-        >>> pdist.save("ckpt", stack, optimizer=opt, loader=loader, step=step)
+        >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> stack, shard = phalanx.distributed.shard(lambda i: nn.Linear(4, 1), num_members=8)
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+        >>> loader = shard.loader(X, Y, batch_size=16, seed=0)
+        >>> phalanx.distributed.save("ckpt", stack, optimizer=opt, loader=loader, step=1200)
     """
     where = "phalanx.distributed.save()"
     mine = shard if shard is not None else shard_of(stack, where)
@@ -256,9 +260,14 @@ def load(
             dtypes, lacks a requested part, or holds one of another type or structure.
 
     Example:
-        >>> stack, shard = phalanx.distributed.shard(make_member, num_members=8)
+        >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> stack, shard = phalanx.distributed.shard(lambda i: nn.Linear(4, 1), num_members=8)
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+        >>> loader = shard.loader(X, Y, batch_size=16, seed=0)
+        >>> phalanx.distributed.save("ckpt", stack, optimizer=opt, loader=loader, step=1200)
         >>> extra = phalanx.distributed.load("ckpt", stack, optimizer=opt, loader=loader)
-        >>> step = extra["step"]
+        >>> extra["step"]
+        1200
     """
     where = "phalanx.distributed.load()"
     location = Path(path)

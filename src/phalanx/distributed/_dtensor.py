@@ -52,8 +52,12 @@ def to_dtensors(stack: Stack, shard: Shard | None = None) -> dict[str, Any]:
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
-        >>> dcp.save(pdist.to_dtensors(stack), checkpoint_id="dcp")  # on K ranks
-        >>> dcp.load(pdist.to_dtensors(stack), checkpoint_id="dcp")  # on any K': in place
+        >>> stack, shard = phalanx.distributed.shard(lambda i: nn.Linear(4, 2), num_members=8)
+        >>> _ = dcp.save(phalanx.distributed.to_dtensors(stack), checkpoint_id="dcp")  # on K ranks
+        >>> other, _ = phalanx.distributed.shard(lambda i: nn.Linear(4, 2), num_members=8, seed=1)
+        >>> dcp.load(phalanx.distributed.to_dtensors(other), checkpoint_id="dcp")  # any K: in place
+        >>> torch.equal(other.module.weight, stack.module.weight)
+        True
     """
     mine = shard if shard is not None else shard_of(stack, "phalanx.distributed.to_dtensors()")
     return {k: to_dtensor(v, mine) for k, v in stack.state_dict(keep_vars=False).items()}

@@ -51,8 +51,12 @@ def gather(x: Any, shard: Shard) -> Any:
         DistributedError: another rank failed, or the timeout passed.
 
     Example:
+        >>> stack, shard = phalanx.distributed.shard(lambda i: nn.Linear(4, 3), num_members=8)
+        >>> x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
         >>> losses = phalanx.member_losses(F.cross_entropy, stack(x), y)  # (n_local,)
-        >>> all_losses = shard.gather(losses.detach())  # (N,) on every rank
+        >>> all_losses = phalanx.distributed.gather(losses, shard)  # (N,) on every rank
+        >>> all_losses.shape, all_losses.requires_grad
+        (torch.Size([8]), False)
         >>> best = int(all_losses.argmin())  # a global member index
     """
     where = "phalanx.distributed.gather()"
@@ -131,7 +135,11 @@ def broadcast(x: Any, shard: Shard, *, src: int = 0) -> Any:
         DistributedError: another rank failed, or the timeout passed.
 
     Example:
-        >>> xb = shard.broadcast(next(batches) if shard.rank == 0 else None)
+        >>> stack, shard = phalanx.distributed.shard(lambda i: nn.Linear(4, 3), num_members=8)
+        >>> batch = torch.randn(32, 4) if shard.rank == 0 else None  # read on rank 0 only
+        >>> xb = phalanx.distributed.broadcast(batch, shard)  # rank 0's batch on every rank
+        >>> stack(xb).shape
+        torch.Size([8, 32, 3])
     """
     where = "phalanx.distributed.broadcast()"
     if not 0 <= src < shard.world_size:

@@ -116,10 +116,12 @@ def launch(
             one) and the ranks that failed after it.
 
     Example:
-        >>> def work():
-        ...     stack, shard = phalanx.distributed.shard(make_member, num_members=8)
+        >>> def work():  # in a module or script: the ranks import it by name
+        ...     stack, shard = phalanx.distributed.shard(lambda i: nn.Linear(4, 2), num_members=8)
         ...     return shard.global_indices
-        >>> phalanx.distributed.launch(work, 2)
+        >>> work()  # in a plain process, the one rank holds every member
+        range(0, 8)
+        >>> phalanx.distributed.launch(work, 2)  # doctest: +SKIP
         [range(0, 4), range(4, 8)]
     """
     where = "phalanx.distributed.launch()"

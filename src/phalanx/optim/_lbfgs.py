@@ -46,13 +46,18 @@ class LBFGS(torch.optim.Optimizer):
             as `torch.optim.LBFGS`, for every member.
 
     Example:
+        >>> stack = phalanx.stack([nn.Linear(4, 1) for _ in range(3)])
+        >>> x, y = torch.randn(32, 4), torch.randn(32, 1)
         >>> opt = phalanx.optim.LBFGS(stack.parameters(), line_search_fn="strong_wolfe")
         >>> def closure():
         ...     opt.zero_grad()
-        ...     losses = member_losses(stack)  # (N,), one per member
+        ...     losses = phalanx.member_losses(F.mse_loss, stack(x), y)  # (N,), one per member
         ...     losses.sum().backward()
         ...     return losses
-        >>> losses = opt.step(closure)  # (N,) each member's loss before its step
+        >>> before = opt.step(closure)  # (N,) each member's loss before its step
+        >>> after = phalanx.metrics.loss(F.mse_loss, stack(x), y)
+        >>> bool((after < before).all())
+        True
     """
 
     _NAME = "phalanx.optim.LBFGS"

@@ -34,7 +34,7 @@ class MemberLambdaLR:
         >>> warmup = torch.tensor([1.0, 2.0, 4.0])  # epochs of linear warm-up, per member
         >>> sched = MemberLambdaLR(opt, lambda e: torch.clamp((e + 1) / warmup, max=1.0))
         >>> opt.param_groups[0]["member_lr"]
-        tensor([1.0000, 0.5000, 0.2500])
+        tensor([1.0000, 0.5000, 0.2500], dtype=torch.float64)
     """
 
     def __init__(
@@ -132,9 +132,15 @@ class MemberScheduler:
             `lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=100)`.
 
     Example:
-        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=torch.tensor([1e-2, 1e-3]))
+        >>> stack = phalanx.stack([nn.Linear(4, 1) for _ in range(2)])
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=torch.tensor([0.1, 0.01]))
         >>> sched = phalanx.optim.MemberScheduler(
-        ...     opt, lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=1e-4))
+        ...     opt, lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=1e-3))
+        >>> for epoch in range(5):
+        ...     opt.step()  # after an epoch of training
+        ...     sched.step()
+        >>> opt.hyperparameters()["lr"]  # halfway down each member's cosine to eta_min
+        tensor([0.0505, 0.0055], dtype=torch.float64)
     """
 
     def __init__(self, optimizer: MemberOptimizer, make: Callable[[Any], Any]) -> None:

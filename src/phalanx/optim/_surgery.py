@@ -92,6 +92,7 @@ class MemberSurgery:
         such as Adam's betas come back as tuples of (N,) tensors. Values are copies.
 
         Example:
+            >>> stack = phalanx.stack([nn.Linear(4, 1) for _ in range(2)])
             >>> opt = phalanx.optim.SGD(stack.parameters(), lr=torch.tensor([0.1, 0.2]))
             >>> opt.hyperparameters()["lr"]
             tensor([0.1000, 0.2000], dtype=torch.float64)
@@ -134,7 +135,11 @@ class MemberSurgery:
                 scheduler drives.
 
         Example:
+            >>> stack = phalanx.stack([nn.Linear(4, 1) for _ in range(6)])
+            >>> opt = phalanx.optim.SGD(stack.parameters(), lr=0.01)
             >>> opt.set_hyperparameters([3, 5], lr=torch.tensor([0.1, 0.02]), momentum=0.9)
+            >>> opt.hyperparameters()["lr"]
+            tensor([0.0100, 0.0100, 0.0100, 0.1000, 0.0100, 0.0200], dtype=torch.float64)
         """
         trial = self._trial(members, values, None)
         for group, new in zip(self.param_groups, trial, strict=True):

@@ -13,9 +13,19 @@ A stack already holds N experiments side by side. Here members copy each other a
 - `plot_population`: each member's hyperparameter schedule and the metric with exploits.
 
 Example:
-    >>> pbt = phalanx.population.PBT(stack, opt, {"lr": LogUniform(1e-4, 1.0)}, interval=100, mode="max")
-    >>> if pbt.ready(step):
-    ...     pbt.exploit(val_acc, step=step)
+    >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)
+    >>> stack = phalanx.stack(lambda: nn.Linear(4, 1), num_members=8)
+    >>> opt = phalanx.optim.SGD(stack.parameters(), lr=torch.logspace(-3, 0, 8))  # (N,) rates
+    >>> lr = phalanx.population.LogUniform(1e-3, 1.0)
+    >>> pbt = phalanx.population.PBT(stack, opt, {"lr": lr}, interval=10, mode="min")
+    >>> for step in range(1, 41):
+    ...     opt.zero_grad()
+    ...     phalanx.member_losses(F.mse_loss, stack(X), Y).sum().backward()
+    ...     opt.step()
+    ...     if pbt.ready(step):  # the worst quarter copies the best quarter, then explores
+    ...         _ = pbt.exploit(phalanx.metrics.loss(F.mse_loss, stack(X), Y), step=step)
+    >>> len(pbt.log)  # exploits: 2 of the 8 members at each of steps 10, 20, 30, 40
+    8
 """
 
 from phalanx.population._halving import SuccessiveHalving, rungs

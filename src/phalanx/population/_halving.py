@@ -79,12 +79,20 @@ class SuccessiveHalving:
             every member's metric there.
 
     Example:
+        >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> stack = phalanx.stack(lambda: nn.Linear(4, 1), num_members=8)
+        >>> opt = phalanx.optim.SGD(stack.parameters(), lr=torch.logspace(-3, 0, 8))
         >>> halving = phalanx.population.SuccessiveHalving(
-        ...     stack, opt, rungs(100, 2, 1000), loader=loader, mode="max")
-        >>> for step in range(1, 1001):
-        ...     train_step(halving.stack)
-        ...     if halving.ready(step):
-        ...         halving.stop(validation_accuracy(halving.stack), step=step)
+        ...     stack, opt, phalanx.population.rungs(10, 2, 50), mode="min")
+        >>> for step in range(1, 51):
+        ...     opt.zero_grad()  # the optimizer follows halving.stack as it shrinks
+        ...     phalanx.member_losses(F.mse_loss, halving.stack(X), Y).sum().backward()
+        ...     opt.step()
+        ...     if halving.ready(step):  # steps 10, 20 and 40: keep 4, then 2, then 1
+        ...         losses = phalanx.metrics.loss(F.mse_loss, halving.stack(X), Y)
+        ...         _ = halving.stop(losses, step=step)
+        >>> [len(entry["kept"]) for entry in halving.log], halving.members
+        ([4, 2, 1], [5])
     """
 
     def __init__(

@@ -125,13 +125,21 @@ class PBT:
             (None at step 0) and every member's hyperparameters from that step on.
 
     Example:
+        >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> stack = phalanx.stack(lambda: nn.Linear(4, 1), num_members=8)
+        >>> opt = phalanx.optim.SGD(stack.parameters(), lr=torch.logspace(-3, 0, 8))
         >>> pbt = phalanx.population.PBT(
-        ...     stack, opt, {"lr": phalanx.population.LogUniform(1e-4, 1.0)}, interval=100,
-        ...     mode="max")
-        >>> for step in range(1, steps + 1):
-        ...     train_step()
+        ...     stack, opt, {"lr": phalanx.population.LogUniform(1e-3, 1.0)}, interval=10,
+        ...     mode="min")
+        >>> for step in range(1, 41):
+        ...     opt.zero_grad()
+        ...     phalanx.member_losses(F.mse_loss, stack(X), Y).sum().backward()
+        ...     opt.step()
         ...     if pbt.ready(step):
-        ...         pbt.exploit(validation_accuracy(), step=step)
+        ...         _ = pbt.exploit(phalanx.metrics.loss(F.mse_loss, stack(X), Y), step=step)
+        >>> pbt.log[0]  # member 0 (worst quarter) copied member 6 (best quarter), then explored
+        {'step': 10, 'member': 0, 'source': 6, 'metric': 1.39..., 'source_metric': 0.62...,
+         'hyperparameters': {'lr': 0.0014...}}
     """
 
     def __init__(

@@ -18,7 +18,12 @@ def lineage(log: Sequence[Mapping[str, Any]], member: int) -> list[tuple[int, in
     backwards, each exploit into the lineage's slot hands it over to the source's slot.
 
     Example:
-        >>> lineage(pbt.log, best)  # e.g. [(0, 12), (40, 3), (120, best)]
+        >>> log = [  # PBT.log: at step 40 member 3 copied member 12, at 120 member 7 copied 3
+        ...     {"step": 40, "member": 3, "source": 12},
+        ...     {"step": 120, "member": 7, "source": 3},
+        ... ]
+        >>> lineage(log, 7)
+        [(0, 12), (40, 3), (120, 7)]
     """
     out, current, until = [], member, float("inf")
     for event in reversed(log):
@@ -49,8 +54,9 @@ def plot_population(
 
     Members are coloured by their final metric (bright: best); the final best member is
     drawn thick and black along its lineage (`lineage`): the schedule its weights actually
-    trained with, switching to a source's history before each exploit. In the metric panel each exploit is a red segment from the
-    copied member's metric to its source's, at the step it happened.
+    trained with, switching to a source's history before each exploit. In the metric panel
+    each exploit is a red segment from the copied member's metric to its source's, at the
+    step it happened.
 
     Args:
         history: `PBT.history` (or the "history" of a saved `PBT.state_dict()`).
@@ -62,7 +68,21 @@ def plot_population(
         The matplotlib Figure.
 
     Example:
-        >>> phalanx.population.plot_population(pbt.history, pbt.log, path="pbt.png")
+        >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> stack = phalanx.stack(lambda: nn.Linear(4, 1), num_members=8)
+        >>> opt = phalanx.optim.SGD(stack.parameters(), lr=torch.logspace(-3, 0, 8))
+        >>> pbt = phalanx.population.PBT(
+        ...     stack, opt, {"lr": phalanx.population.LogUniform(1e-3, 1.0)}, interval=10,
+        ...     mode="min")
+        >>> for step in range(1, 41):
+        ...     opt.zero_grad()
+        ...     phalanx.member_losses(F.mse_loss, stack(X), Y).sum().backward()
+        ...     opt.step()
+        ...     if pbt.ready(step):
+        ...         _ = pbt.exploit(phalanx.metrics.loss(F.mse_loss, stack(X), Y), step=step)
+        >>> fig = phalanx.population.plot_population(pbt.history, pbt.log, path="pbt.png")
+        >>> len(fig.axes)  # the learning rate's panel and the metric's
+        2
     """
     from matplotlib import colormaps
     from matplotlib.figure import Figure

@@ -72,8 +72,18 @@ def copy_members(
         IndexError: an index is out of range.
 
     Example:
-        >>> best = int(val_acc.argmax())
-        >>> phalanx.population.copy_members(stack, [best], [worst], optimizer=opt)
+        >>> stack = phalanx.stack([nn.Linear(4, 3) for _ in range(4)])
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=torch.tensor([1e-3, 1e-2, 1e-1, 1.0]))
+        >>> x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+        >>> val_acc = phalanx.metrics.accuracy(stack(x), y)  # (N,)
+        >>> best, worst = int(val_acc.argmax()), int(val_acc.argmin())
+        >>> phalanx.population.copy_members(
+        ...     stack, [best], [worst], optimizer=opt, hyperparameters=True)
+        >>> torch.equal(stack.module.weight[worst], stack.module.weight[best])
+        True
+        >>> lrs = opt.hyperparameters()["lr"]
+        >>> bool(lrs[worst] == lrs[best])
+        True
     """
     where = "phalanx.population.copy_members()"
     check_run(stack, optimizer, loader, where)
@@ -112,8 +122,18 @@ def keep_members(
             another number of members.
 
     Example:
+        >>> X, Y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+        >>> stack = phalanx.stack([nn.Linear(4, 3) for _ in range(8)])
+        >>> opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+        >>> loader = phalanx.data.MemberLoader(X, Y, num_members=8, batch_size=16, seed=0)
+        >>> val_acc = phalanx.metrics.accuracy(stack(X), Y)  # (N,)
         >>> top = torch.topk(val_acc, k=len(stack) // 2).indices
         >>> stack = phalanx.population.keep_members(stack, top, optimizer=opt, loader=loader)
+        >>> len(stack), loader.num_members
+        (4, 4)
+        >>> xb, yb = next(iter(loader))  # training goes on with the 4 kept members
+        >>> phalanx.member_losses(F.cross_entropy, stack(xb, in_dims=0), yb, in_dims=(0, 0)).shape
+        torch.Size([4])
     """
     where = "phalanx.population.keep_members()"
     check_run(stack, optimizer, loader, where)
