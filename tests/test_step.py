@@ -447,7 +447,7 @@ def test_a_target_holding_an_object_runs_eager_with_one_warning():
 def test_hyperparameter_cache_never_mistakes_a_new_tensor_for_an_old_one():
     """The cache key holds its tensors: a tensor freed and replaced by one that happens to
     get the same id (a scheduler stepped twice between steps) is a change."""
-    from phalanx._step import _value_key
+    from phalanx._step_signature import value_key as _value_key
 
     old = torch.full((N,), 0.1, dtype=torch.float64)
     key = _value_key((old, 0.9))

@@ -20,7 +20,6 @@ step and says so with a warning.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -35,6 +34,7 @@ from phalanx import _torch_compat as compat
 from phalanx._clip import clip_grad_norm_
 from phalanx._losses import member_losses
 from phalanx._stack import Stack
+from phalanx._step_compile import compile_graph
 from phalanx._step_graph import (
     ADAM_HYPERS,
     OUTPUTS,
@@ -46,6 +46,7 @@ from phalanx._step_graph import (
     step_function,
     unflatten,
 )
+from phalanx._step_signature import HYPER_KEYS, NoSignature, value_key
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
 from phalanx.optim import Adam
@@ -261,12 +262,12 @@ class CompiledStep:
                 return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
             if a is None or isinstance(a, bool | int | float | str | torch.dtype):
                 return (type(a), a)
-            raise _NoSignature(type(a).__name__)
+            raise NoSignature(type(a).__name__)
 
         try:
             leaves, spec = pytree.tree_flatten(target)
             key = (*map(sig, args), spec, *map(sig, leaves))
-        except _NoSignature as e:
+        except NoSignature as e:
             self._warn_eager_once(
                 f"an input or the target holds a {e}, which the captured step cannot take as "
                 "a constant; pass tensors (or a tuple, list or dict of them) and numbers"
@@ -343,75 +344,9 @@ class CompiledStep:
             _set_rng_state(rng)
         layout = dataclasses.replace(layout, outputs=tuple(returned))
         graph = simplify(graph)
-        cuda = real["params"][0].is_cuda
-        mode = self.mode if self.mode is not None else ("reduce-overhead" if cuda else None)
-        options: dict[str, Any] = {}
-        if self.backend == "inductor":
-            # Inductor's own random numbers differ from eager's: dropout would not match.
-            options = {
-                **(compat.inductor_mode_options(mode) if mode else {}),
-                "fallback_random": True,
-            }
-            if not cuda:
-                # Split a CPU kernel over threads only when each gets >= 64K elements (inductor's
-                # default is 512): tiny members' kernels are microseconds, less than OpenMP's
-                # fork and join. W1 on 2 threads: captured step 1.78 -> 1.02 ms (it had lost
-                # to the eager step); W6, whose kernels are large, 95.9 -> 109 ms, still the
-                # faster path (one bench run each, --quick).
-                options["cpp.min_chunk_size"] = 65536
-        if (cuda and mode == "reduce-overhead") or (
-            mode is not None and self.backend != "inductor"
-        ):
-            run = self._through_dynamo(graph, real, mode, options)
-        else:
-            # The backend compiles the traced graph directly: called without TorchDynamo's
-            # frame evaluation, guards and pytree flattening, which were half of a tiny step.
-            # Our own signature (``_signature``) is the guard: one graph per signature.
-            compiled: Any
-            with torch.no_grad():  # an inference graph: the step takes its own gradients
-                if self.backend == "inductor":
-                    compiled = compat.inductor_compile(graph, copies, options)
-                else:
-                    compiled = compat.dynamo_backend(self.backend)(graph, copies)
-
-            def run(flat: list[Tensor]) -> tuple[Tensor, ...]:
-                return tuple(compiled(*flat))
-
+        run = compile_graph(graph, copies, real, self.backend, self.mode)
         self._trace_s = time.perf_counter() - start
         return _Entry(run=run, layout=layout)
-
-    def _through_dynamo(
-        self, graph: Callable, real: dict[str, Any], mode: str | None, options: dict[str, Any]
-    ) -> Callable[[list[Tensor]], tuple[Tensor, ...]]:
-        """The graph compiled by ``torch.compile``: CUDA graphs need its static inputs."""
-        if real["params"][0].is_cuda and mode == "reduce-overhead":
-            # CUDA graphs may write only into tensors whose address never changes.
-            for k in ("params", "buffers"):
-                for x in real[k]:
-                    compat.mark_static_address(x)
-            for state in real["state"]:
-                for x in state.values():
-                    compat.mark_static_address(x)
-        if self.backend == "inductor":
-            mode = None  # torch.compile takes a mode or options, not both: it is in options
-        compiled = torch.compile(
-            graph,
-            backend=self.backend,
-            mode=mode,
-            options=options or None,
-            fullgraph=True,
-            dynamic=False,
-        )
-        calls = 0
-
-        def run(flat: list[Tensor]) -> tuple[Tensor, ...]:
-            nonlocal calls
-            with _guards_skipped(calls > 0):
-                out = compiled(*flat)
-            calls += 1
-            return tuple(x.clone() for x in out)  # CUDA graphs overwrite their outputs
-
-        return run
 
     def _captured(self, entry: _Entry, args: tuple, target: Any, mask: Tensor | None) -> Tensor:
         assert entry.run is not None and entry.layout is not None
@@ -473,7 +408,7 @@ class CompiledStep:
         """``max_norm`` as an (N,) tensor, rebuilt only when it changes."""
         if self.max_norm is None:
             return None
-        key = _value_key(self.max_norm)
+        key = value_key(self.max_norm)
         if self._max_norm is None or self._max_norm[0] != key:
             value = torch.as_tensor(self.max_norm, device=device).expand(len(self.stack))
             self._max_norm = (key, value)
@@ -482,7 +417,7 @@ class CompiledStep:
     def _hyper_tensors(self, params: list[Tensor]) -> list[dict[str, Tensor]]:
         """Per parameter, its group's hyperparameters as (N,) tensors; rebuilt on change."""
         opt: Any = self.optimizer
-        key = [_value_key(group[k]) for group in opt.param_groups for k in _HYPER_KEYS]
+        key = [value_key(group[k]) for group in opt.param_groups for k in HYPER_KEYS]
         if self._hypers is not None and self._hypers[0] == key:
             return self._hypers[1]
         device = params[0].device
@@ -497,9 +432,6 @@ class CompiledStep:
         return hypers
 
 
-_HYPER_KEYS = ("lr", "member_lr", "betas", "eps", "weight_decay", "maximize")
-
-
 def decide(eager_s: list[float], captured_s: list[float]) -> Literal["eager", "captured"]:
     """The faster of the two, on their best timings (the first eager call is a warm-up).
 
@@ -512,19 +444,6 @@ def decide(eager_s: list[float], captured_s: list[float]) -> Literal["eager", "c
     """
     eager = eager_s[1:] or eager_s
     return "captured" if min(captured_s) < min(eager) else "eager"
-
-
-def _guards_skipped(skip: bool) -> Any:
-    """Skips torch.compile's guards around a graph that has already run once.
-
-    Each signature (``CompiledStep._signature``: shapes, strides, dtypes and devices of the
-    inputs, the parameters' identities, train/eval and autocast modes) has its own compiled
-    graph, so the guards could only say what the signature already said; evaluating them
-    costs about a third of W2's captured step on a CPU.
-    """
-    if not skip:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
 
 def _clone(v: Any) -> Any:
@@ -548,38 +467,6 @@ def _best(times: list[float]) -> float | None:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
-
-
-class _NoSignature(Exception):
-    """A value of this type cannot be a constant of a captured graph."""
-
-
-class _Held:
-    """A tensor in a cache key: equal to another only if it is the same object at the same
-    version. It holds the tensor, so its id cannot pass to a new tensor while the key lives
-    (a key of ``id()`` alone went stale when a scheduler replaced the tensor twice)."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor, self.version = tensor, compat.version(tensor)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _Held)
-            and other.tensor is self.tensor
-            and other.version == self.version
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _value_key(v: Any) -> Any:
-    if isinstance(v, Tensor):
-        return _Held(v)
-    if isinstance(v, tuple):
-        return tuple(_value_key(x) for x in v)
-    return v
 
 
 def _synchronizer(stack: Any) -> Callable[[], None]:
