@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from phalanx import data, metrics, optim, population
+from phalanx import data, metrics, optim, population, routing
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
@@ -38,6 +38,7 @@ __all__ = [
     "metrics",
     "optim",
     "population",
+    "routing",
     "save",
     "split",
     "stack",
