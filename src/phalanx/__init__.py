@@ -6,6 +6,7 @@ from phalanx import data, metrics, optim, population, routing
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
+from phalanx._polyak import polyak_
 from phalanx._split import merge, split
 from phalanx._stack import Stack, stack
 from phalanx._step import CompiledStep, compile_step
@@ -37,6 +38,7 @@ __all__ = [
     "merge",
     "metrics",
     "optim",
+    "polyak_",
     "population",
     "routing",
     "save",
