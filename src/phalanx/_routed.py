@@ -46,6 +46,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from phalanx import _torch_compat as compat
+from phalanx._backends._bmm import linear_bmm
 from phalanx._backends._state import PerMemberAttributes, hooked
 
 if TYPE_CHECKING:
@@ -306,30 +307,56 @@ def _combine(out: Any, routing: Routing) -> Any:
 
 
 class Segments:
-    """The sorted rows' partition into member segments, in the forms the kernels need."""
+    """The sorted rows' partition into member segments, in the forms the kernels need.
 
-    def __init__(self, routing: Routing, num_members: int) -> None:
+    Attributes:
+        members: the member of each segment, in row order (distinct).
+        count_list: the rows of each segment.
+        member_of: ``(R,)`` each row's member.
+        num_members: N.
+    """
+
+    def __init__(
+        self, members: list[int], counts: list[int], member_of: torch.Tensor, num_members: int
+    ) -> None:
+        self.members, self.count_list, self.member_of = members, counts, member_of
         self.num_members = num_members
-        self.count_list = routing.count_list
-        self.counts = routing.counts
-        self.member_of = routing.member_of  # (R,) each sorted row's member
-        self.rows = routing.total
+        self.rows = sum(counts)
+        self.equal = len(set(counts)) == 1
+        self.whole = members == list(range(num_members))
+        self._index: torch.Tensor | None = None
         self._offsets: dict[int, torch.Tensor] = {}
 
-    def scaled(self, inner: int) -> tuple[list[int], torch.Tensor]:
+    @classmethod
+    def of(cls, routing: Routing, num_members: int) -> Segments:
+        members = [i for i, c in enumerate(routing.count_list) if c]
+        counts = [routing.count_list[i] for i in members]
+        return cls(members, counts, routing.member_of, num_members)
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        if self._index is None:
+            self._index = torch.tensor(self.members, device=device)
+        return self._index
+
+    def select(self, t: torch.Tensor) -> torch.Tensor:
+        """The segments' members' rows of a stacked tensor, ``(G, ...)``."""
+        return t if self.whole else t.index_select(0, self.index(t.device))
+
+    def scaled(self, inner: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
         """Counts and ``grouped_mm`` offsets when every row holds ``inner`` vectors."""
         if inner not in self._offsets:
-            self._offsets[inner] = (self.counts * inner).cumsum(0).to(torch.int32)
+            ends = torch.tensor(self.count_list, device=device).mul_(inner).cumsum(0)
+            self._offsets[inner] = ends.to(torch.int32)
         return [c * inner for c in self.count_list], self._offsets[inner]
 
 
 _GROUPED_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 GROUPED_ROWS = 512
-"""Up to this many rows per member on average, ``F.grouped_mm`` runs a segment Linear; above
+"""Up to this many rows per segment on average, ``F.grouped_mm`` runs a segment Linear; above
 it one GEMM per segment is as fast or faster on the CPUs measured (docs/ROUTED.md)."""
 
 
-def _use_grouped(x: torch.Tensor, w: torch.Tensor, rows: int, members: int) -> bool:
+def _use_grouped(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
     grouped = getattr(F, "grouped_mm", None)
     if grouped is None or x.dtype not in _GROUPED_DTYPES or w.dtype != x.dtype:
         return False
@@ -340,116 +367,127 @@ def _use_grouped(x: torch.Tensor, w: torch.Tensor, rows: int, members: int) -> b
     size = x.element_size()
     out_f, in_f = w.shape[1], w.shape[2]
     # grouped_mm wants every stride a multiple of 16 bytes
-    return (in_f * size) % 16 == 0 and (out_f * size) % 16 == 0 and rows <= GROUPED_ROWS * members
+    aligned = (in_f * size) % 16 == 0 and (out_f * size) % 16 == 0
+    return aligned and x.shape[0] <= GROUPED_ROWS * segments
 
 
 def _segment_mm(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, counts: list[int], offs: torch.Tensor,
-    member_of: torch.Tensor | None, grouped: bool,
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, seg: Segments, counts: list[int],
+    offs: torch.Tensor, member_of: torch.Tensor | None, grouped: bool,
 ) -> torch.Tensor:
-    """``y[s] = x[s] @ w[i].T + b[i]`` for each member i's segment s of the rows of ``x``."""
+    """``y[s] = x[s] @ w[m].T + b[m]`` for each segment s of the rows of ``x``, m its member."""
     if grouped:
-        y = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+        y = F.grouped_mm(x, seg.select(w).transpose(1, 2), offs=offs)
         if b is not None:
             assert member_of is not None
             y.add_(b.index_select(0, member_of))
         return y
     y = x.new_empty(x.shape[0], w.shape[1])
-    for i, (xs, ys) in enumerate(zip(x.split(counts), y.split(counts))):
-        if not xs.shape[0]:
-            continue
+    for m, xs, ys in zip(seg.members, x.split(counts), y.split(counts)):
         if b is None:
-            torch.mm(xs, w[i].t(), out=ys)
+            torch.mm(xs, w[m].t(), out=ys)
         else:
-            torch.addmm(b[i], xs, w[i].t(), out=ys)
+            torch.addmm(b[m], xs, w[m].t(), out=ys)
     return y
 
 
 def _segment_differentiable(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, counts: list[int]
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, seg: Segments, counts: list[int]
 ) -> torch.Tensor:
     """The same with ordinary autograd operations (for second derivatives)."""
     parts = [
-        F.linear(xs, w[i], None if b is None else b[i])
-        for i, xs in enumerate(x.split(counts))
-        if xs.shape[0]
+        F.linear(xs, w[m], None if b is None else b[m])
+        for m, xs in zip(seg.members, x.split(counts))
     ]
     return torch.cat(parts) if parts else x.new_empty(0, w.shape[1])
 
 
 class _SegmentLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, w, b, counts, offs, member_of, grouped):  # type: ignore[override]
+    def forward(ctx: Any, x, w, b, seg, counts, offs, member_of, grouped):  # type: ignore[override]
         ctx.save_for_backward(x, w, b, offs, member_of)
-        ctx.counts, ctx.grouped = counts, grouped
-        return _segment_mm(x, w, b, counts, offs, member_of, grouped)
+        ctx.seg, ctx.counts, ctx.grouped = seg, counts, grouped
+        return _segment_mm(x, w, b, seg, counts, offs, member_of, grouped)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
         x, w, b, offs, member_of = ctx.saved_tensors
-        counts, grouped = ctx.counts, ctx.grouped
+        seg, counts, grouped = ctx.seg, ctx.counts, ctx.grouped
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        none = (None,) * 5
         if torch.is_grad_enabled():  # create_graph=True: differentiate a differentiable replay
             inputs = [x, w, b]
             wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
             with torch.enable_grad():
-                y = _segment_differentiable(x, w, b, counts)
+                y = _segment_differentiable(x, w, b, seg, counts)
                 got = torch.autograd.grad(
                     y, [inputs[i] for i in wanted], g, create_graph=True, allow_unused=True
                 )
             grads: list[Any] = [None, None, None]
             for i, gi in zip(wanted, got):
                 grads[i] = gi if gi is not None else torch.zeros_like(inputs[i])
-            return (*grads, None, None, None, None)
+            return (*grads, *none)
         g = g.contiguous()
         gx = gw = gb = None
         if grouped:
+            ws = seg.select(w)
             if need_x:
-                gx = F.grouped_mm(g, w, offs=offs)
+                gx = F.grouped_mm(g, ws, offs=offs)
             if need_w:
-                gw = F.grouped_mm(g.t(), x, offs=offs)
+                gws = F.grouped_mm(g.t(), x, offs=offs)
+                gw = gws if seg.whole else w.new_zeros(w.shape).index_copy_(
+                    0, seg.index(w.device), gws
+                )
         else:
             if need_x:
                 gx = x.new_empty(x.shape)
-                for i, (gs, out) in enumerate(zip(g.split(counts), gx.split(counts))):
-                    if gs.shape[0]:
-                        torch.mm(gs, w[i], out=out)
+                for m, gs, out in zip(seg.members, g.split(counts), gx.split(counts)):
+                    torch.mm(gs, w[m], out=out)
             if need_w:
                 gw = w.new_zeros(w.shape)
-                for i, (gs, xs) in enumerate(zip(g.split(counts), x.split(counts))):
-                    if gs.shape[0]:
-                        torch.mm(gs.t(), xs, out=gw[i])
+                for m, gs, xs in zip(seg.members, g.split(counts), x.split(counts)):
+                    torch.mm(gs.t(), xs, out=gw[m])
         if need_b and b is not None:
             gb = b.new_zeros(b.shape).index_add_(0, member_of, g)
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, *none
 
 
 def segment_linear(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, seg: Segments
 ) -> torch.Tensor:
     """Every sorted row through its own member's Linear: ``x (R, ..., in)``, ``w (N, out, in)``,
-    ``b (N, out) | None`` -> ``(R, ..., out)``."""
+    ``b (N, out) | None`` -> ``(R, ..., out)``.
+
+    Equal segments (a subset, an even routing) run as one ``bmm``; one segment as the
+    member's own ``F.linear``; others as ``F.grouped_mm`` or one GEMM per segment.
+    """
+    if x.dtype != w.dtype or (b is not None and b.dtype != w.dtype):
+        raise _NotRowwise(f"a Linear layer meets dtypes {x.dtype} and {w.dtype}")
     lead = x.shape[:-1]
+    out_f = w.shape[1]
+    if len(seg.members) == 1:
+        m = seg.members[0]
+        return F.linear(x, w[m], None if b is None else b[m])
+    if seg.equal:
+        xs = x.reshape(len(seg.members), -1, x.shape[-1])
+        y = linear_bmm(xs, seg.select(w), None if b is None else seg.select(b))
+        return y.view(*lead, out_f)
     inner = math.prod(lead[1:])
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[-1]:
         x2 = x2.contiguous()
-    counts, offs = seg.scaled(inner)
+    counts, offs = seg.scaled(inner, x.device)
+    grouped = _use_grouped(x2, w, len(seg.members))
     member_of = None
-    grouped = _use_grouped(x2, w, x2.shape[0], seg.num_members)
     if b is not None:
         member_of = seg.member_of if inner == 1 else seg.member_of.repeat_interleave(inner)
-    if x2.dtype != w.dtype or (b is not None and b.dtype != w.dtype):
-        raise _NotRowwise(f"a Linear layer meets dtypes {x2.dtype} and {w.dtype}")
     if torch.is_grad_enabled() and (
         x2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
     ):
-        if member_of is None:
-            member_of = seg.member_of if inner == 1 else seg.member_of.repeat_interleave(inner)
-        y = _SegmentLinear.apply(x2, w, b, counts, offs, member_of, grouped)
+        y = _SegmentLinear.apply(x2, w, b, seg, counts, offs, member_of, grouped)
     else:
-        y = _segment_mm(x2, w, b, counts, offs, member_of, grouped)
-    return y.view(*lead, w.shape[1])
+        y = _segment_mm(x2, w, b, seg, counts, offs, member_of, grouped)
+    return y.view(*lead, out_f)
 
 
 # -------------------------------------------------------------------- the row-wise segment path
@@ -655,7 +693,7 @@ def _segment_path(
     if reason is None:
         assert isinstance(plan, _Plan)
         try:
-            return _run(plan, view, gathered, Segments(routing, view.num_members))
+            return _run(plan, view, gathered, Segments.of(routing, view.num_members))
         except _NotRowwise as e:
             reason = str(e)
             plan.refused[signature] = reason
@@ -1091,3 +1129,48 @@ def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable
     attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
     sub.cache["loop"] = {"attributes": _Remapped(attributes, chosen)}
     return sub, write_back
+
+
+def subset_segment(
+    view: StackView,
+    requested: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_dims: tuple[int | None, ...],
+    chosen: list[int],
+) -> Any:
+    """A subset call on the segment path: member ``chosen[s]`` runs segment s, which holds
+    the whole input (a shared input is repeated, a per-member one flattened); None where the
+    segment path does not apply (then the backend runs the subset view)."""
+    if requested not in ("fused", "auto") or not args:
+        return None
+    if not all(isinstance(a, torch.Tensor) and a.dim() >= (1 if d is None else 2)
+               for a, d in zip(args, in_dims)):  # fmt: skip
+        return None
+    rows = {a.shape[0] if d is None else a.shape[1] for a, d in zip(args, in_dims)}
+    if len(rows) != 1 or not (batch := rows.pop()):
+        return None
+    k = len(chosen)
+    gathered = tuple(
+        a.expand(k, *a.shape).reshape(k * batch, *a.shape[1:]) if d is None
+        else a.reshape(k * batch, *a.shape[2:])
+        for a, d in zip(args, in_dims)
+    )  # fmt: skip
+    device = gathered[0].device
+    member_of = torch.tensor(chosen, device=device).repeat_interleave(batch)
+    seg = Segments(chosen, [batch] * k, member_of, view.num_members)
+    reason = _blocked(view, gathered, kwargs)
+    if reason is not None:
+        return None
+    plan = _plan(view)
+    signature = ("subset", *((a.dim(), a.dtype) for a in gathered))
+    if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
+        return None
+    try:
+        out = _run(plan, view, gathered, seg)
+    except _NotRowwise as e:
+        plan.refused[signature] = str(e)
+        return None
+    return pytree.tree_map(
+        lambda t: t.view(k, batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t, out
+    )

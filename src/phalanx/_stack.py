@@ -278,9 +278,12 @@ class Stack(nn.Module):
         if weights is not None:
             kwargs["weights"] = weights
         chosen = _routed.subset_index(subset, self.num_members)
+        dims = _normalize_in_dims(in_dims, args, len(chosen), " (the subset's size)")
         with self._view.lock:
+            out = _routed.subset_segment(self._view, self._requested, args, kwargs, dims, chosen)
+            if out is not None:
+                return out
             view, write_back = _routed.subset_view(self._view, chosen)
-            dims = _normalize_in_dims(in_dims, args, len(chosen), " (the subset's size)")
             out = get_backend(self._requested).forward(view, args, kwargs, dims)
             write_back()
             return out
