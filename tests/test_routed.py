@@ -286,6 +286,7 @@ def test_every_arch_and_backend_with_top2(arch, backend):
 def test_both_segment_kernels_match_the_loop(monkeypatch, grouped_rows, dtype):
     """grouped_mm (float32, few rows per member) and one GEMM per segment (the others)."""
     monkeypatch.setattr(_routed, "GROUPED_ROWS", grouped_rows)
+    monkeypatch.setattr(_routed, "GROUPED_SEGMENTS", 1)
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(6)]
     stack = phalanx.stack(copy.deepcopy(models)).to(dtype)
@@ -297,7 +298,7 @@ def test_both_segment_kernels_match_the_loop(monkeypatch, grouped_rows, dtype):
 
 
 def test_output_shapes():
-    models, stack = build("gaussian", 3, "auto")
+    _models, stack = build("gaussian", 3, "auto")
     x = torch.randn(7, 8)
     mean, logvar = stack(x, members=torch.tensor([0, 1, 2, 0, 1, 2, 0]))
     assert mean.shape == (7, 3) and logvar.shape == (7, 3)
@@ -336,7 +337,7 @@ def test_errors_name_the_fix():
 
 
 def test_fused_announces_the_general_path_once():
-    models, stack = build("batch_stats", 3, "fused")
+    _models, stack = build("batch_stats", 3, "fused")
     x = torch.randn(6, 8)
     index = torch.tensor([0, 0, 1, 1, 2, 2])
     with pytest.warns(UserWarning, match="member by member"):
@@ -384,7 +385,9 @@ def test_hooks_and_transforms_take_the_general_path():
         m[0].register_forward_hook(lambda m, i, o: o * 2)
     out = stack(x, members=index)
     assert stack._view.cache_of("routed")["last_path"] == "general"
-    torch.testing.assert_close(out, torch.stack([models[int(i)](x[r]) for r, i in enumerate(index)]))
+    torch.testing.assert_close(
+        out, torch.stack([models[int(i)](x[r]) for r, i in enumerate(index)])
+    )
     handle.remove()
     stack(x, members=index)
     assert stack._view.cache_of("routed")["last_path"] == "segment"
@@ -408,7 +411,9 @@ def test_subset_matches_those_members_alone(backend, chosen):
         for i in range(10):
             g = p.grad[i]
             if i in chosen:
-                ref_g = torch.autograd.grad(models[i](obs, act).sum(), models[i].get_parameter(p_name))[0]
+                ref_g = torch.autograd.grad(
+                    models[i](obs, act).sum(), models[i].get_parameter(p_name)
+                )[0]
                 torch.testing.assert_close(g, ref_g)
             else:
                 assert torch.count_nonzero(g) == 0, (p_name, i)
@@ -542,4 +547,25 @@ def test_dispatch_capacity_drops_and_counts():
 def test_load_balancing_loss_is_one_when_balanced():
     logits = torch.zeros(8, 4)
     index = torch.arange(8) % 4
-    torch.testing.assert_close(phalanx.routing.load_balancing_loss(logits, index), torch.tensor(1.0))
+    torch.testing.assert_close(
+        phalanx.routing.load_balancing_loss(logits, index), torch.tensor(1.0)
+    )
+
+
+# -------------------------------------------------------------------------------------- bench
+
+
+def test_routed_bench_runs_checks_and_writes_json(tmp_path, capsys):
+    import json
+
+    from phalanx._cli import main
+
+    path = tmp_path / "routed.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["bench", "--routed", "--quick", "--workloads", "redq", "--json", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "redq" in out and "goal >= 1.5x" in out
+    (row,) = json.loads(path.read_text())["results"]
+    assert row["wrong"] == {} and set(row["forward"]) == {"loop over the 2", "phalanx subset="}

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +46,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from phalanx import _torch_compat as compat
-from phalanx._backends._bmm import linear_bmm
+from phalanx._backends._bmm import linear_bmm, linear_ops
 from phalanx._backends._state import PerMemberAttributes, hooked
 
 if TYPE_CHECKING:
@@ -150,7 +150,11 @@ def routing_from(
             raise TypeError(
                 f"{WHERE}: weights= must be a floating-point tensor of the index's shape "
                 f"{tuple(members.shape)}; got "
-                + (f"dtype {weights.dtype}" if isinstance(weights, torch.Tensor) else type(weights).__name__)
+                + (
+                    f"dtype {weights.dtype}"
+                    if isinstance(weights, torch.Tensor)
+                    else type(weights).__name__
+                )
                 + "."
             )
         if weights.shape != members.shape:
@@ -221,9 +225,9 @@ def _general_path(
     attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
     outputs: list[Any] = []
     start = 0
-    segments = [
-        (i, c) for i, c in enumerate(routing.count_list) if c
-    ] or [(0, 0)]  # no rows at all: member 0 on the empty input gives the output's structure
+    segments = [(i, c) for i, c in enumerate(routing.count_list) if c] or [
+        (0, 0)
+    ]  # no rows at all: member 0 on the empty input gives the output's structure
     for i, count in segments:
         state = {k: v[i] for k, v in param_views.items()}
         state.update({k: v[i] for k, v in buffers.items()})
@@ -338,6 +342,17 @@ class Segments:
             self._index = torch.tensor(self.members, device=device)
         return self._index
 
+    def part(self, start: int, stop: int) -> Segments:
+        """The segments of rows ``start:stop``."""
+        members, counts, at = [], [], 0
+        for m, c in zip(self.members, self.count_list):
+            lo, hi = max(at, start), min(at + c, stop)
+            if hi > lo:
+                members.append(m)
+                counts.append(hi - lo)
+            at += c
+        return Segments(members, counts, self.member_of[start:stop], self.num_members)
+
     def select(self, t: torch.Tensor) -> torch.Tensor:
         """The segments' members' rows of a stacked tensor, ``(G, ...)``."""
         return t if self.whole else t.index_select(0, self.index(t.device))
@@ -352,8 +367,11 @@ class Segments:
 
 _GROUPED_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 GROUPED_ROWS = 512
-"""Up to this many rows per segment on average, ``F.grouped_mm`` runs a segment Linear; above
-it one GEMM per segment is as fast or faster on the CPUs measured (docs/ROUTED.md)."""
+GROUPED_SEGMENTS = 32
+"""``F.grouped_mm`` runs a segment Linear from this many segments on, with up to
+``GROUPED_ROWS`` rows per segment on average: many small GEMMs, where one call per segment
+costs more in Python than in arithmetic. Elsewhere one GEMM per segment is as fast or faster
+on the CPUs measured (docs/ROUTED.md)."""
 
 
 def _use_grouped(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
@@ -368,12 +386,18 @@ def _use_grouped(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
     out_f, in_f = w.shape[1], w.shape[2]
     # grouped_mm wants every stride a multiple of 16 bytes
     aligned = (in_f * size) % 16 == 0 and (out_f * size) % 16 == 0
-    return aligned and x.shape[0] <= GROUPED_ROWS * segments
+    return aligned and segments >= GROUPED_SEGMENTS and x.shape[0] <= GROUPED_ROWS * segments
 
 
 def _segment_mm(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, seg: Segments, counts: list[int],
-    offs: torch.Tensor, member_of: torch.Tensor | None, grouped: bool,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    seg: Segments,
+    counts: list[int],
+    offs: torch.Tensor,
+    member_of: torch.Tensor | None,
+    grouped: bool,
 ) -> torch.Tensor:
     """``y[s] = x[s] @ w[m].T + b[m]`` for each segment s of the rows of ``x``, m its member."""
     if grouped:
@@ -404,13 +428,13 @@ def _segment_differentiable(
 
 class _SegmentLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, w, b, seg, counts, offs, member_of, grouped):  # type: ignore[override]
+    def forward(ctx: Any, x, w, b, seg, counts, offs, member_of, grouped):
         ctx.save_for_backward(x, w, b, offs, member_of)
         ctx.seg, ctx.counts, ctx.grouped = seg, counts, grouped
         return _segment_mm(x, w, b, seg, counts, offs, member_of, grouped)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor):
         x, w, b, offs, member_of = ctx.saved_tensors
         seg, counts, grouped = ctx.seg, ctx.counts, ctx.grouped
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -435,8 +459,10 @@ class _SegmentLinear(torch.autograd.Function):
                 gx = F.grouped_mm(g, ws, offs=offs)
             if need_w:
                 gws = F.grouped_mm(g.t(), x, offs=offs)
-                gw = gws if seg.whole else w.new_zeros(w.shape).index_copy_(
-                    0, seg.index(w.device), gws
+                gw = (
+                    gws
+                    if seg.whole
+                    else w.new_zeros(w.shape).index_copy_(0, seg.index(w.device), gws)
                 )
         else:
             if need_x:
@@ -470,7 +496,13 @@ def segment_linear(
         return F.linear(x, w[m], None if b is None else b[m])
     if seg.equal:
         xs = x.reshape(len(seg.members), -1, x.shape[-1])
-        y = linear_bmm(xs, seg.select(w), None if b is None else seg.select(b))
+        ws, bs = seg.select(w), None if b is None else seg.select(b)
+        if torch.is_grad_enabled() and (
+            xs.requires_grad or ws.requires_grad or (bs is not None and bs.requires_grad)
+        ):
+            y = linear_bmm(xs, ws, bs)
+        else:
+            y = linear_ops(xs, ws, bs)
         return y.view(*lead, out_f)
     inner = math.prod(lead[1:])
     x2 = x.reshape(-1, x.shape[-1])
@@ -632,7 +664,9 @@ def _fingerprint(module: nn.Module) -> tuple | str:
             elif callable(v) and not isinstance(v, (nn.Module, torch.Tensor)):
                 own.append((k, id(v)))
             else:
-                return f"{type(m).__name__} {path or 'the member'} holds {k!r}, a {type(v).__name__}"
+                return (
+                    f"{type(m).__name__} {path or 'the member'} holds {k!r}, a {type(v).__name__}"
+                )
         parts.append((path, type(m), m.training, tuple(own)))
     return tuple(parts)
 
@@ -643,6 +677,29 @@ class _Plan:
         self.graph = graph
         self.constants = constants  # the traced module, for tensor constants it recorded
         self.refused: dict[Any, str] = {}  # per input signature
+        self.widest = 1  # the widest Linear, for chunking
+
+
+CHUNK_BYTES = 1 << 20
+"""Under ``torch.no_grad`` the rows run in chunks whose widest activation takes about this
+much (an L2 cache), as the loop over members gets for free with its small batches."""
+
+
+def _run_chunked(
+    plan: _Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segments
+) -> Any:
+    """``_run`` over all rows, or under ``torch.no_grad`` chunk by chunk (row-wise, so any
+    split of the rows gives each row the same result)."""
+    size = args[0].element_size() * max(1, math.prod(args[0].shape[1:-1]))
+    chunk = max(64, CHUNK_BYTES // (size * plan.widest))
+    if torch.is_grad_enabled() or seg.rows <= chunk + chunk // 2:
+        return _run(plan, view, args, seg)
+    outs, sizes = [], []
+    for start in range(0, seg.rows, chunk):
+        stop = min(seg.rows, start + chunk)
+        outs.append(_run(plan, view, tuple(a[start:stop] for a in args), seg.part(start, stop)))
+        sizes.append(stop - start)
+    return _concat(outs, sizes)
 
 
 def _plan(view: StackView) -> _Plan | str:
@@ -667,6 +724,10 @@ def _plan(view: StackView) -> _Plan | str:
         )
     else:
         plan = _Plan(fingerprint, traced.graph, traced)
+        plan.widest = max(
+            [max(m.in_features, m.out_features) for m in view.module.modules()
+             if isinstance(m, nn.Linear)] or [1]
+        )  # fmt: skip
     cache["plan"] = plan
     return plan
 
@@ -693,7 +754,7 @@ def _segment_path(
     if reason is None:
         assert isinstance(plan, _Plan)
         try:
-            return _run(plan, view, gathered, Segments.of(routing, view.num_members))
+            return _run_chunked(plan, view, gathered, Segments.of(routing, view.num_members))
         except _NotRowwise as e:
             reason = str(e)
             plan.refused[signature] = reason
@@ -741,12 +802,39 @@ def _dim(d: Any, rank: int) -> int:
     return d % rank
 
 
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn`` on every leaf of the tuples, lists, dicts and slices of an fx argument (a
+    faster ``tree_map`` for the few containers a trace holds)."""
+    if isinstance(value, (tuple, list)):
+        return (
+            type(value)(_map(fn, v) for v in value)
+            if type(value) in (tuple, list)
+            else [_map(fn, v) for v in value]
+        )
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_map(fn, value.start), _map(fn, value.stop), _map(fn, value.step))
+    return fn(value)
+
+
+def _leaves(value: Any, out: list[Any] | None = None) -> list[Any]:
+    out = [] if out is None else out
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            _leaves(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _leaves(v, out)
+    elif isinstance(value, slice):
+        _leaves((value.start, value.stop, value.step), out)
+    else:
+        out.append(value)
+    return out
+
+
 def _unwrap(value: Any) -> Any:
-    return pytree.tree_map(lambda v: v.t if isinstance(v, (_R, _M)) else v, value)
-
-
-def _leaves(value: Any) -> list[Any]:
-    return pytree.tree_leaves(value, is_leaf=lambda v: isinstance(v, (_R, _M)))
+    return _map(lambda v: v.t if isinstance(v, (_R, _M)) else v, value)
 
 
 def _run(plan: _Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segments) -> Any:
@@ -758,10 +846,10 @@ def _run(plan: _Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segm
         raise _NotRowwise("more positional inputs than the traced forward takes")
     n_rows = seg.rows
 
+    node_type = torch.fx.Node
+
     def load(v: Any) -> Any:
-        return pytree.tree_map(
-            lambda a: env[a] if isinstance(a, torch.fx.Node) else a, v
-        )
+        return _map(lambda a: env[a] if isinstance(a, node_type) else a, v)
 
     for node in plan.graph.nodes:
         if node.op == "placeholder":
@@ -775,8 +863,9 @@ def _run(plan: _Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segm
         elif node.op == "get_attr":
             env[node] = _attr(live, plan.constants, node.target, member_ids)
         elif node.op == "call_module":
-            env[node] = _call_module(live.get_submodule(node.target), load(node.args),
-                                     load(node.kwargs), seg)
+            env[node] = _call_module(
+                live.get_submodule(node.target), load(node.args), load(node.kwargs), seg
+            )
         elif node.op in ("call_function", "call_method"):
             env[node] = _call(node.op, node.target, load(node.args), load(node.kwargs), seg)
         elif node.op == "output":
@@ -831,7 +920,7 @@ def _elementwise(fn: Callable[..., Any], args: Any, kwargs: Any, seg: Segments) 
                 return v.t.reshape(v.t.shape[0], *(1,) * (rank - v.t.dim() + 1), *v.t.shape[1:])
             return v
 
-        a, k = pytree.tree_map(lift, (args, kwargs), is_leaf=lambda v: isinstance(v, _M))
+        a, k = _map(lift, (args, kwargs))
         return _M(fn(*a, **k))
     rank = rows[0].t.dim()
     if rank == 0 or any(r.t.dim() != rank for r in rows):
@@ -849,7 +938,7 @@ def _elementwise(fn: Callable[..., Any], args: Any, kwargs: Any, seg: Segments) 
             return v.t.reshape(v.t.shape[0], *shape).index_select(0, seg.member_of)
         return v
 
-    a, k = pytree.tree_map(per_row, (args, kwargs), is_leaf=lambda v: isinstance(v, (_R, _M)))
+    a, k = _map(per_row, (args, kwargs))
     out = fn(*a, **k)
     if not isinstance(out, torch.Tensor) or out.dim() != rank or out.shape[0] != seg.rows:
         raise _NotRowwise("an elementwise operation that changed the rows")
@@ -864,7 +953,11 @@ def _call_module(mod: nn.Module, args: Any, kwargs: Any, seg: Segments) -> Any:
             raise _NotRowwise("a Linear layer on something other than the rows")
         if x.t.dim() < 2:
             raise _NotRowwise("a Linear layer on rows without a feature dim")
-        return _R(segment_linear(x.t, mod.weight, mod.bias, seg))
+        weight, bias = mod.weight, mod.bias
+        assert isinstance(weight, torch.Tensor)
+        return _R(
+            segment_linear(x.t, weight, bias if isinstance(bias, torch.Tensor) else None, seg)
+        )
     if mod._parameters or mod._buffers:
         raise _NotRowwise(f"a {kind.__name__} layer")
     if kind in _DROPOUT_MODULES:
@@ -874,11 +967,11 @@ def _call_module(mod: nn.Module, args: Any, kwargs: Any, seg: Segments) -> Any:
     if kind in _ACTIVATION_MODULES:
         return _elementwise(mod, args, kwargs, seg)
     if kind is nn.Flatten and isinstance(x, _R):
-        if _dim(mod.start_dim, x.t.dim()) == 0:  # type: ignore[arg-type]
+        if _dim(mod.start_dim, x.t.dim()) == 0:
             raise _NotRowwise("Flatten over the rows")
         return _R(mod(x.t))
     if kind in (nn.Softmax, nn.LogSoftmax, nn.Softmin) and isinstance(x, _R):
-        if mod.dim is None or _dim(mod.dim, x.t.dim()) == 0:  # type: ignore[arg-type]
+        if mod.dim is None or _dim(mod.dim, x.t.dim()) == 0:
             raise _NotRowwise(f"{kind.__name__} over the rows")
         return _R(mod(x.t))
     raise _NotRowwise(f"a {kind.__name__} layer")
@@ -941,7 +1034,7 @@ def _getitem(obj: Any, index: Any) -> Any:
             raise _NotRowwise("a sequence indexed by a tensor")
         return obj[index]
     if isinstance(obj, _M):
-        if any(isinstance(i, (torch.Tensor, _R, _M)) for i in pytree.tree_leaves(index)):
+        if any(isinstance(i, (torch.Tensor, _R, _M)) for i in _leaves(index)):
             raise _NotRowwise("a member tensor indexed by a tensor")
         rest = index if isinstance(index, tuple) else (index,)
         return _M(obj.t[(slice(None), *rest)])
@@ -1167,7 +1260,7 @@ def subset_segment(
     if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
         return None
     try:
-        out = _run(plan, view, gathered, seg)
+        out = _run_chunked(plan, view, gathered, seg)
     except _NotRowwise as e:
         plan.refused[signature] = str(e)
         return None
