@@ -353,9 +353,19 @@ class Segments:
             at += c
         return Segments(members, counts, self.member_of[start:stop], self.num_members)
 
+    @property
+    def consecutive(self) -> bool:
+        """The segments' members are consecutive: ``select`` gives a view."""
+        first = self.members[0]
+        return self.members == list(range(first, first + len(self.members)))
+
     def select(self, t: torch.Tensor) -> torch.Tensor:
         """The segments' members' rows of a stacked tensor, ``(G, ...)``."""
-        return t if self.whole else t.index_select(0, self.index(t.device))
+        if self.whole:
+            return t
+        if self.consecutive:
+            return t[self.members[0] : self.members[0] + len(self.members)]
+        return t.index_select(0, self.index(t.device))
 
     def scaled(self, inner: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
         """Counts and ``grouped_mm`` offsets when every row holds ``inner`` vectors."""
@@ -494,7 +504,7 @@ def segment_linear(
     if len(seg.members) == 1:
         m = seg.members[0]
         return F.linear(x, w[m], None if b is None else b[m])
-    if seg.equal:
+    if seg.equal and seg.consecutive:  # one bmm over a view of the stacked weights
         xs = x.reshape(len(seg.members), -1, x.shape[-1])
         ws, bs = seg.select(w), None if b is None else seg.select(b)
         if torch.is_grad_enabled() and (
@@ -649,12 +659,18 @@ def _plain(value: Any) -> bool:
 
 
 def _fingerprint(module: nn.Module) -> tuple | str:
-    """What a trace bakes in: each submodule's type, mode and plain attributes; a string
-    (the reason) when a module holds an attribute whose changes a trace could not see."""
+    """What a trace bakes in: the module tree (each submodule's identity and type) and, for
+    the modules the trace runs through (fx calls torch.nn's own layers as they are, reading
+    their settings on every call), their mode and plain attributes; a string (the reason)
+    when such a module holds an attribute whose changes a trace could not see."""
     from phalanx._backends._state import _INTERNALS
 
+    leaf = _LEAF.is_leaf_module
     parts: list[Any] = []
     for path, m in module.named_modules():
+        if leaf(m, path):
+            parts.append((path, id(m)))
+            continue
         own = []
         for k, v in m.__dict__.items():
             if k in _INTERNALS:
@@ -667,8 +683,11 @@ def _fingerprint(module: nn.Module) -> tuple | str:
                 return (
                     f"{type(m).__name__} {path or 'the member'} holds {k!r}, a {type(v).__name__}"
                 )
-        parts.append((path, type(m), m.training, tuple(own)))
+        parts.append((path, id(m), type(m), m.training, tuple(own)))
     return tuple(parts)
+
+
+_LEAF = torch.fx.Tracer()
 
 
 class _Plan:
@@ -678,6 +697,57 @@ class _Plan:
         self.constants = constants  # the traced module, for tensor constants it recorded
         self.refused: dict[Any, str] = {}  # per input signature
         self.widest = 1  # the widest Linear, for chunking
+        self.steps: list[tuple] | None = None  # the graph compiled against the live modules
+        self.placeholders = 0
+
+
+def _loader(value: Any, index: dict[Any, int]) -> Callable[[list[Any]], Any]:
+    """A function from the values computed so far to ``value`` with its nodes filled in."""
+    node_type = torch.fx.Node
+    if isinstance(value, node_type):
+        i = index[value]
+        return lambda env: env[i]
+    if not any(isinstance(v, node_type) for v in _leaves(value)):
+        return lambda env: value
+    if type(value) in (tuple, list) and not any(
+        isinstance(v, (tuple, list, dict, slice)) for v in value
+    ):
+        items = [(True, index[v]) if isinstance(v, node_type) else (False, v) for v in value]
+        kind = type(value)
+        return lambda env: kind(env[v] if ref else v for ref, v in items)
+    if type(value) is dict and not any(isinstance(v, (tuple, list, dict, slice)) for v in value.values()):
+        entries = [
+            (k, True, index[v]) if isinstance(v, node_type) else (k, False, v)
+            for k, v in value.items()
+        ]
+        return lambda env: {k: env[v] if ref else v for k, ref, v in entries}
+    return lambda env: _map(lambda a: env[index[a]] if isinstance(a, node_type) else a, value)
+
+
+def _compile(plan: _Plan, live: nn.Module) -> list[tuple]:
+    nodes = list(plan.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    steps = []
+    placeholder = 0
+    for n in nodes:
+        if n.op == "placeholder":
+            default = n.args[0] if n.args else _NO_DEFAULT
+            steps.append(("placeholder", placeholder, default, None))
+            placeholder += 1
+        elif n.op == "get_attr":
+            steps.append(("get_attr", n.target, None, None))
+        elif n.op == "call_module":
+            steps.append(("call_module", live.get_submodule(n.target), _loader(n.args, index),
+                          _loader(n.kwargs, index)))  # fmt: skip
+        elif n.op in ("call_function", "call_method"):
+            steps.append((n.op, n.target, _loader(n.args, index), _loader(n.kwargs, index)))
+        elif n.op == "output":
+            steps.append(("output", None, _loader(n.args[0], index), None))
+    plan.placeholders = placeholder
+    return steps
+
+
+_NO_DEFAULT = object()
 
 
 CHUNK_BYTES = 1 << 20
@@ -838,44 +908,38 @@ def _unwrap(value: Any) -> Any:
 
 
 def _run(plan: _Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segments) -> Any:
-    env: dict[Any, Any] = {}
     live = view.module
-    member_ids = {id(t) for t in (*live.parameters(), *live.buffers())}
-    placeholders = [n for n in plan.graph.nodes if n.op == "placeholder"]
-    if len(args) > len(placeholders):
+    if plan.steps is None:
+        plan.steps = _compile(plan, live)
+    if len(args) > plan.placeholders:
         raise _NotRowwise("more positional inputs than the traced forward takes")
-    n_rows = seg.rows
-
-    node_type = torch.fx.Node
-
-    def load(v: Any) -> Any:
-        return _map(lambda a: env[a] if isinstance(a, node_type) else a, v)
-
-    for node in plan.graph.nodes:
-        if node.op == "placeholder":
-            k = placeholders.index(node)
-            if k < len(args):
-                env[node] = _R(args[k])
-            elif node.args:
-                env[node] = node.args[0]  # the argument's default
+    member_ids: set[int] | None = None
+    env: list[Any] = []
+    append = env.append
+    for op, target, load_args, load_kwargs in plan.steps:
+        if op == "call_module":
+            append(_call_module(target, load_args(env), load_kwargs(env), seg))
+        elif op == "call_function" or op == "call_method":
+            append(_call(op, target, load_args(env), load_kwargs(env), seg))
+        elif op == "placeholder":
+            if target < len(args):
+                append(_R(args[target]))
+            elif load_args is not _NO_DEFAULT:
+                append(load_args)  # the argument's default
             else:
                 raise _NotRowwise("a positional input is missing")
-        elif node.op == "get_attr":
-            env[node] = _attr(live, plan.constants, node.target, member_ids)
-        elif node.op == "call_module":
-            env[node] = _call_module(
-                live.get_submodule(node.target), load(node.args), load(node.kwargs), seg
-            )
-        elif node.op in ("call_function", "call_method"):
-            env[node] = _call(node.op, node.target, load(node.args), load(node.kwargs), seg)
-        elif node.op == "output":
-            out = load(node.args[0])
+        elif op == "get_attr":
+            if member_ids is None:
+                member_ids = {id(t) for t in (*live.parameters(), *live.buffers())}
+            append(_attr(live, plan.constants, target, member_ids))
+        elif op == "output":
+            out = load_args(env)
             for leaf in _leaves(out):
                 if isinstance(leaf, _M) or (
                     isinstance(leaf, torch.Tensor) and not isinstance(leaf, _R)
                 ):
                     raise _NotRowwise("an output that is not made of the input rows")
-                if isinstance(leaf, _R) and (leaf.t.dim() == 0 or leaf.t.shape[0] != n_rows):
+                if isinstance(leaf, _R) and (leaf.t.dim() == 0 or leaf.t.shape[0] != seg.rows):
                     raise _NotRowwise("an output without one row per input row")
             return _unwrap(out)
     raise _NotRowwise("the trace has no output")
