@@ -569,3 +569,33 @@ def test_routed_bench_runs_checks_and_writes_json(tmp_path, capsys):
     assert "redq" in out and "goal >= 1.5x" in out
     (row,) = json.loads(path.read_text())["results"]
     assert row["wrong"] == {} and set(row["forward"]) == {"loop over the 2", "phalanx subset="}
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("arch", sorted(ROWWISE))
+def test_no_grad_calls_match_the_loop(monkeypatch, arch, grouped):
+    """Under no_grad a Linear's activation runs inside its segment loop, in place."""
+    if grouped:
+        monkeypatch.setattr(_routed, "GROUPED_SEGMENTS", 1)
+    models, stack = build(arch, 4, "auto")
+    gen = torch.Generator().manual_seed(3)
+    args = inputs(arch, 30, gen)
+    index = torch.randint(0, 4, (30,), generator=gen)
+    with torch.no_grad():
+        got = leaves(stack(*args, members=index))
+        ref, *_ = loop_reference(models, args, index, None, torch.float32)
+        ref64, *_ = loop_reference(models, args, index, None, torch.float64)
+    assert stack._view.cache_of("routed")["last_path"] == "segment"
+    for j, (a, b, c) in enumerate(zip(got, ref, ref64)):
+        close(a, b, c, f"out[{j}]")
+    torch.manual_seed(0)  # a LeakyReLU's slope is read on every call
+    lrelu = [nn.Sequential(nn.Linear(8, 8), nn.LeakyReLU(0.2), nn.Linear(8, 3)) for _ in range(3)]
+    st = phalanx.stack(copy.deepcopy(lrelu))
+    st.module[1].negative_slope = 0.7
+    for m in lrelu:
+        m[1].negative_slope = 0.7
+    x, idx = torch.randn(9, 8), torch.tensor([0, 1, 2] * 3)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            st(x, members=idx), torch.stack([lrelu[int(i)](x[r]) for r, i in enumerate(idx)])
+        )

@@ -208,7 +208,7 @@ def routed_forward(
     )
     out = None
     cache = view.cache_of("routed")
-    if requested in ("fused", "auto") and routing.total:
+    if requested in ("fused", "auto") and routing.total and not torch.compiler.is_compiling():
         out = _segment_path(view, requested, gathered, kwargs, routing)
     cache["last_path"] = "segment" if out is not None else "general"  # for tests and benches
     if out is None:
@@ -342,17 +342,6 @@ class Segments:
             self._index = torch.tensor(self.members, device=device)
         return self._index
 
-    def part(self, start: int, stop: int) -> Segments:
-        """The segments of rows ``start:stop``."""
-        members, counts, at = [], [], 0
-        for m, c in zip(self.members, self.count_list):
-            lo, hi = max(at, start), min(at + c, stop)
-            if hi > lo:
-                members.append(m)
-                counts.append(hi - lo)
-            at += c
-        return Segments(members, counts, self.member_of[start:stop], self.num_members)
-
     @property
     def consecutive(self) -> bool:
         """The segments' members are consecutive: ``select`` gives a view."""
@@ -408,20 +397,24 @@ def _segment_mm(
     offs: torch.Tensor,
     member_of: torch.Tensor | None,
     grouped: bool,
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``y[s] = x[s] @ w[m].T + b[m]`` for each segment s of the rows of ``x``, m its member."""
+    """``y[s] = x[s] @ w[m].T + b[m]`` for each segment s of the rows of ``x``, m its member;
+    ``act``, an activation applied in place, on each segment's output right after it."""
     if grouped:
         y = F.grouped_mm(x, seg.select(w).transpose(1, 2), offs=offs)
         if b is not None:
             assert member_of is not None
             y.add_(b.index_select(0, member_of))
-        return y
+        return y if act is None else act(y)
     y = x.new_empty(x.shape[0], w.shape[1])
     for m, xs, ys in zip(seg.members, x.split(counts), y.split(counts)):
         if b is None:
             torch.mm(xs, w[m].t(), out=ys)
         else:
             torch.addmm(b[m], xs, w[m].t(), out=ys)
+        if act is not None:  # while the segment's output is in cache
+            act(ys)
     return y
 
 
@@ -489,10 +482,15 @@ class _SegmentLinear(torch.autograd.Function):
 
 
 def segment_linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, seg: Segments
-) -> torch.Tensor:
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    seg: Segments,
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, bool]:
     """Every sorted row through its own member's Linear: ``x (R, ..., in)``, ``w (N, out, in)``,
-    ``b (N, out) | None`` -> ``(R, ..., out)``.
+    ``b (N, out) | None`` -> ``(R, ..., out)``, and whether ``act`` (an in-place activation,
+    applied only where no autograd graph is recorded) was applied to it.
 
     Equal segments (a subset, an even routing) run as one ``bmm``; one segment as the
     member's own ``F.linear``; others as ``F.grouped_mm`` or one GEMM per segment.
@@ -501,19 +499,20 @@ def segment_linear(
         raise _NotRowwise(f"a Linear layer meets dtypes {x.dtype} and {w.dtype}")
     lead = x.shape[:-1]
     out_f = w.shape[1]
+    graph = torch.is_grad_enabled() and (
+        x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+    )
+    if graph:
+        act = None
     if len(seg.members) == 1:
         m = seg.members[0]
-        return F.linear(x, w[m], None if b is None else b[m])
+        y = F.linear(x, w[m], None if b is None else b[m])
+        return (y, False) if act is None else (act(y), True)
     if seg.equal and seg.consecutive:  # one bmm over a view of the stacked weights
         xs = x.reshape(len(seg.members), -1, x.shape[-1])
         ws, bs = seg.select(w), None if b is None else seg.select(b)
-        if torch.is_grad_enabled() and (
-            xs.requires_grad or ws.requires_grad or (bs is not None and bs.requires_grad)
-        ):
-            y = linear_bmm(xs, ws, bs)
-        else:
-            y = linear_ops(xs, ws, bs)
-        return y.view(*lead, out_f)
+        y = (linear_bmm(xs, ws, bs) if graph else linear_ops(xs, ws, bs)).view(*lead, out_f)
+        return (y, False) if act is None else (act(y), True)
     inner = math.prod(lead[1:])
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[-1]:
@@ -523,13 +522,11 @@ def segment_linear(
     member_of = None
     if b is not None:
         member_of = seg.member_of if inner == 1 else seg.member_of.repeat_interleave(inner)
-    if torch.is_grad_enabled() and (
-        x2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
-    ):
+    if graph:
         y = _SegmentLinear.apply(x2, w, b, seg, counts, offs, member_of, grouped)
     else:
-        y = _segment_mm(x2, w, b, seg, counts, offs, member_of, grouped)
-    return y.view(*lead, out_f)
+        y = _segment_mm(x2, w, b, seg, counts, offs, member_of, grouped, act)
+    return y.view(*lead, out_f), act is not None
 
 
 # -------------------------------------------------------------------- the row-wise segment path
@@ -696,7 +693,6 @@ class _Plan:
         self.graph = graph
         self.constants = constants  # the traced module, for tensor constants it recorded
         self.refused: dict[Any, str] = {}  # per input signature
-        self.widest = 1  # the widest Linear, for chunking
         self.steps: list[tuple] | None = None  # the graph compiled against the live modules
         self.placeholders = 0
 
@@ -715,7 +711,9 @@ def _loader(value: Any, index: dict[Any, int]) -> Callable[[list[Any]], Any]:
         items = [(True, index[v]) if isinstance(v, node_type) else (False, v) for v in value]
         kind = type(value)
         return lambda env: kind(env[v] if ref else v for ref, v in items)
-    if type(value) is dict and not any(isinstance(v, (tuple, list, dict, slice)) for v in value.values()):
+    if type(value) is dict and not any(
+        isinstance(v, (tuple, list, dict, slice)) for v in value.values()
+    ):
         entries = [
             (k, True, index[v]) if isinstance(v, node_type) else (k, False, v)
             for k, v in value.items()
@@ -725,51 +723,67 @@ def _loader(value: Any, index: dict[Any, int]) -> Callable[[list[Any]], Any]:
 
 
 def _compile(plan: _Plan, live: nn.Module) -> list[tuple]:
+    """The graph as steps ``(op, target, args loader, kwargs loader, extra)`` against the
+    live modules. A Linear whose one user is an activation module gets that activation as
+    ``extra``, to run in place inside its segment loop where no graph is recorded; the
+    activation's step (op "activation", ``extra`` the Linear's step) then passes it on."""
     nodes = list(plan.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    steps = []
+    steps: list[tuple] = []
     placeholder = 0
     for n in nodes:
         if n.op == "placeholder":
             default = n.args[0] if n.args else _NO_DEFAULT
-            steps.append(("placeholder", placeholder, default, None))
+            steps.append(("placeholder", placeholder, default, None, None))
             placeholder += 1
         elif n.op == "get_attr":
-            steps.append(("get_attr", n.target, None, None))
+            steps.append(("get_attr", n.target, None, None, None))
         elif n.op == "call_module":
-            steps.append(("call_module", live.get_submodule(n.target), _loader(n.args, index),
-                          _loader(n.kwargs, index)))  # fmt: skip
+            mod = live.get_submodule(n.target)
+            args, kwargs = _loader(n.args, index), _loader(n.kwargs, index)
+            source = n.args[0] if len(n.args) == 1 and not n.kwargs else None
+            if (
+                type(mod) in _IN_PLACE
+                and isinstance(source, torch.fx.Node)
+                and source.op == "call_module"
+                and type(live.get_submodule(source.target)) is nn.Linear  # type: ignore[arg-type]
+                and len(source.users) == 1
+                and len(source.args) == 1
+                and not source.kwargs
+            ):
+                linear = index[source]
+                steps[linear] = (*steps[linear][:4], mod)
+                steps.append(("activation", mod, args, kwargs, linear))
+                continue
+            steps.append(("call_module", mod, args, kwargs, None))
         elif n.op in ("call_function", "call_method"):
-            steps.append((n.op, n.target, _loader(n.args, index), _loader(n.kwargs, index)))
+            steps.append((n.op, n.target, _loader(n.args, index), _loader(n.kwargs, index), None))
         elif n.op == "output":
-            steps.append(("output", None, _loader(n.args[0], index), None))
+            steps.append(("output", None, _loader(n.args[0], index), None, None))
     plan.placeholders = placeholder
     return steps
 
 
+def _in_place(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation module's own function, in place, with its settings read now."""
+    kind = type(mod)
+    if kind is nn.ReLU:
+        return torch.relu_
+    if kind is nn.SiLU:
+        return lambda t: F.silu(t, inplace=True)
+    if kind is nn.Tanh:
+        return torch.tanh_
+    if kind is nn.Sigmoid:
+        return torch.sigmoid_
+    assert isinstance(mod, nn.LeakyReLU)
+    slope = mod.negative_slope
+    return lambda t: F.leaky_relu_(t, slope)
+
+
+_IN_PLACE = (nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU)
+
+
 _NO_DEFAULT = object()
-
-
-CHUNK_BYTES = 1 << 20
-"""Under ``torch.no_grad`` the rows run in chunks whose widest activation takes about this
-much (an L2 cache), as the loop over members gets for free with its small batches."""
-
-
-def _run_chunked(
-    plan: _Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segments
-) -> Any:
-    """``_run`` over all rows, or under ``torch.no_grad`` chunk by chunk (row-wise, so any
-    split of the rows gives each row the same result)."""
-    size = args[0].element_size() * max(1, math.prod(args[0].shape[1:-1]))
-    chunk = max(64, CHUNK_BYTES // (size * plan.widest))
-    if torch.is_grad_enabled() or seg.rows <= chunk + chunk // 2:
-        return _run(plan, view, args, seg)
-    outs, sizes = [], []
-    for start in range(0, seg.rows, chunk):
-        stop = min(seg.rows, start + chunk)
-        outs.append(_run(plan, view, tuple(a[start:stop] for a in args), seg.part(start, stop)))
-        sizes.append(stop - start)
-    return _concat(outs, sizes)
 
 
 def _plan(view: StackView) -> _Plan | str:
@@ -794,10 +808,6 @@ def _plan(view: StackView) -> _Plan | str:
         )
     else:
         plan = _Plan(fingerprint, traced.graph, traced)
-        plan.widest = max(
-            [max(m.in_features, m.out_features) for m in view.module.modules()
-             if isinstance(m, nn.Linear)] or [1]
-        )  # fmt: skip
     cache["plan"] = plan
     return plan
 
@@ -824,7 +834,7 @@ def _segment_path(
     if reason is None:
         assert isinstance(plan, _Plan)
         try:
-            return _run_chunked(plan, view, gathered, Segments.of(routing, view.num_members))
+            return _run(plan, view, gathered, Segments.of(routing, view.num_members))
         except _NotRowwise as e:
             reason = str(e)
             plan.refused[signature] = reason
@@ -916,9 +926,24 @@ def _run(plan: _Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segm
     member_ids: set[int] | None = None
     env: list[Any] = []
     append = env.append
-    for op, target, load_args, load_kwargs in plan.steps:
+    fused: set[int] = set()  # the Linear steps whose activation ran inside them
+    for op, target, load_args, load_kwargs, extra in plan.steps:
         if op == "call_module":
+            if extra is not None:  # a Linear, and the activation that follows it
+                x = load_args(env)[0]
+                if isinstance(x, _R) and x.t.dim() >= 2:
+                    weight, bias = target.weight, target.bias
+                    y, done = segment_linear(x.t, weight, bias, seg, _in_place(extra))
+                    if done:
+                        fused.add(len(env))
+                    append(_R(y))
+                    continue
             append(_call_module(target, load_args(env), load_kwargs(env), seg))
+        elif op == "activation":
+            if extra in fused:
+                append(env[extra])
+            else:
+                append(_call_module(target, load_args(env), load_kwargs(env), seg))
         elif op == "call_function" or op == "call_method":
             append(_call(op, target, load_args(env), load_kwargs(env), seg))
         elif op == "placeholder":
@@ -1020,7 +1045,7 @@ def _call_module(mod: nn.Module, args: Any, kwargs: Any, seg: Segments) -> Any:
         weight, bias = mod.weight, mod.bias
         assert isinstance(weight, torch.Tensor)
         return _R(
-            segment_linear(x.t, weight, bias if isinstance(bias, torch.Tensor) else None, seg)
+            segment_linear(x.t, weight, bias if isinstance(bias, torch.Tensor) else None, seg)[0]
         )
     if mod._parameters or mod._buffers:
         raise _NotRowwise(f"a {kind.__name__} layer")
@@ -1184,7 +1209,7 @@ def _matmul(target: Any, args: Any, kwargs: Any, seg: Segments) -> Any:
         if isinstance(w, _M) and (b is None or isinstance(b, _M)):
             if w.t.dim() != 3 or (b is not None and b.t.dim() != 2):
                 raise _NotRowwise("F.linear with a weight that is not a matrix")
-            return _R(segment_linear(x.t, w.t, None if b is None else b.t, seg))
+            return _R(segment_linear(x.t, w.t, None if b is None else b.t, seg)[0])
         if isinstance(w, torch.Tensor) and not isinstance(b, (_R, _M)):
             return _R(F.linear(x.t, w, b))
         raise _NotRowwise("F.linear mixing member and shared tensors")
@@ -1194,7 +1219,7 @@ def _matmul(target: Any, args: Any, kwargs: Any, seg: Segments) -> Any:
     if not isinstance(a, _R) or a.t.dim() < 2:
         raise _NotRowwise("a matmul whose left operand is not the rows")
     if isinstance(b, _M) and b.t.dim() == 3:
-        return _R(segment_linear(a.t, b.t.transpose(1, 2), None, seg))
+        return _R(segment_linear(a.t, b.t.transpose(1, 2), None, seg)[0])
     if isinstance(b, torch.Tensor) and not isinstance(b, (_R, _M)) and b.dim() == 2:
         return _R(a.t @ b)
     raise _NotRowwise("a matmul with a right operand that is not a matrix")
@@ -1299,7 +1324,7 @@ def subset_segment(
     """A subset call on the segment path: member ``chosen[s]`` runs segment s, which holds
     the whole input (a shared input is repeated, a per-member one flattened); None where the
     segment path does not apply (then the backend runs the subset view)."""
-    if requested not in ("fused", "auto") or not args:
+    if requested not in ("fused", "auto") or not args or torch.compiler.is_compiling():
         return None
     if not all(isinstance(a, torch.Tensor) and a.dim() >= (1 if d is None else 2)
                for a, d in zip(args, in_dims)):  # fmt: skip
@@ -1324,7 +1349,7 @@ def subset_segment(
     if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
         return None
     try:
-        out = _run_chunked(plan, view, gathered, seg)
+        out = _run(plan, view, gathered, seg)
     except _NotRowwise as e:
         plan.refused[signature] = str(e)
         return None
