@@ -406,6 +406,8 @@ def test_subset_matches_those_members_alone(backend, chosen):
     out = stack(obs, act, subset=chosen)
     ref = torch.stack([models[i](obs, act) for i in chosen])
     torch.testing.assert_close(out, ref)
+    path = stack._view.cache_of("routed")["last_path"]
+    assert path == ("segment" if backend in ("fused", "auto") else "general")
     out.sum().backward()
     for p_name, p in stack.module.named_parameters():
         for i in range(10):

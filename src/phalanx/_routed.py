@@ -1324,6 +1324,7 @@ def subset_segment(
     """A subset call on the segment path: member ``chosen[s]`` runs segment s, which holds
     the whole input (a shared input is repeated, a per-member one flattened); None where the
     segment path does not apply (then the backend runs the subset view)."""
+    view.cache_of("routed")["last_path"] = "general"  # until the segment path has run
     if requested not in ("fused", "auto") or not args or torch.compiler.is_compiling():
         return None
     if not all(isinstance(a, torch.Tensor) and a.dim() >= (1 if d is None else 2)
@@ -1353,6 +1354,7 @@ def subset_segment(
     except _NotRowwise as e:
         plan.refused[signature] = str(e)
         return None
+    view.cache_of("routed")["last_path"] = "segment"
     return pytree.tree_map(
         lambda t: t.view(k, batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t, out
     )

@@ -462,7 +462,7 @@ def run(names: list[str], quick: bool) -> list[dict[str, Any]]:
                 None,
             )
         if stack is not None:
-            row["path"] = stack._view.cache_of("routed").get("last_path", "subset")
+            row["path"] = stack._view.cache_of("routed").get("last_path", "general")
         results.append(row)
     return results
 
