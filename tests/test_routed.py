@@ -601,3 +601,11 @@ def test_no_grad_calls_match_the_loop(monkeypatch, arch, grouped):
         torch.testing.assert_close(
             st(x, members=idx), torch.stack([lrelu[int(i)](x[r]) for r, i in enumerate(idx)])
         )
+
+
+def test_a_dispatch_that_drops_everything_gives_zeros():
+    _, stack = build("mlp", 3, "auto")
+    index = torch.tensor([[0, 1], [1, 2]])
+    d = phalanx.routing.dispatch(index, 3, weights=torch.ones(2, 2), capacity=0)
+    assert d.dropped == 4 and d.dropped_rows == 2
+    assert torch.equal(stack(torch.randn(2, 8), members=d), torch.zeros(2, 5))

@@ -136,11 +136,11 @@ def routing_from(
             f"index.to({str(device)!r})."
         )
     members = members.long()
-    if members.numel():
-        low, high = torch.aminmax(members if keep is None else members[keep])
-        low_, high_ = (int(low), int(high)) if (keep is None or keep.any()) else (0, 0)
-        if low_ < 0 or high_ >= num_members:
-            bad = low_ if low_ < 0 else high_
+    checked = members if keep is None else members[keep]
+    if checked.numel():
+        low, high = (int(v) for v in torch.aminmax(checked))
+        if low < 0 or high >= num_members:
+            bad = low if low < 0 else high
             raise IndexError(
                 f"{WHERE}: members= holds member index {bad}, but the stack has {num_members} "
                 f"members (indices 0 to {num_members - 1}); every entry must be a member index."
