@@ -1,11 +1,12 @@
 """phalanx: N PyTorch models of one architecture run as one computation."""
 
-from phalanx import data, distributed, metrics, optim, population, testing
+from phalanx import data, distributed, metrics, optim, population, routing, testing
 from phalanx._backends import BACKENDS, BackendRefusal
 from phalanx._build import stack
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
 from phalanx._losses import member_losses
+from phalanx._polyak import polyak_
 from phalanx._split import merge, split
 from phalanx._stack import Stack
 from phalanx._step import CompiledStep, compile_step
@@ -30,7 +31,9 @@ __all__ = [
     "merge",
     "metrics",
     "optim",
+    "polyak_",
     "population",
+    "routing",
     "save",
     "split",
     "stack",

@@ -22,7 +22,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from phalanx._stack import Stack, meta_copy
+from phalanx._modules import meta_copy
+from phalanx._stack import Stack
 from phalanx._validate import architecture_differences, behaviour_differences, tie_differences
 
 __all__ = ["build_members", "call_factory", "stack_from_factory"]

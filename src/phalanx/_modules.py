@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
+import torch
 from torch import nn
 
 
@@ -13,3 +17,17 @@ def copy_modes(source: nn.Module, target: nn.Module) -> None:
     """
     for name, module in target.named_modules():
         module.training = source.get_submodule(name).training
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s structure whose parameters and buffers live on ``meta``.
+
+    No tensor data is copied, and tensors tied within the module (one parameter object used
+    by two submodules) stay tied in the copy.
+    """
+    memo: dict[int, Any] = {}
+    for _, p in module.named_parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for _, b in module.named_buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)

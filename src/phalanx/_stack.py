@@ -12,7 +12,7 @@ from torch import nn
 from phalanx import _torch_compat as compat
 from phalanx._backends import CHOICES, StackView, get_backend
 from phalanx._memory import reuse_freed_memory
-from phalanx._modules import copy_modes
+from phalanx._modules import copy_modes, meta_copy
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
 
 _CHOICES = CHOICES
@@ -207,6 +207,13 @@ class Stack(nn.Module):
         """The backend name the stack was given ("auto" stays "auto")."""
         return self._requested
 
+    @property
+    def routed_path(self) -> str | None:
+        """Which path the last routed call (``members=`` or ``subset=``) took: "segment"
+        (the batched row-wise path) or "general" (each member on its own rows); None before
+        the first."""
+        return self._view.cache_of("routed").get("last_path")
+
     def retire(self, message: str) -> None:
         """Makes this stack refuse to train (a forward with grad raises ``message``); under
         ``torch.no_grad()`` it still evaluates its weights. ``keep_members`` retires the
@@ -229,7 +236,15 @@ class Stack(nn.Module):
 
     # --------------------------------------------------------------------------------- forward
 
-    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
+    def forward(
+        self,
+        *args: Any,
+        in_dims: InDims = None,
+        members: Any = None,
+        weights: Any = None,
+        subset: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         """Runs every member on its input and stacks the outputs along dim 0.
 
         Args:
@@ -237,11 +252,24 @@ class Stack(nn.Module):
                 member; a per-member input ``(N, B, ...)`` gives member i ``x[i]``.
             in_dims: per positional input, ``None`` (shared) or ``0`` (per-member), as in
                 ``torch.func.vmap``; a single value applies to every input.
+            members: routes rows instead (see docs/ROUTED.md): an integer tensor ``(B,)``
+                sends row r of every positional input to member ``members[r]``; ``(B, k)``
+                to the k members ``members[r, :]``. The rows come back in the input's
+                order: ``(B, ...)``, or ``(B, k, ...)`` for a ``(B, k)`` index.
+            weights: with ``members``, a tensor of the index's shape: each row's output is
+                ``sum_j weights[r, j] * member_{members[r, j]}(x[r])``, ``(B, ...)`` (a
+                mixture-of-experts layer). Without ``members`` it is the members' own
+                keyword input.
+            subset: distinct member indices (a list of ints or a 1-D integer tensor): only
+                those members run, at their cost alone, and the outputs are stacked in that
+                order, ``(len(subset), B, ...)``; per-member inputs then have
+                ``len(subset)`` as their first dimension.
             **kwargs: keyword inputs, shared by every member.
 
         Returns:
             The members' outputs stacked on a new dim 0: ``(N, B, ...)`` for a tensor output;
-            tuples and dicts of tensors keep their structure with stacked leaves.
+            tuples and dicts of tensors keep their structure with stacked leaves. Routed
+            calls return rows as described under ``members``.
 
         Raises:
             ValueError: a per-member input does not have N as its first dimension.
@@ -251,6 +279,10 @@ class Stack(nn.Module):
             >>> stack(torch.randn(5, 4)).shape
             torch.Size([3, 5, 2])
         """
+        if members is not None or subset is not None:
+            return self._routed(args, kwargs, in_dims, members, weights, subset)
+        if weights is not None:
+            kwargs["weights"] = weights  # the members' own keyword input
         dims = self._normalize_in_dims(in_dims, args)
         self._check_devices(args, kwargs)
         backend = get_backend(self._requested)
@@ -261,41 +293,50 @@ class Stack(nn.Module):
         with self._view.lock:
             return backend.forward(self._view, args, kwargs, dims)
 
+    def _routed(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        in_dims: InDims,
+        members: Any,
+        weights: Any,
+        subset: Any,
+    ) -> Any:
+        """``members=`` (rows routed to members) or ``subset=`` (some members): ``_routed``."""
+        from phalanx import _routed
+
+        self._check_devices(args, kwargs)
+        if members is not None and subset is not None:
+            raise ValueError(
+                "Stack.forward(): members= (routing rows) and subset= (running some members "
+                "on the whole input) exclude each other; give one."
+            )
+        if members is not None:
+            if in_dims is not None:
+                raise ValueError(
+                    "Stack.forward(): in_dims does not apply with members=: every positional "
+                    "tensor input is split by rows among the members; pass an input that every "
+                    "member sees whole as a keyword argument."
+                )
+            with self._view.lock:
+                return _routed.routed_forward(
+                    self._view, self._requested, args, kwargs, members, weights
+                )
+        if weights is not None:
+            kwargs["weights"] = weights
+        chosen = _routed.subset_index(subset, self.num_members)
+        dims = _normalize_in_dims(in_dims, args, len(chosen), " (the subset's size)")
+        with self._view.lock:
+            out = _routed.subset_segment(self._view, self._requested, args, kwargs, dims, chosen)
+            if out is not None:
+                return out
+            view, write_back = _routed.subset_view(self._view, chosen)
+            out = get_backend(self._requested).forward(view, args, kwargs, dims)
+            write_back()
+            return out
+
     def _normalize_in_dims(self, in_dims: InDims, args: tuple[Any, ...]) -> tuple[int | None, ...]:
-        where = "Stack.forward()"
-        if in_dims is None or isinstance(in_dims, int):
-            dims: tuple[int | None, ...] = (in_dims,) * len(args)
-        else:
-            dims = tuple(in_dims)
-            if len(dims) != len(args):
-                raise ValueError(
-                    f"{where}: in_dims has {len(dims)} entries but {len(args)} positional inputs "
-                    f"were given; give one None (shared) or 0 (per-member) per input."
-                )
-        for k, (a, d) in enumerate(zip(args, dims)):
-            if d is None:
-                continue
-            if d != 0 or isinstance(d, bool):
-                raise ValueError(
-                    f"{where}: in_dims entries must be None (shared) or 0 (per-member); input {k} "
-                    f"has {d!r}. Move the member axis first with x.movedim({d}, 0)."
-                )
-            if not isinstance(a, torch.Tensor):
-                raise TypeError(
-                    f"{where}: input {k} is marked per-member (in_dims=0) but is a "
-                    f"{type(a).__name__}, not a tensor; mark it None to share it."
-                )
-            if a.dim() == 0 or a.shape[0] != self.num_members:
-                n = self.num_members
-                raise ValueError(
-                    f"{where}: with in_dims=0 the input's first dimension must be the number of "
-                    f"members, {n}; got a tensor of shape {tuple(a.shape)}"
-                    + (f" (input {k})" if len(args) > 1 else "")
-                    + f". For one wide input sliced across members, use "
-                    f"phalanx.split(x, {n}, dim=1); for an input shared by all members, drop "
-                    f"in_dims."
-                )
-        return dims
+        return _normalize_in_dims(in_dims, args, self.num_members, "")
 
     def _check_devices(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Refuses ``meta`` inputs to a stack holding data: no backend computes them truly."""
@@ -383,6 +424,46 @@ class Stack(nn.Module):
                     m.get_buffer(name).copy_(b[i])
 
 
+def _normalize_in_dims(
+    in_dims: InDims, args: tuple[Any, ...], num_members: int, what: str
+) -> tuple[int | None, ...]:
+    """``in_dims`` as one entry per positional input, checked against ``num_members``."""
+    where = "Stack.forward()"
+    if in_dims is None or isinstance(in_dims, int):
+        dims: tuple[int | None, ...] = (in_dims,) * len(args)
+    else:
+        dims = tuple(in_dims)
+        if len(dims) != len(args):
+            raise ValueError(
+                f"{where}: in_dims has {len(dims)} entries but {len(args)} positional inputs "
+                f"were given; give one None (shared) or 0 (per-member) per input."
+            )
+    for k, (a, d) in enumerate(zip(args, dims)):
+        if d is None:
+            continue
+        if d != 0 or isinstance(d, bool):
+            raise ValueError(
+                f"{where}: in_dims entries must be None (shared) or 0 (per-member); input {k} "
+                f"has {d!r}. Move the member axis first with x.movedim({d}, 0)."
+            )
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(
+                f"{where}: input {k} is marked per-member (in_dims=0) but is a "
+                f"{type(a).__name__}, not a tensor; mark it None to share it."
+            )
+        if a.dim() == 0 or a.shape[0] != num_members:
+            n = num_members
+            raise ValueError(
+                f"{where}: with in_dims=0 the input's first dimension must be the number of "
+                f"members{what}, {n}; got a tensor of shape {tuple(a.shape)}"
+                + (f" (input {k})" if len(args) > 1 else "")
+                + f". For one wide input sliced across members, use "
+                f"phalanx.split(x, {n}, dim=1); for an input shared by all members, drop "
+                f"in_dims."
+            )
+    return dims
+
+
 def _check_backend(name: str, where: str) -> None:
     if name not in _CHOICES:
         raise ValueError(
@@ -390,20 +471,6 @@ def _check_backend(name: str, where: str) -> None:
             + ", ".join(repr(c) for c in _CHOICES)
             + "."
         )
-
-
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module``'s structure whose parameters and buffers live on ``meta``.
-
-    No tensor data is copied, and tensors tied within the module (one parameter object used
-    by two submodules) stay tied in the copy.
-    """
-    memo: dict[int, Any] = {}
-    for _, p in module.named_parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-    for _, b in module.named_buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
 
 
 def _slot(module: nn.Module, name: str) -> tuple[str, nn.Module, str]:

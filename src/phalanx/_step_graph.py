@@ -27,7 +27,7 @@ from torch.func import functional_call
 from phalanx._clip import clip_coefficients, member_norms
 from phalanx._losses import member_losses
 from phalanx._torch_compat import pytree
-from phalanx.optim._adam import adam_update_
+from phalanx.optim._adam import adam_update
 from phalanx.optim._base import finite_members, isolate
 
 #: The hyperparameters of one parameter's update, each an (N,) tensor.
@@ -200,21 +200,16 @@ def _clip(grads: list[Tensor], max_norm: Tensor, norm_type: float, n: int) -> Te
 def _adam(
     plan: Plan, p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Tensor]
 ) -> dict[str, Tensor]:
-    """One Adam(W) update of a stacked parameter: the new values, nothing written yet.
-
-    ``phalanx.optim.adam_update_`` itself, run on copies (the caller keeps the old values of
-    members a mask or isolation leaves alone), with the (N,) hyperparameters the graph takes
-    as inputs.
-    """
-    new = {"param": p.clone(), **{key: value.clone() for key, value in state.items()}}
-    new["step"] = state["step"] + 1
-    adam_update_(
-        [new["param"]],
-        [g],
-        [new["step"]],
-        [new["exp_avg"]],
-        [new["exp_avg_sq"]],
-        [new["max_exp_avg_sq"]] if plan.amsgrad else None,
+    """One Adam(W) update of a stacked parameter, nothing written yet: ``adam_update``
+    itself, with the (N,) hyperparameters the graph takes as inputs."""
+    step = state["step"] + 1
+    new = adam_update(
+        p,
+        g,
+        step,
+        state["exp_avg"],
+        state["exp_avg_sq"],
+        state.get("max_exp_avg_sq") if plan.amsgrad else None,
         lr=h["lr"],
         beta1=h["beta1"],
         beta2=h["beta2"],
@@ -223,7 +218,7 @@ def _adam(
         maximize=h["maximize"],
         decoupled=plan.decoupled,
     )
-    return new
+    return {"step": step, **new}
 
 
 def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | None]]:

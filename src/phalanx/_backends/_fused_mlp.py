@@ -229,10 +229,13 @@ def run_mlp(view: StackView, x: torch.Tensor, shared: bool) -> torch.Tensor | No
     while spec[lead][0] != "Linear":
         x = layers[lead](x)
         lead += 1
+    state = view.state()[0]  # by name: a view of some members holds only theirs
     params: list[Any] = []
-    for m in layers:
+    for i, m in enumerate(layers):
         if type(m) is nn.Linear:
-            params += [m.weight, m.bias]
+            if f"{i}.weight" not in state or (m.bias is not None) != (f"{i}.bias" in state):
+                return None  # a weight tied to another layer's: the vmap path keeps the tie
+            params += [state[f"{i}.weight"], state.get(f"{i}.bias")]
     if compat.has_tangents([x, *(p for p in params if p is not None)]):
         return None
     batch = x.shape[:-1] if shared else x.shape[1:-1]

@@ -4,7 +4,7 @@ Every hyperparameter is a number or an (N,) tensor, steps take a per-member `mas
 `skip_nonfinite=True` isolates members whose loss or gradients are not finite.
 """
 
-from ._adam import Adam, AdamW
+from ._adam import Adam, AdamW, adam_update
 from ._base import MemberOptimizer, NonFiniteWarning
 from ._lbfgs import LBFGS
 from ._schedule import MemberLambdaLR, MemberScheduler
@@ -19,4 +19,5 @@ __all__ = [
     "MemberOptimizer",
     "MemberScheduler",
     "NonFiniteWarning",
+    "adam_update",
 ]

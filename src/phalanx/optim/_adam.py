@@ -9,18 +9,26 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, axpy, math_dtype, rows, signed, views
+from ._base import MemberOptimizer, math_dtype
 
-__all__ = ["Adam", "AdamW", "adam_update_"]
+__all__ = ["Adam", "AdamW", "adam_update"]
 
 
-def adam_update_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    steps: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor] | None,
+def _per_member(h: Any, like: Tensor) -> Any:
+    """A number as it is; an (N,) tensor as (N, 1, ..., 1) in ``like``'s dtype (bool stays)."""
+    if not isinstance(h, Tensor):
+        return h
+    dtype = torch.bool if h.dtype == torch.bool else like.dtype
+    return h.to(device=like.device, dtype=dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+def adam_update(
+    p: Tensor,
+    g: Tensor,
+    step: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
     *,
     lr: float | Tensor,
     beta1: float | Tensor,
@@ -29,52 +37,56 @@ def adam_update_(
     weight_decay: float | Tensor,
     maximize: float | Tensor,
     decoupled: bool,
-) -> None:
-    """One Adam(W) update of stacked parameters and their state, in place: the one rule.
+) -> dict[str, Tensor]:
+    """One Adam(W) update of a stacked parameter: its new value and state, nothing written.
 
-    ``steps`` are the (N,) counts after this step's increment. Each hyperparameter is a number
-    or an (N,) tensor in the math dtype (bool for ``maximize``). The same operations, in the
-    same order and precision, as torch.optim's single-tensor Adam, with (N, 1, ...) tensors
-    where it has Python floats. ``phalanx.optim.Adam`` runs it eagerly; ``phalanx.compile_step``
-    traces it into its graph, so the captured update is this function, not a copy of it.
+    The one rule: ``phalanx.optim.Adam`` runs it eagerly and writes the results in place;
+    ``phalanx.compile_step`` traces it into its graph, so the captured update is this
+    function, not a copy of it. ``step`` is the (N,) count after this step's increment; each
+    hyperparameter is a number or an (N,) tensor in the math dtype (bool for ``maximize``).
+    The same operations, in the same order and precision, as torch.optim's single-tensor
+    Adam, with (N, 1, ...) tensors where it has Python floats.
+
+    Returns:
+        "param", "exp_avg", "exp_avg_sq" and, with ``max_exp_avg_sq``, "max_exp_avg_sq".
     """
-    grads = signed(grads, maximize)
+    if isinstance(maximize, Tensor):
+        g = g * _per_member(torch.where(maximize, -1.0, 1.0), g)  # g * -1 is exactly -g
+    elif maximize:
+        g = -g
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
         if decoupled:
-            compat.foreach_mul_(params, views(1 - lr * weight_decay, params))
-        else:
-            grads = axpy(grads, params, views(weight_decay, params))
-
-    compat.foreach_lerp_(exp_avgs, grads, views(1 - beta1, grads))
-    compat.foreach_mul_(exp_avg_sqs, views(beta2, grads))
+            p = p * _per_member(1 - lr * weight_decay, p)
+        elif isinstance(weight_decay, Tensor):
+            g = torch.addcmul(g, p, _per_member(weight_decay, p))
+        else:  # rounded as torch's grad.add(param, alpha=weight_decay): one fused multiply-add
+            g = g.add(p, alpha=weight_decay)
+    exp_avg = torch.lerp(exp_avg, g, _per_member(1 - beta1, g))
+    exp_avg_sq = exp_avg_sq * _per_member(beta2, g)
     if isinstance(beta2, Tensor):
         # addcmul's value must be a number: fold (1 - beta2) into the first factor, which
         # rounds the same as torch's value * grad * grad.
-        scaled = compat.foreach_mul(grads, views(1 - beta2, grads))
-        compat.foreach_addcmul_(exp_avg_sqs, scaled, grads)
+        exp_avg_sq = torch.addcmul(exp_avg_sq, g * _per_member(1 - beta2, g), g)
     else:
-        compat.foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-
-    if max_exp_avg_sqs is not None:
-        compat.foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
-        denoms = compat.foreach_sqrt(max_exp_avg_sqs)
+        exp_avg_sq = torch.addcmul(exp_avg_sq, g, g, value=1 - beta2)
+    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if max_exp_avg_sq is not None:
+        new["max_exp_avg_sq"] = torch.maximum(max_exp_avg_sq, exp_avg_sq)
+        denom = new["max_exp_avg_sq"].sqrt()
     else:
-        denoms = compat.foreach_sqrt(exp_avg_sqs)
-
-    # Bias corrections per parameter and member, (P, N) in float64 as torch's Python
-    # floats: a member's count is its own, and a parameter without a gradient in some
-    # steps has its own count, as in torch.
-    step = torch.stack(steps)
+        denom = exp_avg_sq.sqrt()
+    # Bias corrections per member, in float64 as torch's Python floats: a member's count is
+    # its own, and a parameter without a gradient in some steps has its own count, as in torch.
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    compat.foreach_div_(denoms, rows(bias_correction2.sqrt(), params))
-    compat.foreach_add_(denoms, views(eps, denoms))
+    denom = denom / _per_member(bias_correction2.sqrt(), p)
+    denom = denom + _per_member(eps, denom)
     # lr / bias_correction1 as a tensor division: a Python float over a tensor is
     # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
     # torch.optim's float division (and from the per-member path's tensor division).
     lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
-    neg_step_sizes = rows(-(lr_t / bias_correction1), params)
-    compat.foreach_addcdiv_(params, compat.foreach_mul(exp_avgs, neg_step_sizes), denoms)
+    new["param"] = torch.addcdiv(p, exp_avg * _per_member(-(lr_t / bias_correction1), p), denom)
+    return new
 
 
 class Adam(MemberOptimizer):
@@ -186,26 +198,33 @@ class Adam(MemberOptimizer):
         if counts is not None:
             self._shared_update(group, params, grads, counts, exp_avgs, exp_avg_sqs)
             return
-        adam_update_(
-            params,
-            grads,
-            steps,
-            exp_avgs,
-            exp_avg_sqs,
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
-            lr=self._lr(group, device),
-            beta1=self._values(group["betas"][0], device),
-            beta2=self._values(group["betas"][1], device),
-            eps=self._values(group["eps"], device),
-            weight_decay=self._values(group["weight_decay"], device),
-            maximize=self._values(group["maximize"], device),
-            decoupled=self._DECOUPLED,
-        )
+        hypers = {
+            "lr": self._lr(group, device),
+            "beta1": self._values(group["betas"][0], device),
+            "beta2": self._values(group["betas"][1], device),
+            "eps": self._values(group["eps"], device),
+            "weight_decay": self._values(group["weight_decay"], device),
+            "maximize": self._values(group["maximize"], device),
+        }
+        for p, g, state in zip(params, grads, states):
+            new = adam_update(
+                p,
+                g,
+                state["step"],
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state["max_exp_avg_sq"] if group["amsgrad"] else None,
+                **hypers,
+                decoupled=self._DECOUPLED,
+            )
+            p.copy_(new.pop("param"))
+            for key, value in new.items():
+                state[key].copy_(value)
 
     def member_hyperparameters(
         self, group: dict[str, Any], device: torch.device
     ) -> dict[str, Tensor]:
-        """A group's hyperparameters as (N,) tensors in the math dtype, as ``adam_update_`` takes
+        """A group's hyperparameters as (N,) tensors in the math dtype, as ``adam_update`` takes
         them (the captured step feeds them to its graph as inputs)."""
 
         def full(value: float | Tensor) -> Tensor:

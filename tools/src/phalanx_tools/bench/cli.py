@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--memory", action="store_true", help="with --dynamic: peak memory too")
     parser.add_argument(
+        "--routed",
+        action="store_true",
+        help="time the routed-member workloads instead (a Mixtral MoE layer, PETS trajectory "
+        "sampling, KiloNeRF, REDQ's target subset) against the loops they replace; with "
+        "--threads, --quick, --json and --workloads moe,pets,kilonerf,redq",
+    )
+    parser.add_argument(
         "--compile-backend",
         default="inductor",
         metavar="NAME",
@@ -175,6 +182,15 @@ def run(args: argparse.Namespace) -> int:
         if args.workloads != ",".join(WORKLOADS):  # named by the user: dynamic ones
             argv += ["--workloads", args.workloads]
         return dynamic_main(argv)
+    if args.routed:
+        from phalanx_tools.bench.routed import main as routed_main
+
+        argv = ["--threads", str(args.threads)] if args.threads else []
+        argv += ["--quick"] if args.quick else []
+        argv += ["--json", args.json] if args.json else []
+        if args.workloads != ",".join(WORKLOADS):  # named by the user: routed ones
+            argv += ["--workloads", args.workloads]
+        return routed_main(argv)
     if args.real:
         from phalanx_tools.bench.real_suite import main as real_main
 

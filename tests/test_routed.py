@@ -1,0 +1,611 @@
+"""Routed members (``members=``/``weights=``), subsets (``subset=``), ``polyak_`` and the
+routing helpers, against the loop over the members on their own rows."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import phalanx
+from phalanx import _routed
+
+BACKENDS = ["loop", "vmap", "fused", "auto"]
+
+
+# ----------------------------------------------------------------------------- architectures
+
+
+class SwiGLU(nn.Module):
+    """Mixtral's expert (transformers v4's MixtralBlockSparseTop2MLP)."""
+
+    def __init__(self, h: int = 8, i: int = 12) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(h, i, bias=False)
+        self.w2 = nn.Linear(i, h, bias=False)
+        self.w3 = nn.Linear(h, i, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Gaussian(nn.Module):
+    """mbrl-lib's GaussianMLP: raw parameters bound the log-variance; a tuple output."""
+
+    def __init__(self, d: int = 8, out: int = 3) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, 16), nn.SiLU(), nn.Linear(16, 16), nn.SiLU())
+        self.head = nn.Linear(16, 2 * out)
+        self.out = out
+        self.min_logvar = nn.Parameter(-2 * torch.ones(1, out))
+        self.max_logvar = nn.Parameter(0.5 * torch.ones(1, out))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.head(self.body(x))
+        mean, logvar = h[..., : self.out], h[..., self.out :]
+        logvar = self.max_logvar - F.softplus(self.max_logvar - logvar)
+        logvar = self.min_logvar + F.softplus(logvar - self.min_logvar)
+        return mean, logvar
+
+
+class TwoInputs(nn.Module):
+    """A SAC critic: obs and action concatenated inside forward."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d + 2, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(torch.cat([obs, act], 1))))
+
+
+class Encoded(nn.Module):
+    """KiloNeRF's tiny field: a positional encoding built in forward, then a small MLP."""
+
+    def __init__(self, d: int = 8, bands: int = 2) -> None:
+        super().__init__()
+        self.bands = bands
+        self.mlp = nn.Sequential(nn.Linear(d * (1 + 2 * bands), 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        freqs = (2.0 ** torch.arange(self.bands, device=x.device, dtype=x.dtype)) * math.pi
+        xf = (x[..., None] * freqs).flatten(-2)
+        return self.mlp(torch.cat([x, torch.sin(xf), torch.cos(xf)], -1))
+
+
+class BatchStats(nn.Module):
+    """Not row-wise: the batch mean (a member's own rows in the loop) and a BatchNorm."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.bn(h - h.mean(0)) if h.shape[0] > 1 else h
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 5))
+
+
+ROWWISE = {"mlp": mlp, "swiglu": SwiGLU, "gaussian": Gaussian, "two_inputs": TwoInputs,
+           "encoded": Encoded}  # fmt: skip
+ARCHS = {**ROWWISE, "batch_stats": BatchStats}
+
+
+def inputs(arch: str, rows: int, gen: torch.Generator, dtype=torch.float32) -> tuple:
+    x = torch.randn(rows, 8, generator=gen, dtype=dtype)
+    if arch == "two_inputs":
+        return x, torch.randn(rows, 2, generator=gen, dtype=dtype)
+    return (x,)
+
+
+def leaves(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def loop_reference(models, args, index, weights, dtype):
+    """Each member on its own rows (in the input's order), outputs put back per row,
+    weighted sums over the k choices: what a user's loop over the members computes."""
+    models = [copy.deepcopy(m).to(dtype) for m in models]
+    args = [a.detach().to(dtype).requires_grad_(True) for a in args]
+    w = None if weights is None else weights.detach().to(dtype).requires_grad_(True)
+    two_d = index.dim() == 2
+    idx = index if two_d else index.unsqueeze(1)
+    rows, k = idx.shape
+    flat = idx.reshape(-1)
+    outs: dict[int, list] = {}
+    for i, m in enumerate(models):
+        entries = (flat == i).nonzero().squeeze(1)
+        if entries.numel():
+            out = m(*[a[entries // k] for a in args])
+            for e, *vals in zip(entries.tolist(), *[o.unbind(0) for o in leaves(out)]):
+                outs[e] = vals
+    if not outs:  # no rows: the shapes of member 0 on an empty input
+        empty = leaves(models[0](*[a[:0] for a in args]))
+        per_leaf = [e.new_zeros(rows, k, *e.shape[1:]) for e in empty]
+    else:
+        sample = next(iter(outs.values()))
+        per_leaf = []
+        for j, s in enumerate(sample):
+            per_leaf.append(
+                torch.stack([outs[e][j] for e in range(rows * k)]).view(rows, k, *s.shape)
+                if rows
+                else s.new_zeros(0, k, *s.shape)
+            )
+    results = []
+    for y in per_leaf:
+        if w is not None:
+            ww = w if two_d else w.unsqueeze(1)
+            y = (y * ww.view(rows, k, *(1,) * (y.dim() - 2))).sum(1)
+        elif not two_d:
+            y = y.squeeze(1)
+        results.append(y)
+    return results, models, args, w
+
+
+def check_against_loop(models, stack, args, index, weights, *, second=False):
+    """Outputs, input/weight/parameter gradients (and a gradient penalty's) of the stack
+    against the float32 and float64 loops: no further from float64 than float32 is."""
+    xs = [a.clone().requires_grad_(True) for a in args]
+    w = None if weights is None else weights.clone().requires_grad_(True)
+    out = leaves(stack(*xs, members=index, weights=w))
+
+    def loss_of(outs, ins):
+        total = sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum()
+                    for o in outs)  # fmt: skip
+        if second:
+            grads = torch.autograd.grad(total, ins, create_graph=True)
+            total = total + sum(g.square().sum() for g in grads)
+        return total
+
+    if not index.shape[0]:  # no rows: the shapes alone
+        ref, *_ = loop_reference(models, args, index, weights, torch.float32)
+        assert [o.shape for o in out] == [r.shape for r in ref]
+        return
+    got_params = dict(stack.module.named_parameters())
+    loss_of(out, xs).backward()
+    got = {
+        "out": out,
+        "dx": [x.grad for x in xs],
+        "dw": [w.grad] if w is not None else [],
+        "params": {n: p.grad for n, p in got_params.items()},
+    }
+    refs = {}
+    for dtype in (torch.float32, torch.float64):
+        outs, ms, ins, rw = loop_reference(models, args, index, weights, dtype)
+        loss_of(outs, ins).backward()
+        grads = {}
+        for n, _ in models[0].named_parameters():
+            grads[n] = torch.stack([
+                m.get_parameter(n).grad if m.get_parameter(n).grad is not None
+                else torch.zeros_like(m.get_parameter(n)) for m in ms
+            ])  # fmt: skip
+        refs[dtype] = {
+            "out": outs,
+            "dx": [x.grad for x in ins],
+            "dw": [rw.grad] if rw is not None else [],
+            "params": grads,
+        }
+    r32, r64 = refs[torch.float32], refs[torch.float64]
+    for key in ("out", "dx", "dw"):
+        for j, (a, b, c) in enumerate(zip(got[key], r32[key], r64[key])):
+            close(a, b, c, f"{key}[{j}]")
+    for n, g in got["params"].items():
+        close(torch.zeros_like(r64["params"][n]) if g is None else g, r32["params"][n],
+              r64["params"][n], f"grad {n}")  # fmt: skip
+
+
+def close(got, loop32, loop64, what, factor=4.0):
+    assert got.shape == loop64.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(loop64.shape)}"
+    if not got.numel():
+        return
+    got, loop32, loop64 = got.detach().double(), loop32.detach().double(), loop64.detach()
+    ulps = 8 * torch.finfo(torch.float32).eps * (1 + loop64.abs().max())
+    err = (got - loop64).abs().max()
+    own = (loop32 - loop64).abs().max()
+    assert err <= factor * own + ulps, f"{what}: {err:.3g} from the float64 loop, float32 {own:.3g}"
+
+
+def build(arch, n, backend, seed=0):
+    torch.manual_seed(seed)
+    models = [ARCHS[arch]() for _ in range(n)]
+    with torch.no_grad():  # members differ in every parameter, the raw ones included
+        for m in models:
+            for p in m.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+    return models, phalanx.stack(copy.deepcopy(models), backend=backend)
+
+
+# --------------------------------------------------------------------------------- hypothesis
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arch=st.sampled_from(sorted(ARCHS)),
+    n=st.integers(1, 5),
+    rows=st.integers(0, 12),
+    k=st.sampled_from([None, 1, 2, 3]),
+    weighted=st.booleans(),
+    skew=st.sampled_from(["random", "one", "empty_first"]),
+    backend=st.sampled_from(BACKENDS),
+    seed=st.integers(0, 2**16),
+)
+def test_random_routings_match_the_loop(arch, n, rows, k, weighted, skew, backend, seed):
+    if arch == "batch_stats":
+        rows = max(rows, 2)  # a BatchNorm in train mode needs two rows on a member
+    gen = torch.Generator().manual_seed(seed)
+    models, stack = build(arch, n, backend, seed)
+    shape = (rows,) if k is None else (rows, k)
+    index = torch.randint(0, n, shape, generator=gen)
+    if skew == "one" or arch == "batch_stats":
+        index.fill_(n - 1)  # all rows to one member, the others empty
+    elif skew == "empty_first" and n > 1:
+        index = index.clamp(min=1)
+    weights = torch.rand(index.shape, generator=gen) if weighted else None
+    args = inputs(arch, rows, gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fused announces the general path for batch_stats
+        check_against_loop(models, stack, args, index, weights, second=arch != "batch_stats")
+    if rows and backend in ("fused", "auto"):
+        path = stack.routed_path
+        assert path == ("segment" if arch in ROWWISE else "general"), (arch, path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_arch_and_backend_with_top2(arch, backend):
+    gen = torch.Generator().manual_seed(1)
+    models, stack = build(arch, 4, backend)
+    rows = 24
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=gen)
+    if arch == "batch_stats":
+        index[:, 0], index[:, 1] = 1, 2  # two rows or more on each member that gets any
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_against_loop(models, stack, inputs(arch, rows, gen), index, weights,
+                           second=arch != "batch_stats")  # fmt: skip
+
+
+@pytest.mark.parametrize("grouped_rows", [0, 10**9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_both_segment_kernels_match_the_loop(monkeypatch, grouped_rows, dtype):
+    """grouped_mm (float32, few rows per member) and one GEMM per segment (the others)."""
+    monkeypatch.setattr(_routed, "GROUPED_ROWS", grouped_rows)
+    monkeypatch.setattr(_routed, "GROUPED_SEGMENTS", 1)
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(6)]
+    stack = phalanx.stack(copy.deepcopy(models)).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 5, (40,), generator=gen)  # member 5 empty
+    x = torch.randn(40, 8, generator=gen, dtype=dtype)
+    check_against_loop([m.to(dtype) for m in models], stack, (x,), index, None, second=True)
+    assert stack.routed_path == "segment"
+
+
+def test_output_shapes():
+    _models, stack = build("gaussian", 3, "auto")
+    x = torch.randn(7, 8)
+    mean, logvar = stack(x, members=torch.tensor([0, 1, 2, 0, 1, 2, 0]))
+    assert mean.shape == (7, 3) and logvar.shape == (7, 3)
+    idx = torch.randint(0, 3, (7, 2))
+    assert stack(x, members=idx)[0].shape == (7, 2, 3)  # (B, k, ...) without weights
+    assert stack(x, members=idx, weights=torch.rand(7, 2))[0].shape == (7, 3)
+    assert stack(x[:0], members=idx[:0], weights=torch.rand(0, 2))[0].shape == (0, 3)
+
+
+def test_errors_name_the_fix():
+    _, stack = build("mlp", 3, "auto")
+    x = torch.randn(4, 8)
+    with pytest.raises(IndexError, match="member index 3"):
+        stack(x, members=torch.tensor([0, 1, 3, 0]))
+    with pytest.raises(IndexError, match="member index -1"):
+        stack(x, members=torch.tensor([0, -1, 2, 0]))
+    with pytest.raises(TypeError, match=r"index.long\(\)"):
+        stack(x, members=torch.tensor([0.0, 1.0, 2.0, 0.0]))
+    with pytest.raises(TypeError, match="subset="):
+        stack(x, members=[0, 1, 2, 0])
+    with pytest.raises(ValueError, match="the inputs have 4"):
+        stack(x, members=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"\(B,\) \(one member per row\)"):
+        stack(x, members=torch.zeros(4, 1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="index's shape"):
+        stack(x, members=torch.tensor([0, 1, 2, 0]), weights=torch.rand(4, 2))
+    with pytest.raises(TypeError, match="floating-point"):
+        stack(x, members=torch.tensor([0, 1, 2, 0]), weights=torch.ones(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="in_dims does not apply"):
+        stack(x, members=torch.tensor([0, 1, 2, 0]), in_dims=0)
+    with pytest.raises(ValueError, match="exclude each other"):
+        stack(x, members=torch.tensor([0, 1, 2, 0]), subset=[0])
+    _, two = build("two_inputs", 3, "auto")
+    with pytest.raises(ValueError, match="same first dimension"):
+        two(torch.randn(4, 8), torch.randn(5, 2), members=torch.tensor([0, 1, 2, 0]))
+
+
+def test_fused_announces_the_general_path_once():
+    _models, stack = build("batch_stats", 3, "fused")
+    x = torch.randn(6, 8)
+    index = torch.tensor([0, 0, 1, 1, 2, 2])
+    with pytest.warns(UserWarning, match="member by member"):
+        stack(x, members=index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stack(x, members=index)  # once only
+    _, auto = build("batch_stats", 3, "auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto(x, members=index)  # auto takes the general path silently
+
+
+def test_rows_of_the_general_path_keep_per_member_buffers():
+    """BatchNorm running statistics: member i's from its own rows, as in the loop."""
+    models, stack = build("batch_stats", 3, "auto")
+    x = torch.randn(9, 8)
+    index = torch.tensor([2, 0, 2, 0, 2, 0, 1, 1, 1])
+    stack(x, members=index)
+    for i, m in enumerate(models):
+        m(x[index == i])
+        torch.testing.assert_close(stack.module.bn.running_mean[i], m.bn.running_mean)
+
+
+def test_a_setting_changed_after_the_first_call_is_seen():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 8), nn.LeakyReLU(0.1), nn.Linear(8, 2)) for _ in range(3)]
+    stack = phalanx.stack(copy.deepcopy(models))
+    x, index = torch.randn(10, 8), torch.randint(0, 3, (10,))
+    stack(x, members=index)
+    stack.module[1].negative_slope = 0.5
+    for m in models:
+        m[1].negative_slope = 0.5
+    out = stack(x, members=index)
+    ref = torch.stack([models[int(i)](x[r]) for r, i in enumerate(index)])
+    torch.testing.assert_close(out, ref)
+    assert stack.routed_path == "segment"
+
+
+def test_hooks_and_transforms_take_the_general_path():
+    models, stack = build("mlp", 3, "auto")
+    x, index = torch.randn(10, 8), torch.randint(0, 3, (10,))
+    handle = stack.module[0].register_forward_hook(lambda m, i, o: o * 2)
+    for m in models:
+        m[0].register_forward_hook(lambda m, i, o: o * 2)
+    out = stack(x, members=index)
+    assert stack.routed_path == "general"
+    torch.testing.assert_close(
+        out, torch.stack([models[int(i)](x[r]) for r, i in enumerate(index)])
+    )
+    handle.remove()
+    stack(x, members=index)
+    assert stack.routed_path == "segment"
+
+
+# ------------------------------------------------------------------------------------ subsets
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chosen", [[3, 7], [7, 3], [2, 3, 4], [5]])
+def test_subset_matches_those_members_alone(backend, chosen):
+    torch.manual_seed(0)
+    models = [TwoInputs() for _ in range(10)]
+    stack = phalanx.stack(copy.deepcopy(models), backend=backend)
+    obs, act = torch.randn(6, 8), torch.randn(6, 2)
+    out = stack(obs, act, subset=chosen)
+    ref = torch.stack([models[i](obs, act) for i in chosen])
+    torch.testing.assert_close(out, ref)
+    path = stack.routed_path
+    assert path == ("segment" if backend in ("fused", "auto") else "general")
+    out.sum().backward()
+    for p_name, p in stack.module.named_parameters():
+        for i in range(10):
+            g = p.grad[i]
+            if i in chosen:
+                ref_g = torch.autograd.grad(
+                    models[i](obs, act).sum(), models[i].get_parameter(p_name)
+                )[0]
+                torch.testing.assert_close(g, ref_g)
+            else:
+                assert torch.count_nonzero(g) == 0, (p_name, i)
+    torch.testing.assert_close(stack(obs, act, subset=torch.tensor(chosen)), ref)
+
+
+def test_subset_per_member_inputs_and_buffers():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6)) for _ in range(5)]
+    stack = phalanx.stack(copy.deepcopy(models))
+    xs = torch.randn(2, 7, 8)
+    out = stack(xs, subset=[4, 1], in_dims=0)
+    ref = torch.stack([models[4](xs[0]), models[1](xs[1])])
+    torch.testing.assert_close(out, ref)
+    for i in range(5):
+        torch.testing.assert_close(stack.module[1].running_mean[i], models[i][1].running_mean)
+    with pytest.raises(ValueError, match="the subset's size"):
+        stack(torch.randn(5, 7, 8), subset=[4, 1], in_dims=0)
+
+
+def test_subset_errors():
+    _, stack = build("mlp", 4, "auto")
+    x = torch.randn(3, 8)
+    with pytest.raises(IndexError, match="member index 4"):
+        stack(x, subset=[0, 4])
+    with pytest.raises(ValueError, match="twice"):
+        stack(x, subset=[1, 1])
+    with pytest.raises(ValueError, match="empty"):
+        stack(x, subset=[])
+    with pytest.raises(TypeError, match="members=index"):
+        stack(x, subset=torch.zeros(3, 2, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------- polyak
+
+
+def _stacked(models, name):
+    return torch.stack([m.get_parameter(name) for m in models])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("per_member", [False, True])
+def test_polyak_equals_the_per_module_update_bit_for_bit(dtype, per_member):
+    torch.manual_seed(0)
+    online = [nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7)).to(dtype) for _ in range(4)]
+    targets = [copy.deepcopy(m) for m in online]
+    with torch.no_grad():
+        for m in online:
+            for p in m.parameters():
+                p.add_(torch.randn_like(p))
+            m[1].running_mean.add_(1.0)
+            m[1].num_batches_tracked += 3
+    q = phalanx.stack(copy.deepcopy(online))
+    t = phalanx.stack(copy.deepcopy(targets)).requires_grad_(False)
+    tau = [0.005, 0.5, 0.9, 1.0] if per_member else 0.005
+    phalanx.polyak_(t, q, tau)
+    with torch.no_grad():
+        for i, (tm, om) in enumerate(zip(targets, online)):
+            step = tau[i] if per_member else tau
+            torch._foreach_lerp_(list(tm.parameters()), list(om.parameters()), step)
+            tm[1].running_mean.lerp_(om[1].running_mean, step)
+            tm[1].running_var.lerp_(om[1].running_var, step)
+            tm[1].num_batches_tracked.copy_(om[1].num_batches_tracked)
+    for name, _ in targets[0].named_parameters():
+        assert torch.equal(t.module.get_parameter(name), _stacked(targets, name)), name
+    for name, _ in targets[0].named_buffers():
+        ref = torch.stack([m.get_buffer(name) for m in targets])
+        assert torch.equal(t.module.get_buffer(name), ref), name
+
+
+def test_polyak_buffers_and_errors():
+    torch.manual_seed(0)
+    a = phalanx.stack([nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)) for _ in range(2)])
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.module[1].running_mean.add_(2.0)
+    before = a.module[1].running_mean.clone()
+    phalanx.polyak_(a, b, 0.5, buffers="keep")
+    assert torch.equal(a.module[1].running_mean, before)
+    phalanx.polyak_(a, b, 0.5, buffers="copy")
+    assert torch.equal(a.module[1].running_mean, b.module[1].running_mean)
+    assert a.module[0].weight.requires_grad  # parameters that require grad: fine
+    other = phalanx.stack([nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5)) for _ in range(2)])
+    with pytest.raises(ValueError, match="same architecture"):
+        phalanx.polyak_(a, other, 0.5)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        phalanx.polyak_(a, b, [0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        phalanx.polyak_(a, b, 1.5)
+    m1, m2 = nn.Linear(3, 3), nn.Linear(3, 3)
+    phalanx.polyak_(m1, m2, 1.0)  # plain modules too
+    assert torch.equal(m1.weight, m2.weight)
+
+
+# ---------------------------------------------------------------------------- routing helpers
+
+
+def test_top_k_is_mixtrals_router():
+    logits = torch.randn(10, 8)
+    index, weights = phalanx.routing.top_k(logits, 2)
+    rw = F.softmax(logits, dim=1, dtype=torch.float)
+    rw, sel = torch.topk(rw, 2, dim=-1)
+    rw /= rw.sum(dim=-1, keepdim=True)
+    assert torch.equal(index, sel) and torch.equal(weights, rw)
+
+
+def test_dispatch_capacity_drops_and_counts():
+    index = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0], [0, 2]])
+    d = phalanx.routing.dispatch(index, 3, weights=torch.ones(5, 2), capacity=2)
+    # member 0: first choices of rows 0, 1, 2, 4 (only rows 0 and 1 fit), then row 3's second;
+    # member 1: row 3's first choice, then the second choices of rows 0 and 2 (row 0 fits)
+    assert d.counts.tolist() == [5, 3, 2]
+    assert d.load.tolist() == [2, 2, 2] and d.overflow.tolist() == [3, 1, 0]
+    assert d.dropped == 4 and d.dropped_rows == 1  # row 2 lost both
+    assert d.keep.tolist() == [[True, True], [True, True], [False, False], [True, False],
+                               [False, True]]  # fmt: skip
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 3) for _ in range(3)]
+    stack = phalanx.stack(copy.deepcopy(models))
+    x = torch.randn(5, 4)
+    out = stack(x, members=d)
+    ref = torch.zeros(5, 3)
+    for r in range(5):
+        for j in range(2):
+            if d.keep[r, j]:
+                ref[r] += models[int(index[r, j])](x[r])
+    torch.testing.assert_close(out, ref)
+    assert phalanx.routing.dispatch(index, 3).dropped == 0
+
+
+def test_load_balancing_loss_is_one_when_balanced():
+    logits = torch.zeros(8, 4)
+    index = torch.arange(8) % 4
+    torch.testing.assert_close(
+        phalanx.routing.load_balancing_loss(logits, index), torch.tensor(1.0)
+    )
+
+
+# -------------------------------------------------------------------------------------- bench
+
+
+def test_routed_bench_runs_checks_and_writes_json(tmp_path, capsys):
+    import json
+
+    from phalanx_tools.cli import main
+
+    path = tmp_path / "routed.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["bench", "--routed", "--quick", "--workloads", "redq", "--json", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "redq" in out and "goal >= 1.5x" in out
+    (row,) = json.loads(path.read_text())["results"]
+    assert row["wrong"] == {} and set(row["forward"]) == {"loop over the 2", "phalanx subset="}
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("arch", sorted(ROWWISE))
+def test_no_grad_calls_match_the_loop(monkeypatch, arch, grouped):
+    """Under no_grad a Linear's activation runs inside its segment loop, in place."""
+    if grouped:
+        monkeypatch.setattr(_routed, "GROUPED_SEGMENTS", 1)
+    models, stack = build(arch, 4, "auto")
+    gen = torch.Generator().manual_seed(3)
+    args = inputs(arch, 30, gen)
+    index = torch.randint(0, 4, (30,), generator=gen)
+    with torch.no_grad():
+        got = leaves(stack(*args, members=index))
+        ref, *_ = loop_reference(models, args, index, None, torch.float32)
+        ref64, *_ = loop_reference(models, args, index, None, torch.float64)
+    assert stack.routed_path == "segment"
+    for j, (a, b, c) in enumerate(zip(got, ref, ref64)):
+        close(a, b, c, f"out[{j}]")
+    torch.manual_seed(0)  # a LeakyReLU's slope is read on every call
+    lrelu = [nn.Sequential(nn.Linear(8, 8), nn.LeakyReLU(0.2), nn.Linear(8, 3)) for _ in range(3)]
+    st = phalanx.stack(copy.deepcopy(lrelu))
+    st.module[1].negative_slope = 0.7
+    for m in lrelu:
+        m[1].negative_slope = 0.7
+    x, idx = torch.randn(9, 8), torch.tensor([0, 1, 2] * 3)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            st(x, members=idx), torch.stack([lrelu[int(i)](x[r]) for r, i in enumerate(idx)])
+        )
+
+
+def test_a_dispatch_that_drops_everything_gives_zeros():
+    _, stack = build("mlp", 3, "auto")
+    index = torch.tensor([[0, 1], [1, 2]])
+    d = phalanx.routing.dispatch(index, 3, weights=torch.ones(2, 2), capacity=0)
+    assert d.dropped == 4 and d.dropped_rows == 2
+    assert torch.equal(stack(torch.randn(2, 8), members=d), torch.zeros(2, 5))
