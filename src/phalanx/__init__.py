@@ -5,6 +5,7 @@ from typing import Any
 from phalanx import data, metrics, optim, population
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
+from phalanx._inplace import MemberView, StackedModuleList, stack_in_place, unstack_in_place
 from phalanx._losses import member_losses
 from phalanx._split import merge, split
 from phalanx._stack import Stack, stack
@@ -25,7 +26,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CheckpointError",
     "CompiledStep",
+    "MemberView",
     "Stack",
+    "StackedModuleList",
     "clip_grad_norm_",
     "clip_grad_value_",
     "compile_step",
@@ -41,4 +44,6 @@ __all__ = [
     "save",
     "split",
     "stack",
+    "stack_in_place",
+    "unstack_in_place",
 ]
