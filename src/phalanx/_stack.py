@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from phalanx._backends import CHOICES, StackView, get_backend
+from phalanx._hf import check_call
+from phalanx._keywords import KwInDims, keyword_dims
 from phalanx._memory import reuse_freed_memory
 from phalanx._modules import copy_modes
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
@@ -189,7 +191,9 @@ class Stack(nn.Module):
 
     # --------------------------------------------------------------------------------- forward
 
-    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
+    def forward(
+        self, *args: Any, in_dims: InDims = None, kw_in_dims: KwInDims = None, **kwargs: Any
+    ) -> Any:
         """Runs every member on its input and stacks the outputs along dim 0.
 
         Args:
@@ -197,7 +201,11 @@ class Stack(nn.Module):
                 member; a per-member input ``(N, B, ...)`` gives member i ``x[i]``.
             in_dims: per positional input, ``None`` (shared) or ``0`` (per-member), as in
                 ``torch.func.vmap``; a single value applies to every input.
-            **kwargs: keyword inputs, shared by every member.
+            kw_in_dims: for keyword inputs, as ``in_dims`` for positional ones: a dict of
+                keyword name to ``None`` (shared) or ``0`` (per-member, ``(N, B, ...)``), or a
+                single value for every keyword tensor. Keywords are shared unless declared; a
+                keyword tensor whose first dimension is N but is not declared gets a warning.
+            **kwargs: keyword inputs, shared by every member unless ``kw_in_dims`` says not.
 
         Returns:
             The members' outputs stacked on a new dim 0: ``(N, B, ...)`` for a tensor output;
@@ -212,14 +220,16 @@ class Stack(nn.Module):
             torch.Size([3, 5, 2])
         """
         dims = self._normalize_in_dims(in_dims, args)
+        kw_dims = keyword_dims(kw_in_dims, kwargs, self.num_members, args, dims)
         self._check_devices(args, kwargs)
+        check_call(self.module, kwargs)
         backend = get_backend(self._requested)
         if torch.compiler.is_compiling():
-            return backend.forward(self._view, args, kwargs, dims)
+            return backend.forward(self._view, args, kwargs, dims, kw_dims)
         # Every backend runs the stack's one module tree with each call's tensors swapped in
         # (torch.func.functional_call), so two threads must not run it at once.
         with self._view.lock:
-            return backend.forward(self._view, args, kwargs, dims)
+            return backend.forward(self._view, args, kwargs, dims, kw_dims)
 
     def _normalize_in_dims(self, in_dims: InDims, args: tuple[Any, ...]) -> tuple[int | None, ...]:
         where = "Stack.forward()"
