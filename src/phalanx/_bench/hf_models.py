@@ -74,16 +74,17 @@ def hf_models() -> list[RealModel]:
         return []
     bert = tf.BertConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=128, max_position_embeddings=64, num_labels=3,
+        intermediate_size=128, max_position_embeddings=64,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
+    bert.num_labels = 3  # a PretrainedConfig keyword that the typed signature does not list
     gpt2 = tf.GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=64, use_cache=False,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
     )  # fmt: skip
     t5 = tf.T5Config(
         vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2,
-        num_heads=2, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+        num_heads=2, dropout_rate=0.0, use_cache=False, pad_token_id=0,
     )  # fmt: skip
     source = "huggingface/transformers src/transformers/models/"
     return [
