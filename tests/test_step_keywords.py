@@ -76,3 +76,40 @@ def test_compile_step_without_a_loss_on_an_output_without_one_says_so():
     x, mask, _, _ = _data()
     with pytest.raises(TypeError, match="loss_fn=None uses the loss the model computes itself"):
         step(x, pad=mask)
+
+
+class Tokens(torch.nn.Module):
+    """An embedding member: phalanx's embedding rule checks the ids' range as nn.Embedding does,
+    which under make_fx must become a traced assertion, not a read of the ids' values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids, *, weight=None):
+        h = self.embed(ids).mean(1)
+        return self.head(h if weight is None else h * weight)
+
+
+def test_compile_step_captures_an_embedding_member_with_keywords():
+    torch.manual_seed(0)
+    members = [Tokens() for _ in range(N)]
+    ids = torch.randint(0, 11, (5, 7))
+    weight = torch.rand(N, 5, 1)
+    y = torch.randint(0, 3, (5,))
+    results = []
+    for captured in (False, True):
+        stack = phalanx.stack(copy.deepcopy(members))
+        opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+        step = phalanx.compile_step(
+            stack, torch.nn.functional.cross_entropy, opt, target_in_dims=None,
+            kw_in_dims={"weight": 0}, backend="aot_eager",
+            prefer="captured", warmup_steps=100 if not captured else 1,
+        )  # fmt: skip
+        losses = torch.stack([step(ids, y, weight=weight) for _ in range(STEPS)])
+        assert step.choice == ("captured" if captured else None), step.report
+        results.append((losses, [p.detach() for p in stack.parameters()]))
+    (eager, eager_params), (got, got_params) = results
+    assert_close(got, eager, trajectory=True)
+    assert_close(got_params, eager_params, trajectory=True)

@@ -67,3 +67,17 @@ def is_wrapped(t: torch.Tensor) -> bool:
     """True for a torch.func wrapper (a batched or grad-tracking tensor), False for a plain one."""
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return True if check is None else bool(check(t))
+
+
+def tracing() -> bool:
+    """True while ``torch.compile`` or ``make_fx`` traces (tensors have no values to read).
+
+    ``proxy_tensor.get_proxy_mode()`` is the mode ``make_fx`` installs (``phalanx.compile_step``
+    traces with it); where it is missing, False: the caller then reads values, as eagerly.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    from torch.fx.experimental import proxy_tensor
+
+    get = getattr(proxy_tensor, "get_proxy_mode", None)
+    return get is not None and get() is not None

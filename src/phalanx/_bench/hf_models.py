@@ -81,6 +81,7 @@ def hf_models() -> list[RealModel]:
     gpt2 = tf.GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=64, use_cache=False,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     t5 = tf.T5Config(
         vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2,
