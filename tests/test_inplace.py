@@ -193,3 +193,33 @@ def test_hugging_face_musicgen_heads_and_embeddings_round_trip_save_pretrained(t
     back = tf.MusicgenForCausalLM.from_pretrained(tmp_path).eval()  # the unstacked class
     assert isinstance(back.lm_heads, nn.ModuleList)
     assert torch.equal(back(input_ids=ids).logits, before)
+
+
+def test_copies_pickles_checkpoints_and_exports_members(tmp_path):
+    import io
+
+    model = _model()
+    phalanx.stack_in_place(model, "heads")
+    x = torch.randn(B, D * N)
+    expected = model(x)
+    copied = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (copied, loaded):
+        assert isinstance(other.heads, phalanx.StackedModuleList)
+        assert torch.equal(other(x), expected)
+        assert list(other.state_dict()) == list(model.state_dict())
+    states = phalanx.export_members(model.heads, [2, 5])  # the members' own state dicts
+    plain = nn.Sequential(nn.Linear(D, H), nn.Linear(H, 1))
+    plain.load_state_dict(states[1])
+    assert torch.equal(plain(x[:, :D]), model.heads[5](x[:, :D]))
+    opt = phalanx.optim.Adam(model.heads.parameters())
+    path = tmp_path / "heads.safetensors"
+    phalanx.save(path, model.heads, optimizer=opt)
+    with torch.no_grad():
+        copied.heads.module[0].weight.zero_()
+    assert not torch.equal(copied(x), expected)
+    phalanx.load(path, copied.heads, optimizer=phalanx.optim.Adam(copied.heads.parameters()))
+    assert torch.equal(copied(x), expected)

@@ -303,7 +303,12 @@ def export_members(stack: nn.Module, indices: Sequence[int] | Tensor) -> list[di
         >>> states = phalanx.export_members(stack, best)
         >>> model.load_state_dict(states[0])
     """
-    state = stack.state_dict()
+    from phalanx._inplace import StackedModuleList
+
+    # A stack in place of a ModuleList writes the list's per-member keys: read the stacked ones.
+    state = (
+        stack.module.state_dict() if isinstance(stack, StackedModuleList) else stack.state_dict()
+    )
     n = _num_members(stack)
     if n is None:
         n = next(iter(state.values())).shape[0]
