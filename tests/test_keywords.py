@@ -140,3 +140,15 @@ def test_gpt2_use_cache_is_refused_up_front_naming_use_cache_false():
     with pytest.raises(ValueError, match=r"use_cache=True.*Pass use_cache=False to the call"):
         stack(ids, labels=ids)
     assert phalanx.member_losses(None, stack(ids, labels=ids, use_cache=False)).shape == (2,)
+
+
+def test_save_pretrained_of_the_stacked_module_is_refused_with_the_fix(tmp_path):
+    tf = pytest.importorskip("transformers")
+    config = tf.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    torch.manual_seed(0)
+    stack = phalanx.stack([tf.GPT2LMHeadModel(config) for _ in range(2)])
+    with pytest.raises(TypeError, match=r"stacked, \(N, \*shape\).*unstack\(\)\[i\]"):
+        stack.module.save_pretrained(tmp_path)
+    assert not list(tmp_path.iterdir())
+    stack.unstack()[1].save_pretrained(tmp_path)  # a member saves as usual
+    assert (tmp_path / "config.json").exists()

@@ -47,6 +47,22 @@ def check_call(module: nn.Module, kwargs: dict[str, Any]) -> None:
     )
 
 
+def _refuse_save_pretrained(*args: Any, **kwargs: Any) -> None:
+    raise TypeError(
+        "stack.module.save_pretrained(): stack.module holds every member's tensors stacked, "
+        "(N, *shape), which from_pretrained cannot read. Save a member with "
+        "stack.unstack()[i].save_pretrained(path); for a model whose ModuleList of members "
+        "must keep its keys, stack the list in place with phalanx.stack_in_place(model, path)."
+    )
+
+
+def guard_stacked(module: nn.Module) -> None:
+    """Makes ``save_pretrained`` of a module holding stacked tensors raise instead of writing
+    a file of ``(N, ...)`` tensors that ``from_pretrained`` rejects."""
+    if callable(getattr(module, "save_pretrained", None)):
+        object.__setattr__(module, "save_pretrained", _refuse_save_pretrained)
+
+
 def own_loss(output: Any, n: int | None, where: str) -> torch.Tensor:
     """The members' own losses, ``(N,)``, from a stacked output holding a ``loss`` field.
 

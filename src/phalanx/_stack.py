@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from phalanx._backends import CHOICES, StackView, get_backend
-from phalanx._hf import check_call
+from phalanx._hf import check_call, guard_stacked
 from phalanx._keywords import KwInDims, keyword_dims
 from phalanx._memory import reuse_freed_memory
 from phalanx._modules import copy_modes
@@ -109,6 +109,7 @@ class Stack(nn.Module):
         object.__setattr__(self, "_template", template)
         self.module = copy.deepcopy(template)  # deepcopy keeps member 0's train/eval modes
         _swap_in(self.module, params, buffers)
+        guard_stacked(self.module)  # a Hugging Face model's save_pretrained would write (N, ...)
         self.training = self.module.training
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
