@@ -87,11 +87,17 @@ def test_the_loop_through_views_gives_the_lists_gradients():
     loop, model = _model(), _model()
     phalanx.stack_in_place(model, "heads")
     x = torch.randn(B, D * N)
-    loop(x).pow(2).sum().backward()
-    model(x).pow(2).sum().backward()
-    for name, p in model.heads.module.named_parameters():
-        ref = torch.stack([h.get_parameter(name).grad for h in loop.heads])
-        torch.testing.assert_close(p.grad, ref, rtol=0, atol=0)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (loop, model)]
+    for step in range(3):  # two accumulated backward passes, then a step, then another pass
+        loop(x).pow(2).sum().backward()
+        model(x).pow(2).sum().backward()
+        for name, p in model.heads.module.named_parameters():
+            ref = torch.stack([h.get_parameter(name).grad for h in loop.heads])
+            torch.testing.assert_close(p.grad, ref, rtol=0, atol=0, msg=f"step {step} {name}")
+        if step == 1:
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
 
 
 def test_state_dict_keeps_the_lists_keys_and_an_old_checkpoint_loads():

@@ -18,6 +18,7 @@ writes each stacked tensor ``module.<name>`` ``(N, *shape)`` as ``<i>.<name>`` `
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -83,10 +84,12 @@ class StackedModuleList(Stack):
 
     def _index(self, i: int) -> int:
         n = self.num_members
-        if isinstance(i, bool) or not isinstance(i, int):
+        try:
+            i = operator.index(i)  # as nn.ModuleList: ints, numpy ints, 0-d integer tensors
+        except TypeError:
             raise TypeError(
                 f"StackedModuleList: indices must be integers or slices, not {type(i).__name__}."
-            )
+            ) from None
         if not -n <= i < n:
             raise IndexError(f"StackedModuleList: index {i} is out of range for {n} members.")
         return i % n
