@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ("question1_per_feature.py", r"output \(32, 400\) from 400 networks .*equals the loop"),
         ("question2_ensemble.py", r"member 3 as an ordinary module gives the stack's output"),
+        ("modulelist_in_place.py", r"(?s)old checkpoint loaded .*load into the unstacked model"),
     ],
 )
 def test_example_runs(script, expected):

@@ -5,6 +5,7 @@ from phalanx._backends import BACKENDS, BackendRefusal
 from phalanx._build import stack
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
+from phalanx._inplace import MemberView, StackedModuleList, stack_in_place, unstack_in_place
 from phalanx._losses import member_losses
 from phalanx._polyak import polyak_
 from phalanx._split import merge, split
@@ -19,7 +20,9 @@ __all__ = [
     "BackendRefusal",
     "CheckpointError",
     "CompiledStep",
+    "MemberView",
     "Stack",
+    "StackedModuleList",
     "clip_grad_norm_",
     "clip_grad_value_",
     "compile_step",
@@ -37,5 +40,7 @@ __all__ = [
     "save",
     "split",
     "stack",
+    "stack_in_place",
     "testing",
+    "unstack_in_place",
 ]

@@ -32,6 +32,7 @@ from phalanx._checks import (
     type_name,
 )
 from phalanx._files import read_safetensors, save_atomic
+from phalanx._inplace import StackedModuleList
 from phalanx.optim import LBFGS
 
 __all__ = ["CheckpointError", "export_members", "load", "read", "restore", "save"]
@@ -326,7 +327,10 @@ def export_members(stack: nn.Module, indices: Sequence[int] | Tensor) -> list[di
         >>> torch.allclose(model(x), stack(x)[best[0]])
         True
     """
-    state = stack.state_dict()
+    # A stack in place of a ModuleList writes the list's per-member keys: read the stacked ones.
+    state = (
+        stack.module.state_dict() if isinstance(stack, StackedModuleList) else stack.state_dict()
+    )
     n = _num_members(stack)
     if n is None:
         n = next(iter(state.values())).shape[0]

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap
 
+from phalanx._hf import not_a_tensor, own_loss
+
 # Losses that are a mean of per-element terms: computed once on (N, B, ...) with
 # reduction="none", then averaged per member, instead of through vmap's per-call overhead.
 _ELEMENTWISE = {
@@ -63,9 +65,9 @@ def _batched_loss(
 
 
 def member_losses(
-    loss_fn: Callable[..., torch.Tensor],
-    output: torch.Tensor,
-    target: Any,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    output: Any,
+    target: Any = None,
     *,
     in_dims: tuple[int | None, int | None] = (0, None),
     **kwargs: Any,
@@ -78,8 +80,11 @@ def member_losses(
 
     Args:
         loss_fn: a loss such as ``torch.nn.functional.cross_entropy`` that returns a scalar
-            for one member's ``(B, ...)`` output.
-        output: the stack's output, ``(N, B, ...)``.
+            for one member's ``(B, ...)`` output; or None for the loss each member computed
+            itself: the output's ``.loss`` (a Hugging Face ``ModelOutput`` of a call with
+            ``labels=``), or a tuple's first element, ``(N,)``.
+        output: the stack's output, ``(N, B, ...)``; with ``loss_fn=None``, the stack's
+            structured output.
         target: ``(B, ...)`` shared by every member (the default), or ``(N, B, ...)`` with
             ``in_dims=(0, 0)`` for per-member targets.
         in_dims: how ``output`` and ``target`` map over the member axis, as in
@@ -102,6 +107,10 @@ def member_losses(
         >>> losses.sum().backward()  # member i's gradient is that of its own loss alone
     """
     where = "phalanx.member_losses()"
+    if loss_fn is None:
+        return own_loss(output, None, where)
+    if not isinstance(output, torch.Tensor) and in_dims[0] == 0:
+        raise not_a_tensor(output, where)
     if not callable(loss_fn):
         raise TypeError(
             f"{where}: the loss function comes first: member_losses(loss_fn, output, target); "

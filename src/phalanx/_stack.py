@@ -9,8 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx import _routed
 from phalanx import _torch_compat as compat
 from phalanx._backends import CHOICES, StackView, get_backend
+from phalanx._hf import check_call, guard_stacked
+from phalanx._keywords import KwInDims, keyword_dims
 from phalanx._memory import reuse_freed_memory
 from phalanx._modules import copy_modes, meta_copy
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
@@ -111,6 +114,7 @@ class Stack(nn.Module):
         object.__setattr__(self, "_template", template)
         self.module = copy.deepcopy(template)  # deepcopy keeps member 0's train/eval modes
         _swap_in(self.module, params, buffers)
+        guard_stacked(self.module)  # a Hugging Face model's save_pretrained would write (N, ...)
         self.training = self.module.training
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
@@ -208,6 +212,12 @@ class Stack(nn.Module):
         return self._requested
 
     @property
+    def call_lock(self) -> Any:
+        """The re-entrant lock a call holds while it runs the stack's one module tree (with
+        each call's tensors swapped in): two threads must not run it at once."""
+        return self._view.lock
+
+    @property
     def routed_path(self) -> str | None:
         """Which path the last routed call (``members=`` or ``subset=``) took: "segment"
         (the batched row-wise path) or "general" (each member on its own rows); None before
@@ -240,6 +250,7 @@ class Stack(nn.Module):
         self,
         *args: Any,
         in_dims: InDims = None,
+        kw_in_dims: KwInDims = None,
         members: Any = None,
         weights: Any = None,
         subset: Any = None,
@@ -252,6 +263,10 @@ class Stack(nn.Module):
                 member; a per-member input ``(N, B, ...)`` gives member i ``x[i]``.
             in_dims: per positional input, ``None`` (shared) or ``0`` (per-member), as in
                 ``torch.func.vmap``; a single value applies to every input.
+            kw_in_dims: for keyword inputs, as ``in_dims`` for positional ones: a dict of
+                keyword name to ``None`` (shared) or ``0`` (per-member, ``(N, B, ...)``), or a
+                single value for every keyword tensor. Keywords are shared unless declared; a
+                keyword tensor whose first dimension is N but is not declared gets a warning.
             members: routes rows instead (see docs/ROUTED.md): an integer tensor ``(B,)``
                 sends row r of every positional input to member ``members[r]``; ``(B, k)``
                 to the k members ``members[r, :]``. The rows come back in the input's
@@ -264,7 +279,7 @@ class Stack(nn.Module):
                 those members run, at their cost alone, and the outputs are stacked in that
                 order, ``(len(subset), B, ...)``; per-member inputs then have
                 ``len(subset)`` as their first dimension.
-            **kwargs: keyword inputs, shared by every member.
+            **kwargs: keyword inputs, shared by every member unless ``kw_in_dims`` says not.
 
         Returns:
             The members' outputs stacked on a new dim 0: ``(N, B, ...)`` for a tensor output;
@@ -280,18 +295,26 @@ class Stack(nn.Module):
             torch.Size([3, 5, 2])
         """
         if members is not None or subset is not None:
+            if kw_in_dims is not None:
+                raise ValueError(
+                    "Stack.forward(): kw_in_dims does not apply with members= or subset=: "
+                    "their keyword inputs are shared by the members that run; pass per-member "
+                    "inputs positionally."
+                )
             return self._routed(args, kwargs, in_dims, members, weights, subset)
         if weights is not None:
             kwargs["weights"] = weights  # the members' own keyword input
         dims = self._normalize_in_dims(in_dims, args)
+        kw_dims = keyword_dims(kw_in_dims, kwargs, self.num_members, args, dims)
         self._check_devices(args, kwargs)
+        check_call(self.module, kwargs)
         backend = get_backend(self._requested)
         if torch.compiler.is_compiling():
-            return backend.forward(self._view, args, kwargs, dims)
+            return backend.forward(self._view, args, kwargs, dims, kw_dims)
         # Every backend runs the stack's one module tree with each call's tensors swapped in
         # (torch.func.functional_call), so two threads must not run it at once.
         with self._view.lock:
-            return backend.forward(self._view, args, kwargs, dims)
+            return backend.forward(self._view, args, kwargs, dims, kw_dims)
 
     def _routed(
         self,
@@ -303,8 +326,6 @@ class Stack(nn.Module):
         subset: Any,
     ) -> Any:
         """``members=`` (rows routed to members) or ``subset=`` (some members): ``_routed``."""
-        from phalanx import _routed
-
         self._check_devices(args, kwargs)
         if members is not None and subset is not None:
             raise ValueError(

@@ -43,6 +43,7 @@ from phalanx._step_graph import (
     flatten,
     layout_of,
     simplify,
+    split_keywords,
     step_function,
     unflatten,
 )
@@ -87,11 +88,12 @@ class CompiledStep:
     def __init__(
         self,
         stack: Any,
-        loss_fn: Callable[..., Tensor],
+        loss_fn: Callable[..., Tensor] | None,
         optimizer: torch.optim.Optimizer,
         *,
         in_dims: int | Sequence[int | None] | None,
         target_in_dims: int | None,
+        kw_in_dims: Any = None,
         max_norm: float | Tensor | None,
         norm_type: float,
         backend: str | Callable[..., Any],
@@ -102,6 +104,8 @@ class CompiledStep:
         self.stack, self.loss_fn, self.optimizer = stack, loss_fn, optimizer
         self.in_dims = in_dims
         self.target_in_dims = target_in_dims
+        self.kw_in_dims = kw_in_dims
+        self._keywords: tuple[str, ...] = ()  # the latest call's keyword inputs, after args
         self.max_norm, self.norm_type = max_norm, float(norm_type)
         self.backend, self.mode, self.prefer = backend, mode, prefer
         self.warmup_steps = warmup_steps
@@ -121,7 +125,12 @@ class CompiledStep:
     # ------------------------------------------------------------------------------- calling
 
     def __call__(
-        self, inputs: Tensor | tuple[Any, ...], target: Any, *, mask: Tensor | None = None
+        self,
+        inputs: Tensor | tuple[Any, ...],
+        target: Any = None,
+        *,
+        mask: Tensor | None = None,
+        **kwargs: Any,
     ) -> Tensor:
         """Runs one training step of every member and returns their losses.
 
@@ -131,11 +140,16 @@ class CompiledStep:
             target: ``(B, ...)`` shared or ``(N, B, ...)`` per-member, as ``target_in_dims``.
             mask: (N,) bool: members whose flag is False keep their weights and optimizer
                 state, as with ``optimizer.step(mask=...)``.
+            **kwargs: keyword inputs of the members' forward (``attention_mask=``,
+                ``labels=``), shared or per-member as ``kw_in_dims`` says.
 
         Returns:
             (N,) the members' losses before the update, detached.
         """
         args = inputs if isinstance(inputs, tuple) else (inputs,)
+        # Keyword inputs travel after the positional ones, named by self._keywords.
+        self._keywords = tuple(kwargs)
+        args = (*args, *kwargs.values())
         n = len(self.stack)
         if mask is not None:
             mask = torch.as_tensor(mask, device=next(self.stack.parameters()).device)
@@ -226,7 +240,8 @@ class CompiledStep:
         """The step as a user writes it with phalanx: the reference of the captured one."""
         opt: Any = self.optimizer
         opt.zero_grad(set_to_none=True)
-        out = self.stack(*args, in_dims=self.in_dims)
+        args, keywords = split_keywords(args, self._keywords)
+        out = self.stack(*args, in_dims=self.in_dims, kw_in_dims=self.kw_in_dims, **keywords)
         losses = member_losses(self.loss_fn, out, target, in_dims=(0, self.target_in_dims))
         losses.sum().backward()
         losses = losses.detach()
@@ -282,7 +297,7 @@ class CompiledStep:
             self._params = params
         # The stack's backend is not part of it: every backend is exact, and the graph keeps
         # the one the stack ran when it was traced.
-        return (*key, mask is None, modes)
+        return (*key, mask is None, modes, self._keywords)
 
     def _warn_eager_once(self, reason: str) -> None:
         if reason not in self._eager_reasons:
@@ -300,7 +315,8 @@ class CompiledStep:
                 f"with optimizer(stack.parameters())"
             )
         dims = self.in_dims
-        dims = tuple(dims) if isinstance(dims, Sequence) else (dims,) * len(args)
+        positional = len(args) - len(self._keywords)
+        dims = tuple(dims) if isinstance(dims, Sequence) else (dims,) * positional
         return Plan(
             stack=stack,
             loss_fn=self.loss_fn,
@@ -316,6 +332,8 @@ class CompiledStep:
             masked=mask is not None,
             isolate=bool(opt.skip_nonfinite),  # type: ignore[attr-defined]
             freeze_after=opt.freeze_after,  # type: ignore[attr-defined]
+            keywords=self._keywords,
+            kw_in_dims=self.kw_in_dims,
         )
 
     def _capture(self, args: tuple, target: Any, mask: Tensor | None) -> _Entry:
@@ -506,11 +524,12 @@ def _unsupported_optimizer(optimizer: Any) -> str | None:
 
 def compile_step(
     stack: Any,
-    loss_fn: Callable[..., Tensor],
+    loss_fn: Callable[..., Tensor] | None,
     optimizer: torch.optim.Optimizer,
     *,
     in_dims: int | Sequence[int | None] | None = None,
     target_in_dims: int | Literal["same"] | None = "same",
+    kw_in_dims: Any = None,
     max_norm: float | Tensor | None = None,
     norm_type: float = 2.0,
     backend: str | Callable[..., Any] = "inductor",
@@ -538,13 +557,17 @@ def compile_step(
     Args:
         stack: the :class:`phalanx.Stack` to train.
         loss_fn: a loss on one member's ``(B, ...)`` output and target returning a scalar,
-            such as ``torch.nn.functional.cross_entropy`` (see :func:`phalanx.member_losses`).
+            such as ``torch.nn.functional.cross_entropy`` (see :func:`phalanx.member_losses`);
+            or None for the loss each member computes itself (its output's ``.loss``, e.g. a
+            Hugging Face model given ``labels=``): call ``step(inputs, labels=y, ...)``.
         optimizer: a ``phalanx.optim.Adam`` or ``AdamW`` over ``stack.parameters()``, with any
             per-member hyperparameters, ``skip_nonfinite`` and ``freeze_after``. Other
             optimizers run the eager step, with a warning.
         in_dims: as in ``Stack.forward``: None (shared input) or 0 (per-member), one per input.
         target_in_dims: None (a target shared by every member) or 0 (per-member); "same"
             (the default) follows ``in_dims`` of a single input.
+        kw_in_dims: how the keyword inputs of ``step(...)`` map over the members, as in
+            ``Stack.forward``: a dict of name to None or 0, or one value for all.
         max_norm: clip each member's gradient norm to this, a number or (N,), as
             :func:`phalanx.clip_grad_norm_`; the norms are ``step.last_norms``.
         norm_type: the p of the clipping norm.
@@ -557,7 +580,8 @@ def compile_step(
             backend choice, which must be fixed before tracing).
 
     Returns:
-        The step, a callable ``step(inputs, target, *, mask=None) -> (N,) losses``.
+        The step, a callable ``step(inputs, target=None, *, mask=None, **kwargs) -> (N,)
+        losses``.
 
     Raises:
         TypeError: ``stack`` is not a :class:`phalanx.Stack`.
@@ -618,6 +642,7 @@ def compile_step(
         optimizer,
         in_dims=in_dims,
         target_in_dims=target_in_dims,
+        kw_in_dims=kw_in_dims,
         max_norm=max_norm,
         norm_type=norm_type,
         backend=backend,

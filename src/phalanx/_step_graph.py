@@ -53,10 +53,12 @@ class Plan:
         masked: a step mask is an input.
         isolate: skip members whose loss or gradients are not finite.
         freeze_after: with ``isolate``, freeze a member after this many skipped steps.
+        keywords: the names of the keyword inputs, which follow the positional ones in "args".
+        kw_in_dims: as in ``Stack.forward``.
     """
 
     stack: Any
-    loss_fn: Callable[..., Tensor]
+    loss_fn: Callable[..., Tensor] | None
     param_names: tuple[str, ...]
     trainable: tuple[bool, ...]
     buffer_names: tuple[str, ...]
@@ -69,6 +71,8 @@ class Plan:
     masked: bool
     isolate: bool
     freeze_after: int | None
+    keywords: tuple[str, ...] = ()
+    kw_in_dims: Any = None
 
 
 #: Marks a tensor input of the graph in ``Layout.args`` and ``Layout.target``.
@@ -242,7 +246,9 @@ def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | N
         leaves = [p.detach().requires_grad_(r) for p, r in zip(params, plan.trainable)]
         tensors = {**dict(zip(names, leaves)), **dict(zip(plan.buffer_names, t["buffers"]))}
         with torch.enable_grad():
-            out = functional_call(plan.stack, tensors, tuple(t["args"]), {"in_dims": plan.in_dims})
+            args, keywords = split_keywords(t["args"], plan.keywords)
+            call = {"in_dims": plan.in_dims, "kw_in_dims": plan.kw_in_dims, **keywords}
+            out = functional_call(plan.stack, tensors, args, call)
             losses = member_losses(plan.loss_fn, out, t["target"], in_dims=(0, plan.target_dim))
             wanted = [k for k, r in enumerate(plan.trainable) if r]
             found = torch.autograd.grad(
@@ -273,6 +279,15 @@ def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | N
         return {"losses": losses, "norms": norms, "skipped": skipped, "frozen": newly_frozen}
 
     return step
+
+
+def split_keywords(args: Any, names: tuple[str, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` holds the positional inputs followed by the keyword inputs called ``names``."""
+    args = tuple(args)
+    if not names:
+        return args, {}
+    p = len(args) - len(names)
+    return args[:p], dict(zip(names, args[p:]))
 
 
 # ------------------------------------------------------------------- rewrites of the graph

@@ -174,3 +174,17 @@ def default_store() -> Any:
         return _get_default_store()
     except Exception:
         return None
+
+
+def tracing() -> bool:
+    """True while ``torch.compile`` or ``make_fx`` traces (tensors have no values to read).
+
+    ``proxy_tensor.get_proxy_mode()`` is the mode ``make_fx`` installs (``phalanx.compile_step``
+    traces with it); where it is missing, False: the caller then reads values, as eagerly.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    from torch.fx.experimental import proxy_tensor
+
+    get = getattr(proxy_tensor, "get_proxy_mode", None)
+    return get is not None and get() is not None

@@ -1,6 +1,7 @@
 """Backends: stateless strategies that compute a forward pass for all members at once.
 
-A backend is an object with a ``name`` and a ``forward(view, args, kwargs, in_dims)`` method
+A backend is an object with a ``name`` and a ``forward(view, args, kwargs, in_dims, kw_dims)``
+method (``kw_dims``: the names of the keyword inputs that are per-member, ``(N, ...)``)
 that reads the stack through a :class:`StackView` (a narrow, read-only view: the member
 count, the module holding the stacked tensors, the stacked tensors by name, and one cache
 dictionary per backend) and returns the members' outputs stacked on dim 0. A backend that
@@ -98,6 +99,7 @@ class Backend(Protocol):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
+        kw_dims: frozenset[str] = ...,
     ) -> Any: ...
 
 

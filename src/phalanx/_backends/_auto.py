@@ -99,16 +99,17 @@ class AutoBackend:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
+        kw_dims: frozenset[str] = frozenset(),
     ) -> Any:
         state = self.state(view)
         context = self._context()
         if context in state["dropped"]:
-            return get_backend("loop").forward(view, args, kwargs, in_dims)
+            return get_backend("loop").forward(view, args, kwargs, in_dims, kw_dims)
         if torch.compiler.is_compiling():
-            return get_backend("fused").forward(view, args, kwargs, in_dims)
+            return get_backend("fused").forward(view, args, kwargs, in_dims, kw_dims)
         undo = _Undo(view, args, kwargs, first=not state["settled"])
         try:
-            out = get_backend("fused").forward(view, args, kwargs, in_dims)
+            out = get_backend("fused").forward(view, args, kwargs, in_dims, kw_dims)
         except Exception as e:
             undo.undo(e)
             failure = e
@@ -117,7 +118,7 @@ class AutoBackend:
             return out
         # Outside the except block: the loop's error is the member's own and is raised as
         # such, not as one that happened while handling fused's.
-        out = get_backend("loop").forward(view, args, kwargs, in_dims)
+        out = get_backend("loop").forward(view, args, kwargs, in_dims, kw_dims)
         self._drop(state, context, _reason(failure))
         return out
 

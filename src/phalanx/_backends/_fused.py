@@ -35,12 +35,13 @@ class FusedBackend:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
+        kw_dims: frozenset[str] = frozenset(),
     ) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             out = run_mlp(view, args[0], shared=in_dims[0] is None)
             if out is not None:
                 return out
-        return vmapped(view, args, kwargs, in_dims, SPEED, self.name)
+        return vmapped(view, args, kwargs, in_dims, SPEED, self.name, kw_dims)
 
 
 BACKEND = FusedBackend()

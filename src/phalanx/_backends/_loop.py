@@ -9,6 +9,7 @@ from torch.func import functional_call
 
 from phalanx import _torch_compat as compat
 from phalanx._backends._state import PerMemberAttributes
+from phalanx._keywords import member_kwargs
 from phalanx._torch_compat import pytree
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class LoopBackend:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
+        kw_dims: frozenset[str] = frozenset(),
     ) -> Any:
         params, buffers = view.state()
         # unbind gives all N views in one autograd node, so backward builds one stacked grad
@@ -88,7 +90,12 @@ class LoopBackend:
                 attributes.run(
                     i,
                     view.module,
-                    lambda: functional_call(view.module, state, member_args, kwargs),  # noqa: B023
+                    lambda: functional_call(
+                        view.module,
+                        state,  # noqa: B023
+                        member_args,  # noqa: B023
+                        member_kwargs(kwargs, kw_dims, i),  # noqa: B023
+                    ),
                 )
             )
             if i == 0 and shared:

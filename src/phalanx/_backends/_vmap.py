@@ -38,6 +38,7 @@ def vmapped(
     in_dims: tuple[int | None, ...],
     rules: dict[Any, Rule],
     name: str,
+    kw_dims: frozenset[str] = frozenset(),
 ) -> Any:
     """Runs the stack's module under vmap with ``rules`` routed; outputs ``(N, ...)``.
 
@@ -46,7 +47,7 @@ def vmapped(
     step (``phalanx.compile_step``) traces it with make_fx instead.
     """
     if torch.compiler.is_compiling():
-        return _eager(view, args, kwargs, in_dims, rules, name)
+        return _eager(view, args, kwargs, in_dims, rules, name, kw_dims)
     hooks = hooked(view.module)
     if hooks:
         # A hook runs once per member in the loop, on that member's tensors; under vmap it
@@ -59,8 +60,14 @@ def vmapped(
     # computes them. vmap returns tensors only, so they travel beside it.
     layout: dict[str, Any] = {}
 
-    def member(params: dict, buffers: dict, *member_args: Any) -> tuple[torch.Tensor, ...]:
-        out = functional_call(view.module, (params, buffers), member_args, kwargs)
+    shared_kwargs = {k: v for k, v in kwargs.items() if k not in kw_dims}
+    per_member_kwargs = {k: kwargs[k] for k in kw_dims}
+
+    def member(
+        params: dict, buffers: dict, own_kwargs: dict, *member_args: Any
+    ) -> tuple[torch.Tensor, ...]:
+        member_kwargs = {**shared_kwargs, **own_kwargs} if own_kwargs else kwargs
+        out = functional_call(view.module, (params, buffers), member_args, member_kwargs)
         leaves, spec = pytree.tree_flatten(out)
         layout["spec"] = spec
         layout["leaves"] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
@@ -68,8 +75,8 @@ def vmapped(
 
     try:
         with BatchedOps(rules):
-            tensors = vmap(member, in_dims=(0, 0, *in_dims), randomness="different")(
-                params, buffers, *args
+            tensors = vmap(member, in_dims=(0, 0, 0, *in_dims), randomness="different")(
+                params, buffers, per_member_kwargs, *args
             )
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
         # What torch.func says (a missing batching rule, a member's data turned into a
@@ -125,6 +132,7 @@ class VmapBackend:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_dims: tuple[int | None, ...],
+        kw_dims: frozenset[str] = frozenset(),
     ) -> Any:
         if torch.is_autocast_enabled("cpu"):
             # torch.func.vmap runs the member in float32 under CPU autocast, where the member
@@ -135,7 +143,7 @@ class VmapBackend:
                 "Use backend='fused' or backend='loop', or backend='auto', which hands over by "
                 "itself."
             )
-        return vmapped(view, args, kwargs, in_dims, CORRECTNESS, self.name)
+        return vmapped(view, args, kwargs, in_dims, CORRECTNESS, self.name, kw_dims)
 
 
 BACKEND = VmapBackend()

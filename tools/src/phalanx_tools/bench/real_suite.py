@@ -876,27 +876,31 @@ def main(argv: list[str] | None = None) -> int:
     import json
     from dataclasses import asdict
 
+    from phalanx_tools.bench import hf_models
     from phalanx_tools.bench.machine import measure
     from phalanx_tools.bench.suite import FULL, QUICK
     from phalanx_tools.threads import intra_op_threads
 
+    catalogue = {**MODELS, **{m.name: m for m in hf_models.hf_models()}}
+    if hf_models.NOTE:
+        print(hf_models.NOTE, flush=True)
     parser = argparse.ArgumentParser(prog="python -m phalanx_tools.bench.real_suite")
     parser.add_argument("--members", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(catalogue))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     names = args.models.split(",")
-    unknown = [name for name in names if name not in MODELS]
+    unknown = [name for name in names if name not in catalogue]
     if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(catalogue)}")
     with intra_op_threads(args.threads):
         machine = measure(torch.device("cpu"), quick=args.quick)
         print(machine.describe(), flush=True)
         rows = []
         for name in names:
-            rows.append(time_model(MODELS[name], args.members, QUICK if args.quick else FULL))
+            rows.append(time_model(catalogue[name], args.members, QUICK if args.quick else FULL))
             print(f"  {name}: done", flush=True)
     print(format_table(rows, machine.gemm_gflops))
     if args.json:
