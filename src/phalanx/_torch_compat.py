@@ -8,6 +8,7 @@ answer (the one that keeps phalanx on its exact general path) rather than failin
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -67,3 +68,37 @@ def is_wrapped(t: torch.Tensor) -> bool:
     """True for a torch.func wrapper (a batched or grad-tracking tensor), False for a plain one."""
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return True if check is None else bool(check(t))
+
+
+def checkpoint_site(frame: Any) -> tuple[str, Any] | None:
+    """Where a saved-tensor pack hook was called from, if ``torch.utils.checkpoint`` saved.
+
+    Returns ``("frame", _CheckpointFrame)`` when the non-reentrant checkpoint saves its
+    inputs (``_CheckpointFrame.save_inputs``, from a list comprehension: its frame or the one
+    above), ``("reentrant", None)`` when ``CheckpointFunction`` saves them through
+    ``Function.apply``, else None. Without these names (another torch) it returns None.
+    """
+    from torch.autograd.function import Function
+    from torch.utils import checkpoint as cp
+
+    save = getattr(getattr(cp, "_CheckpointFrame", None), "save_inputs", None)
+    code = getattr(save, "__code__", None)
+    for f in (frame, frame.f_back):
+        if f is not None and f.f_code is code:
+            return "frame", f.f_locals["self"]
+    apply = getattr(Function.apply, "__func__", None)
+    if (
+        apply is not None
+        and frame.f_code is apply.__code__
+        and frame.f_locals.get("cls") is getattr(cp, "CheckpointFunction", None)
+    ):
+        return "reentrant", None
+    return None
+
+
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """The context ``torch.func.functional_call`` runs a module in: ``tensors`` swapped in
+    by name (ties kept), put back on exit. ``torch.nn.utils.stateless._reparametrize_module``."""
+    from torch.nn.utils import stateless
+
+    return stateless._reparametrize_module(module, tensors, tie_weights=True)

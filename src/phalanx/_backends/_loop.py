@@ -9,6 +9,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from phalanx import _torch_compat as compat
+from phalanx._backends._recompute import MemberRecompute
 from phalanx._backends._state import PerMemberAttributes
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class LoopBackend:
             for k, (a, d) in enumerate(zip(args, in_dims))
             if d is None and isinstance(a, torch.Tensor)
         ]
+        recompute = MemberRecompute(view.module, attributes)
         originals: dict[int, torch.Tensor] = {}
         outputs = []
         for i in range(view.num_members):
@@ -84,11 +86,14 @@ class LoopBackend:
             elif i == 0 and shared:
                 with torch.no_grad():
                     before = {k: a.clone() for k, a, _ in shared}
+            call = lambda: functional_call(view.module, state, member_args, kwargs)  # noqa: B023, E731
+            # A checkpointed region in the member's forward recomputes as member i.
             outputs.append(
-                attributes.run(
+                recompute.run(
                     i,
-                    view.module,
-                    lambda: functional_call(view.module, state, member_args, kwargs),  # noqa: B023
+                    state,
+                    (member_args, kwargs),
+                    lambda: attributes.run(i, view.module, call),  # noqa: B023
                 )
             )
             if i == 0 and shared:

@@ -23,7 +23,7 @@ import torch
 from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 
-from phalanx._backends import BackendRefusal
+from phalanx._backends import BackendRefusal, _recompute
 from phalanx._backends._rules import CORRECTNESS, BatchedOps, Rule
 from phalanx._backends._state import hooked, put_back, snapshot, stored_tensors
 
@@ -67,7 +67,7 @@ def vmapped(
         return tuple(t for t in leaves if isinstance(t, torch.Tensor))
 
     try:
-        with BatchedOps(rules):
+        with BatchedOps(rules), _recompute.seen(_recompute.refuse_under_vmap):
             tensors = vmap(member, in_dims=(0, 0, *in_dims), randomness="different")(
                 params, buffers, *args
             )
@@ -77,6 +77,8 @@ def vmapped(
         # runs the member's code as written. Refuse, naming torch's reason.
         text = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {text[0] if text else ''}"
+        if _recompute.is_checkpoint_failure(e):
+            why = _recompute.WHY_VMAP
         if any(k in why for k in ("data-dependent", ".item()", "tolist", "Python value")):
             why = (
                 "the member's forward turns its data into a Python value (a branch on a "
