@@ -5,6 +5,7 @@ from typing import Any
 from phalanx import data, metrics, optim, population
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
+from phalanx._export import export
 from phalanx._losses import member_losses
 from phalanx._split import merge, split
 from phalanx._stack import Stack, stack
@@ -31,6 +32,7 @@ __all__ = [
     "compile_step",
     "data",
     "distributed",
+    "export",
     "export_members",
     "load",
     "member_losses",

@@ -24,6 +24,7 @@ from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 
 from phalanx._backends import BackendRefusal, _recompute
+from phalanx._backends._export_rules import EXPORT
 from phalanx._backends._rules import CORRECTNESS, BatchedOps, Rule
 from phalanx._backends._state import hooked, put_back, snapshot, stored_tensors
 
@@ -45,7 +46,7 @@ def vmapped(
     custom Function's vmap rule: an internal error in torch 2.13); the captured training
     step (``phalanx.compile_step``) traces it with make_fx instead.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return _eager(view, args, kwargs, in_dims, rules, name)
     hooks = hooked(view.module)
     if hooks:
@@ -53,6 +54,8 @@ def vmapped(
         # would run once, on all members' batched tensors, and what it keeps would escape.
         where = "global module hooks" if hooks[0] == "*" else f"hooks on {hooks[0]!r}"
         _refuse(name, f"the member holds {where}, which must run once per member")
+    if torch.compiler.is_exporting():
+        rules = {**rules, **EXPORT}
     params, buffers = view.state()
     before = snapshot(view.module)
     # Non-tensor outputs (a None field, a flag) are the same for every member: one trace
