@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from phalanx._backends import CHOICES, StackView, get_backend
+from phalanx._layout import to_member_format
 from phalanx._memory import reuse_freed_memory
 from phalanx._modules import copy_modes
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
@@ -164,6 +165,20 @@ class Stack(nn.Module):
                     p[i].copy_(member.get_parameter(name))
                 for name, b in buffers.items():
                     b[i].copy_(member.get_buffer(name))
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> Stack:
+        """``nn.Module.to``, with ``memory_format`` applied to each member's tensors.
+
+        ``stack.to(memory_format=torch.channels_last)`` lays out every member's conv weight
+        as ``member.to(memory_format=torch.channels_last)`` would: ``stack.parameters()``
+        stay the same objects, holding the same values (``phalanx._layout``).
+        """
+        memory_format = kwargs.pop("memory_format", None)
+        if args or kwargs:
+            super().to(*args, **kwargs)
+        if memory_format is not None:
+            to_member_format(self.module, memory_format)
         return self
 
     @property
