@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap
 
+from phalanx import _smoothing
+
 # Losses that are a mean of per-element terms: computed once on (N, B, ...) with
 # reduction="none", then averaged per member, instead of through vmap's per-call overhead.
 _ELEMENTWISE = {
@@ -85,6 +87,8 @@ def member_losses(
         in_dims: how ``output`` and ``target`` map over the member axis, as in
             ``torch.func.vmap``.
         **kwargs: passed to ``loss_fn`` for every member (e.g. ``label_smoothing=0.1``).
+            ``label_smoothing`` may also be one value per member, an ``(N,)`` tensor or a
+            list, with ``F.cross_entropy`` (a smoothing sweep).
 
     Returns:
         ``(N,)``: the members' losses.
@@ -98,6 +102,8 @@ def member_losses(
         >>> losses.sum().backward()
     """
     where = "phalanx.member_losses()"
+    if _smoothing.is_per_member(kwargs):
+        return _smoothing.smoothed_losses(member_losses, loss_fn, output, target, in_dims, kwargs)
     if (
         in_dims[1] is None
         and isinstance(target, torch.Tensor)
