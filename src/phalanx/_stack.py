@@ -14,6 +14,7 @@ from phalanx._layout import to_member_format
 from phalanx._memory import reuse_freed_memory
 from phalanx._modules import copy_modes
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
+from phalanx._warnings import check_inputs, record_outputs
 
 _CHOICES = CHOICES
 InDims = int | None | Sequence[int | None]
@@ -231,10 +232,11 @@ class Stack(nn.Module):
         backend = get_backend(self._requested)
         if torch.compiler.is_compiling():
             return backend.forward(self._view, args, kwargs, dims)
+        check_inputs(self._view, args, dims)  # a fed-back output, a shared x requiring grad
         # Every backend runs the stack's one module tree with each call's tensors swapped in
         # (torch.func.functional_call), so two threads must not run it at once.
         with self._view.lock:
-            return backend.forward(self._view, args, kwargs, dims)
+            return record_outputs(self._view, backend.forward(self._view, args, kwargs, dims))
 
     def _normalize_in_dims(self, in_dims: InDims, args: tuple[Any, ...]) -> tuple[int | None, ...]:
         where = "Stack.forward()"
