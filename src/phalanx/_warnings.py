@@ -71,7 +71,7 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
 def record_outputs(view: StackView, out: Any) -> Any:
     """Keeps the shapes of this call's tensor outputs for :func:`check_inputs`; returns ``out``."""
     if isinstance(out, torch.Tensor):
-        shapes = (out.shape,)
+        shapes: tuple[torch.Size, ...] = (out.shape,)
     else:
         shapes = tuple(t.shape for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
     view.cache_of(_KEY)["outputs"] = shapes
