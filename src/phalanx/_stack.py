@@ -43,7 +43,10 @@ class Stack(nn.Module):
     member axis, in ``stack.module``: a copy of member 0 whose tensors have shape
     ``(N, *shape)``. These stacked tensors are the one source of truth; backends read them and
     switching backend never copies weights. ``stack.parameters()`` are leaf ``nn.Parameter``
-    objects, so any ``torch.optim`` optimizer trains all members at once.
+    objects, so any ``torch.optim`` optimizer trains all members at once. Functions that
+    treat the parameters as one vector do not know the member axis:
+    ``torch.nn.utils.clip_grad_norm_(stack.parameters())`` clips all members by one joint
+    norm; ``phalanx.clip_grad_norm_`` clips each member by its own.
 
     Build one with :func:`phalanx.stack`.
 
