@@ -41,9 +41,11 @@ def seen(on_checkpoint: Callable[[str, Any], None]) -> Iterator[None]:
 
     ``kind`` is "frame" (non-reentrant; ``frame`` is torch's ``_CheckpointFrame``) or
     "reentrant" (``frame`` is None: its node is found after the forward). Without grad a
-    checkpoint keeps nothing and recomputes nothing, so no hook is installed.
+    checkpoint keeps nothing and recomputes nothing, so no hook is installed; nor inside a
+    ``torch.func`` transform of the user's (``jacrev`` refuses saved-tensor hooks), where a
+    checkpoint is torch.func's to handle.
     """
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or compat.transforms_active():
         yield
         return
 
