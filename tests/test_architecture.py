@@ -91,7 +91,10 @@ def test_the_declared_torch_range_starts_at_the_tested_release():
     assert '"torch>=2.13"' in text and "torch==2.13.0" in constraint
 
 
-_STACK_PRIVATE = {"_template", "_requested", "_view", "_param_slots", "_buffer_slots", "_retired"}
+_STACK_PRIVATE = {
+    "_template", "_requested", "_view", "_param_slots", "_buffer_slots", "_retired",
+    "_stacked_state", "_from_stacked",
+}  # fmt: skip
 
 
 def test_only_the_stack_reads_its_private_parts():

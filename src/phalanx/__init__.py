@@ -5,6 +5,7 @@ from phalanx._backends import BACKENDS, BackendRefusal
 from phalanx._build import stack
 from phalanx._checkpoint import CheckpointError, export_members, load, save
 from phalanx._clip import clip_grad_norm_, clip_grad_value_
+from phalanx._export import export
 from phalanx._inplace import MemberView, StackedModuleList, stack_in_place, unstack_in_place
 from phalanx._losses import member_losses
 from phalanx._polyak import polyak_
@@ -28,6 +29,7 @@ __all__ = [
     "compile_step",
     "data",
     "distributed",
+    "export",
     "export_members",
     "load",
     "member_losses",

@@ -75,12 +75,15 @@ def keyword_dims(
                 f"must be the number of members, {n}; got a tensor of shape {tuple(v.shape)}. "
                 f"For a keyword shared by every member, mark it None."
             )
-    if not explicit:
-        batches = {
+    candidates = [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 1]
+    # Under a trace (torch.compile, torch.export) sizes may be symbolic: the warning is for
+    # eager calls, where a user reads it.
+    if not explicit and candidates and not torch.compiler.is_compiling():
+        batches = [
             a.shape[0 if d is None else 1]
             for a, d in zip(args, in_dims)
             if isinstance(a, torch.Tensor) and a.dim() > (0 if d is None else 1)
-        }
+        ]
         looks = [
             k
             for k, v in kwargs.items()

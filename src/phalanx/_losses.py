@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap
 
+from phalanx import _smoothing
 from phalanx._hf import not_a_tensor, own_loss
 
 # Losses that are a mean of per-element terms: computed once on (N, B, ...) with
@@ -90,6 +91,8 @@ def member_losses(
         in_dims: how ``output`` and ``target`` map over the member axis, as in
             ``torch.func.vmap``.
         **kwargs: passed to ``loss_fn`` for every member (e.g. ``label_smoothing=0.1``).
+            ``label_smoothing`` may also be one value per member, an ``(N,)`` tensor or a
+            list, with ``F.cross_entropy`` (a smoothing sweep).
 
     Returns:
         ``(N,)``: the members' losses.
@@ -116,6 +119,8 @@ def member_losses(
             f"{where}: the loss function comes first: member_losses(loss_fn, output, target); "
             f"got a {type(loss_fn).__name__} where loss_fn goes."
         )
+    if _smoothing.is_per_member(kwargs):
+        return _smoothing.smoothed_losses(member_losses, loss_fn, output, target, in_dims, kwargs)
     if (
         in_dims[1] is None
         and isinstance(target, torch.Tensor)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,8 +13,10 @@ from torch import nn
 from phalanx import _routed
 from phalanx import _torch_compat as compat
 from phalanx._backends import CHOICES, StackView, get_backend
+from phalanx._habits import check_inputs, record_outputs
 from phalanx._hf import check_call, guard_stacked
 from phalanx._keywords import KwInDims, keyword_dims
+from phalanx._layout import to_member_format
 from phalanx._memory import reuse_freed_memory
 from phalanx._modules import copy_modes, meta_copy
 from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
@@ -46,7 +49,10 @@ class Stack(nn.Module):
     member axis, in ``stack.module``: a copy of member 0 whose tensors have shape
     ``(N, *shape)``. These stacked tensors are the one source of truth; backends read them and
     switching backend never copies weights. ``stack.parameters()`` are leaf ``nn.Parameter``
-    objects, so any ``torch.optim`` optimizer trains all members at once.
+    objects, so any ``torch.optim`` optimizer trains all members at once. Functions that
+    treat the parameters as one vector do not know the member axis:
+    ``torch.nn.utils.clip_grad_norm_(stack.parameters())`` clips all members by one joint
+    norm; ``phalanx.clip_grad_norm_`` clips each member by its own.
 
     Build one with :func:`phalanx.stack`.
 
@@ -179,6 +185,20 @@ class Stack(nn.Module):
                     b[i].copy_(member.get_buffer(name))
         return self
 
+    def to(self, *args: Any, **kwargs: Any) -> Stack:
+        """``nn.Module.to``, with ``memory_format`` applied to each member's tensors.
+
+        ``stack.to(memory_format=torch.channels_last)`` lays out every member's conv weight
+        as ``member.to(memory_format=torch.channels_last)`` would: ``stack.parameters()``
+        stay the same objects, holding the same values (``phalanx._layout``).
+        """
+        memory_format = kwargs.pop("memory_format", None)
+        if args or kwargs:
+            super().to(*args, **kwargs)
+        if memory_format is not None:
+            to_member_format(self.module, memory_format)
+        return self
+
     @property
     def backend(self) -> str:
         """The backend in use: "fused", "vmap" or "loop".
@@ -210,6 +230,18 @@ class Stack(nn.Module):
     def requested_backend(self) -> str:
         """The backend name the stack was given ("auto" stays "auto")."""
         return self._requested
+
+    @contextlib.contextmanager
+    def using_backend(self, name: str) -> Iterator[Stack]:
+        """Runs the block with backend ``name``, then restores the stack's own choice and what
+        its backends had learnt (``phalanx.export`` falls back to the loop's graph so)."""
+        requested, cache = self._requested, dict(self._view.cache)
+        self.backend = name
+        try:
+            yield self
+        finally:
+            self._set_backend(requested)
+            self._view.cache.update(cache)
 
     @property
     def call_lock(self) -> Any:
@@ -311,10 +343,13 @@ class Stack(nn.Module):
         backend = get_backend(self._requested)
         if torch.compiler.is_compiling():
             return backend.forward(self._view, args, kwargs, dims, kw_dims)
+        check_inputs(self._view, args, dims)  # a fed-back output, a shared x requiring grad
         # Every backend runs the stack's one module tree with each call's tensors swapped in
         # (torch.func.functional_call), so two threads must not run it at once.
         with self._view.lock:
-            return backend.forward(self._view, args, kwargs, dims, kw_dims)
+            return record_outputs(
+                self._view, backend.forward(self._view, args, kwargs, dims, kw_dims)
+            )
 
     def _routed(
         self,

@@ -1,4 +1,5 @@
-"""Per-member metrics: (N,) losses and accuracies, a text table, a plot.
+"""Per-member metrics: (N,) losses and accuracies, a text table, a plot; and the ensemble's
+own: predictive mean, its NLL and calibration error, disagreement, mutual information.
 
 Example:
     >>> logits = torch.randn(4, 32, 10)  # (N, B, C)
@@ -25,10 +26,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from phalanx._ensemble_metrics import (
+    disagreement,
+    ece,
+    mutual_information,
+    nll,
+    predictive_mean,
+)
 from phalanx._losses import member_losses
 from phalanx._warnings import warn
 
-__all__ = ["accuracy", "loss", "plot", "table"]
+__all__ = [
+    "accuracy",
+    "disagreement",
+    "ece",
+    "loss",
+    "mutual_information",
+    "nll",
+    "plot",
+    "predictive_mean",
+    "table",
+]
 
 
 def _shared(fn: str, in_dims: tuple[int | None, int | None] | None, shared: bool | None) -> Any:

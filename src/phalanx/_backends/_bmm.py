@@ -83,8 +83,9 @@ def linear_bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     """Every member's ``F.linear`` at once: ``(N, B, in)`` -> ``(N, B, out)``.
 
     Under autocast the plain operations run instead, so that autocast casts them as it casts
-    ``F.linear`` (an autograd.Function would need its own casting rules).
+    ``F.linear`` (an autograd.Function would need its own casting rules); so they do under
+    ``torch.export``, whose graph holds operations, not a Python Function.
     """
-    if torch.is_autocast_enabled(x.device.type):
+    if torch.is_autocast_enabled(x.device.type) or torch.compiler.is_exporting():
         return linear_ops(x, w, b)
     return _LinearBmm.apply(x, w, b)

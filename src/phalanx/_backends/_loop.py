@@ -8,6 +8,7 @@ import torch
 from torch.func import functional_call
 
 from phalanx import _torch_compat as compat
+from phalanx._backends._recompute import MemberRecompute
 from phalanx._backends._state import PerMemberAttributes
 from phalanx._keywords import member_kwargs
 from phalanx._torch_compat import pytree
@@ -73,6 +74,7 @@ class LoopBackend:
             for k, (a, d) in enumerate(zip(args, in_dims))
             if d is None and isinstance(a, torch.Tensor)
         ]
+        recompute = MemberRecompute(view.module, attributes)
         originals: dict[int, torch.Tensor] = {}
         outputs = []
         for i in range(view.num_members):
@@ -86,16 +88,15 @@ class LoopBackend:
             elif i == 0 and shared:
                 with torch.no_grad():
                     before = {k: a.clone() for k, a, _ in shared}
+            member_kw = member_kwargs(kwargs, kw_dims, i)
+            call = lambda: functional_call(view.module, state, member_args, member_kw)  # noqa: B023, E731
+            # A checkpointed region in the member's forward recomputes as member i.
             outputs.append(
-                attributes.run(
+                recompute.run(
                     i,
-                    view.module,
-                    lambda: functional_call(
-                        view.module,
-                        state,  # noqa: B023
-                        member_args,  # noqa: B023
-                        member_kwargs(kwargs, kw_dims, i),  # noqa: B023
-                    ),
+                    state,
+                    (member_args, member_kw),
+                    lambda: attributes.run(i, view.module, call),  # noqa: B023
                 )
             )
             if i == 0 and shared:

@@ -454,7 +454,12 @@ def _positional(
     def route(args: tuple, kwargs: dict) -> Any:
         values = dict(zip(names, args))
         values.update(kwargs)
-        return fn.apply(*(values.get(k, defaults.get(k)) for k in names))
+        full = tuple(values.get(k, defaults.get(k)) for k in names)
+        if torch.compiler.is_exporting():  # torch.export cannot trace the Function under vmap
+            out = compat.vmap_rule_inline(func, rule, full)
+            if out is not None:
+                return out
+        return fn.apply(*full)
 
     return route
 

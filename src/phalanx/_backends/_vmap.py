@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call, vmap
 
-from phalanx._backends import BackendRefusal
+from phalanx._backends import BackendRefusal, _recompute
+from phalanx._backends._export_rules import EXPORT
 from phalanx._backends._rules import CORRECTNESS, BatchedOps, Rule
 from phalanx._backends._state import hooked, put_back, snapshot, stored_tensors
 from phalanx._torch_compat import pytree
@@ -46,7 +47,7 @@ def vmapped(
     custom Function's vmap rule: an internal error in torch 2.13); the captured training
     step (``phalanx.compile_step``) traces it with make_fx instead.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return _eager(view, args, kwargs, in_dims, rules, name, kw_dims)
     hooks = hooked(view.module)
     if hooks:
@@ -54,6 +55,8 @@ def vmapped(
         # would run once, on all members' batched tensors, and what it keeps would escape.
         where = "global module hooks" if hooks[0] == "*" else f"hooks on {hooks[0]!r}"
         _refuse(name, f"the member holds {where}, which must run once per member")
+    if torch.compiler.is_exporting():
+        rules = {**rules, **EXPORT}
     params, buffers = view.state()
     before = snapshot(view.module)
     # Non-tensor outputs (a None field, a flag) are the same for every member: one trace
@@ -74,7 +77,7 @@ def vmapped(
         return tuple(t for t in leaves if isinstance(t, torch.Tensor))
 
     try:
-        with BatchedOps(rules):
+        with BatchedOps(rules), _recompute.seen(_recompute.refuse_under_vmap):
             tensors = vmap(member, in_dims=(0, 0, 0, *in_dims), randomness="different")(
                 params, buffers, per_member_kwargs, *args
             )
@@ -84,6 +87,8 @@ def vmapped(
         # runs the member's code as written. Refuse, naming torch's reason.
         text = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {text[0] if text else ''}"
+        if _recompute.is_checkpoint_failure(e):
+            why = _recompute.WHY_VMAP
         if any(k in why for k in ("data-dependent", ".item()", "tolist", "Python value")):
             why = (
                 "the member's forward turns its data into a Python value (a branch on a "
