@@ -33,7 +33,7 @@ def check_call(module: nn.Module, kwargs: dict[str, Any]) -> None:
     and values, which no backend can stack (phalanx has no stacked KV cache, so no cached
     generation either).
     """
-    config = getattr(module, "config", None)
+    config = module.__dict__.get("config")  # a plain attribute on Hugging Face models
     if config is None or getattr(config, "use_cache", None) is not True:
         return
     if kwargs.get("use_cache") is False or not _takes_use_cache(module):

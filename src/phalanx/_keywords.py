@@ -39,6 +39,8 @@ def keyword_dims(
         kwargs: the call's keyword inputs.
         n: the number of members.
     """
+    if not kwargs and kw_in_dims is None:
+        return frozenset()  # the common call: nothing to check
     if kw_in_dims is None or isinstance(kw_in_dims, int):
         _check_dim(kw_in_dims, "kw_in_dims")
         declared: dict[str, int | None] = {}

@@ -96,6 +96,11 @@ HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backw
 """The per-module hook dicts of ``nn.Module`` (register_forward_hook and its siblings)."""
 
 
+def has_hooks(module: torch.nn.Module) -> bool:
+    """True when the module itself holds a hook (checked on every call: no dict is built)."""
+    return any(getattr(module, name, None) for name in HOOK_DICTS)
+
+
 def module_hooks(module: torch.nn.Module) -> dict[str, dict[Any, Any]]:
     """The module's own hooks, by the name of their dict in :data:`HOOK_DICTS`."""
     return {name: getattr(module, name, {}) for name in HOOK_DICTS}

@@ -37,7 +37,7 @@ _CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
 
 
 def has_hooks(module: nn.Module) -> bool:
-    return any(compat.module_hooks(module).values())
+    return compat.has_hooks(module)
 
 
 def mlp_layers(seq: nn.Module) -> list[nn.Module] | None:

@@ -31,8 +31,8 @@ Snapshot = list[tuple[nn.Module, dict[str, Any]]]
 def hooked(module: nn.Module) -> list[str]:
     """The paths of the submodules that hold hooks ('' is the root), global hooks as '*'."""
     found = ["*"] if compat.global_module_hooks() else []
-    if any(any(compat.module_hooks(m).values()) for m in module.modules()):  # names only on a hit
-        found += [p for p, m in module.named_modules() if any(compat.module_hooks(m).values())]
+    if any(compat.has_hooks(m) for m in module.modules()):  # names only on a hit
+        found += [p for p, m in module.named_modules() if compat.has_hooks(m)]
     return found
 
 
