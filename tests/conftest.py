@@ -202,6 +202,18 @@ def prepare(arch: Arch, n: int, train: bool, backend: str):
     return members, reference, stack
 
 
+def assert_members_match(stack: phalanx.Stack, reference: list[nn.Module]) -> None:
+    """Member by member: the stack's parameter gradients and buffers equal the reference
+    modules' own."""
+    params, buffers = stack.stacked_state()
+    for name, p in params.items():
+        for i, m in enumerate(reference):
+            assert_close(p.grad[i], m.get_parameter(name).grad, msg=f"member {i} grad {name}")
+    for name, b in buffers.items():
+        for i, m in enumerate(reference):
+            assert_close(b[i], m.get_buffer(name), msg=f"member {i} buffer {name}")
+
+
 def check_forward_and_gradients(backend, arch, mode, n, train):
     """Outputs, input and parameter gradients and buffers against independent copies."""
     torch.manual_seed(0)
@@ -230,13 +242,7 @@ def check_forward_and_gradients(backend, arch, mode, n, train):
 
     stacked_loss(out, n).backward()
     ref_loss.backward()
-    params, buffers = stack.stacked_state()
-    for name, p in params.items():
-        for i, m in enumerate(reference):
-            assert_close(p.grad[i], m.get_parameter(name).grad, msg=f"member {i} grad {name}")
-    for name, b in buffers.items():
-        for i, m in enumerate(reference):
-            assert_close(b[i], m.get_buffer(name), msg=f"member {i} buffer {name}")
+    assert_members_match(stack, reference)
     # The originals are untouched: the stack copied their tensors.
     for m, r in zip(members, reference):
         for (name, p), (_, q) in zip(m.named_parameters(), r.named_parameters()):

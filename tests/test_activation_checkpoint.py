@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import phalanx
-from conftest import assert_close
+from conftest import assert_close, assert_members_match
 from phalanx._backends import BackendRefusal
 
 N, B = 3, 5
@@ -66,13 +66,7 @@ def test_checkpointed_member_is_exact_against_the_loop_of_originals(backend, ree
     (out * weights).sum().backward()
     assert_close(x.grad, ref_dx, msg="input grad")
     assert torch.equal(torch.get_rng_state(), ref_rng), "the recomputation moved the RNG"
-    params, buffers = stack.stacked_state()
-    for name, p in params.items():
-        for i, m in enumerate(reference):
-            assert_close(p.grad[i], m.get_parameter(name).grad, msg=f"member {i} grad {name}")
-    for name, b in buffers.items():
-        for i, m in enumerate(reference):
-            assert_close(b[i], m.get_buffer(name), msg=f"member {i} buffer {name}")
+    assert_members_match(stack, reference)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
