@@ -249,7 +249,7 @@ class CompiledStep:
             self.last_norms = clip_grad_norm_(
                 self.stack.parameters(), self.max_norm, self.norm_type
             )
-        if isinstance(opt, _member_optimizer()):
+        if isinstance(opt, MemberOptimizer):
             opt.step(mask=mask, loss=losses)
         else:
             if mask is not None:
@@ -503,10 +503,6 @@ def _set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
     torch.set_rng_state(state[0])
     if state[1]:
         torch.cuda.set_rng_state_all(state[1])
-
-
-def _member_optimizer() -> Any:
-    return MemberOptimizer
 
 
 def _unsupported_optimizer(optimizer: Any) -> str | None:

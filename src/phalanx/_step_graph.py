@@ -28,7 +28,7 @@ from phalanx._clip import clip_coefficients, member_norms
 from phalanx._losses import member_losses
 from phalanx._torch_compat import pytree
 from phalanx.optim._adam import adam_update
-from phalanx.optim._base import finite_members, isolate
+from phalanx.optim._base import finite_members, isolate, per_member
 
 #: The hyperparameters of one parameter's update, each an (N,) tensor.
 ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
@@ -186,18 +186,12 @@ def unflatten(layout: Layout, flat: list[Tensor] | tuple[Tensor, ...]) -> dict[s
     return t
 
 
-def _per_member(h: Tensor, like: Tensor) -> Tensor:
-    """(N,) -> (N, 1, ..., 1) in ``like``'s dtype: how the eager optimizer broadcasts."""
-    dtype = torch.bool if h.dtype == torch.bool else like.dtype
-    return h.to(dtype).view(-1, *([1] * (like.dim() - 1)))
-
-
 def _clip(grads: list[Tensor], max_norm: Tensor, norm_type: float, n: int) -> Tensor:
     """``phalanx.clip_grad_norm_`` on gradient values: returns the (N,) norms, scales grads."""
     total = member_norms(grads, n, norm_type)
     coef = clip_coefficients(max_norm.to(total.dtype), total)
     for k, g in enumerate(grads):
-        grads[k] = g * _per_member(coef, g)
+        grads[k] = g * per_member(coef, g)
     return total
 
 
@@ -274,7 +268,7 @@ def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | N
                 targets = {"param": p, **state}
                 for key, value in new.items():
                     if active is not None:
-                        value = torch.where(_per_member(active, value), value, targets[key])
+                        value = torch.where(per_member(active, value), value, targets[key])
                     targets[key].copy_(value)
         return {"losses": losses, "norms": norms, "skipped": skipped, "frozen": newly_frozen}
 

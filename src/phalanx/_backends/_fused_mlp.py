@@ -36,13 +36,9 @@ _ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU)
 _CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
 
 
-def has_hooks(module: nn.Module) -> bool:
-    return compat.has_hooks(module)
-
-
 def mlp_layers(seq: nn.Module) -> list[nn.Module] | None:
     """The layers of ``seq`` when it is a plain Sequential MLP the fast path runs, else None."""
-    if type(seq) is not nn.Sequential or any(has_hooks(m) for m in seq.modules()):
+    if type(seq) is not nn.Sequential or any(compat.has_hooks(m) for m in seq.modules()):
         return None
     layers = list(seq)
     if not layers or not any(type(m) is nn.Linear for m in layers):

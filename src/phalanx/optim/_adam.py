@@ -9,17 +9,9 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, math_dtype
+from ._base import MemberOptimizer, math_dtype, per_member
 
 __all__ = ["Adam", "AdamW", "adam_update"]
-
-
-def _per_member(h: Any, like: Tensor) -> Any:
-    """A number as it is; an (N,) tensor as (N, 1, ..., 1) in ``like``'s dtype (bool stays)."""
-    if not isinstance(h, Tensor):
-        return h
-    dtype = torch.bool if h.dtype == torch.bool else like.dtype
-    return h.to(device=like.device, dtype=dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
 def adam_update(
@@ -51,22 +43,22 @@ def adam_update(
         "param", "exp_avg", "exp_avg_sq" and, with ``max_exp_avg_sq``, "max_exp_avg_sq".
     """
     if isinstance(maximize, Tensor):
-        g = g * _per_member(torch.where(maximize, -1.0, 1.0), g)  # g * -1 is exactly -g
+        g = g * per_member(torch.where(maximize, -1.0, 1.0), g)  # g * -1 is exactly -g
     elif maximize:
         g = -g
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
         if decoupled:
-            p = p * _per_member(1 - lr * weight_decay, p)
+            p = p * per_member(1 - lr * weight_decay, p)
         elif isinstance(weight_decay, Tensor):
-            g = torch.addcmul(g, p, _per_member(weight_decay, p))
+            g = torch.addcmul(g, p, per_member(weight_decay, p))
         else:  # rounded as torch's grad.add(param, alpha=weight_decay): one fused multiply-add
             g = g.add(p, alpha=weight_decay)
-    exp_avg = torch.lerp(exp_avg, g, _per_member(1 - beta1, g))
-    exp_avg_sq = exp_avg_sq * _per_member(beta2, g)
+    exp_avg = torch.lerp(exp_avg, g, per_member(1 - beta1, g))
+    exp_avg_sq = exp_avg_sq * per_member(beta2, g)
     if isinstance(beta2, Tensor):
         # addcmul's value must be a number: fold (1 - beta2) into the first factor, which
         # rounds the same as torch's value * grad * grad.
-        exp_avg_sq = torch.addcmul(exp_avg_sq, g * _per_member(1 - beta2, g), g)
+        exp_avg_sq = torch.addcmul(exp_avg_sq, g * per_member(1 - beta2, g), g)
     else:
         exp_avg_sq = torch.addcmul(exp_avg_sq, g, g, value=1 - beta2)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -79,13 +71,13 @@ def adam_update(
     # its own, and a parameter without a gradient in some steps has its own count, as in torch.
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    denom = denom / _per_member(bias_correction2.sqrt(), p)
-    denom = denom + _per_member(eps, denom)
+    denom = denom / per_member(bias_correction2.sqrt(), p)
+    denom = denom + per_member(eps, denom)
     # lr / bias_correction1 as a tensor division: a Python float over a tensor is
     # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
     # torch.optim's float division (and from the per-member path's tensor division).
     lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
-    new["param"] = torch.addcdiv(p, exp_avg * _per_member(-(lr_t / bias_correction1), p), denom)
+    new["param"] = torch.addcdiv(p, exp_avg * per_member(-(lr_t / bias_correction1), p), denom)
     return new
 
 

@@ -69,6 +69,15 @@ def views(h: float | Tensor, like: Sequence[Tensor]) -> Hyper:
     return out
 
 
+def per_member(h: Any, like: Tensor) -> Any:
+    """A number as it is; an (N,) tensor as (N, 1, ..., 1) in ``like``'s dtype and device (bool
+    stays bool): how a per-member hyperparameter meets a stacked tensor (``views`` for lists)."""
+    if not isinstance(h, Tensor):
+        return h
+    dtype = torch.bool if h.dtype == torch.bool else like.dtype
+    return h.to(device=like.device, dtype=dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
 def rows(values: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     """Row j of the (P, N) tensor `values` as (N, 1, ..., 1) in the dtype of `like[j]`.
 
