@@ -33,11 +33,13 @@ _KEY = "habits"
 
 def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | None, ...]) -> None:
     """Warns (once per stack) about a fed-back output or a shared input requiring grad."""
-    state = view.cache_of(_KEY)
     n = view.num_members
     for k, (a, d) in enumerate(zip(args, in_dims)):
         if d is not None or not isinstance(a, torch.Tensor):
             continue
+        if not a.requires_grad and (a.dim() == 0 or a.shape[0] != n):
+            continue  # neither check can apply: the common shared input costs no lookup
+        state = view.cache_of(_KEY)
         if (
             a.dim() > 0
             and a.shape[0] == n
