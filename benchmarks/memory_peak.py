@@ -22,7 +22,7 @@ WAYS = {
     "baseline": "import torch and phalanx, build nothing",
     "members": "a list of N members (no stack)",
     "list+stack": "a list of N members, then phalanx.stack(list): the old pdist.shard path too",
-    "factory": "phalanx._build.stack_from_factory(factory, num_members=N)",
+    "factory": "phalanx.core._build.stack_from_factory(factory, num_members=N)",
     "pdist.shard": "phalanx.distributed.shard(factory, num_members=N) in a plain process",
 }
 
@@ -38,7 +38,7 @@ def _child(way: str, n: int) -> None:
 
     import phalanx
     import phalanx.distributed as pdist
-    from phalanx._build import stack_from_factory
+    from phalanx.core._build import stack_from_factory
 
     torch.set_num_threads(1)
     keep = None

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import phalanx
 from conftest import assert_close, assert_members_match
-from phalanx._backends import BackendRefusal
+from phalanx.backends import BackendRefusal
 
 N, B = 3, 5
 

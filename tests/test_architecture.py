@@ -38,12 +38,12 @@ def test_the_import_contract_holds_and_can_fail(tmp_path):
     shutil.copytree(ROOT / "src" / "phalanx", copy / "phalanx")
     shutil.copytree(ROOT / "tools" / "src" / "phalanx_tools", copy / "phalanx_tools")
     leaf = copy / "phalanx" / "_members.py"
-    leaf.write_text(leaf.read_text() + "\n\ndef _up():\n    from phalanx import _stack\n")
+    leaf.write_text(leaf.read_text() + "\n\ndef _up():\n    from phalanx.core import _stack\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     env = {"PYTHONPATH": str(copy), "PATH": str(exe.parent)}
     broken = subprocess.run([exe], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert broken.returncode != 0
-    assert "phalanx._members is not allowed to import phalanx._stack" in broken.stdout
+    assert "phalanx._members is not allowed to import phalanx.core" in broken.stdout
 
 
 def test_the_wheel_holds_only_the_library(tmp_path):

@@ -11,7 +11,7 @@ from torch import nn
 import phalanx
 import phalanx.distributed as pdist
 from conftest import assert_close
-from phalanx._build import stack_from_factory
+from phalanx.core._build import stack_from_factory
 
 
 class Tied(nn.Module):

@@ -17,7 +17,7 @@ from torch import nn
 
 import phalanx
 from conftest import ARCHS, make_members
-from phalanx._checkpoint import CheckpointError
+from phalanx.checkpoint._single import CheckpointError
 
 N = 6
 
@@ -464,7 +464,7 @@ def test_extra_keys_that_collide_when_flattened_each_read_back_their_own(tmp_pat
 
 def test_a_checkpoint_that_does_not_fit_is_refused_from_its_header(tmp_path, monkeypatch) -> None:
     """No tensor data is read before the stack's keys, shapes and dtypes are checked."""
-    from phalanx import _files
+    from phalanx.checkpoint import _files
 
     path = tmp_path / "big.safetensors"
     phalanx.save(path, build(seed=0, hidden=64)[0])

@@ -20,7 +20,7 @@ from torch import nn
 
 import phalanx
 import phalanx.distributed as pdist
-from phalanx import _files
+from phalanx.checkpoint import _files
 from phalanx.distributed import _checkpoint as dckpt
 
 N = 4
@@ -232,7 +232,7 @@ def test_a_load_reads_metadata_and_tensors_from_one_open(tmp_path, monkeypatch) 
     """A save that lands while a load reads must not mix two files: the reader takes header
     and tensors from one open file, which a rename over the path leaves as it was.
     (safetensors' safe_open opens the file again, by name, for each tensor.)"""
-    from phalanx import _files
+    from phalanx.checkpoint import _files
 
     path = tmp_path / "run.safetensors"
     a, b = _stack(1.0), _stack(2.0)

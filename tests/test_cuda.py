@@ -64,7 +64,7 @@ def test_member_losses_and_clipping_on_cuda():
 def test_captured_step_matches_eager_step_on_cuda(backend):
     """compile_step on CUDA (inductor: CUDA graphs through mode="reduce-overhead"), with a
     step mask, clipping and isolation, against the eager phalanx step, member by member."""
-    from phalanx._step import compile_step
+    from phalanx.step._api import compile_step
 
     n = 4
     members = [m.cuda() for m in make_members(ARCHS[1], n)]

@@ -12,7 +12,7 @@ from torch import nn
 
 import phalanx
 import phalanx.distributed as pdist
-from phalanx._checkpoint import CheckpointError
+from phalanx.checkpoint._single import CheckpointError
 
 TIMEOUT = 20.0
 

@@ -15,7 +15,7 @@ from torch import nn
 import phalanx
 import phalanx.distributed as pdist
 from conftest import assert_close
-from phalanx._checkpoint import CheckpointError
+from phalanx.checkpoint._single import CheckpointError
 
 F64 = torch.float64
 N, STEPS, B = 4, 3, 8

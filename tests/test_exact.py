@@ -16,7 +16,7 @@ from torch import nn
 
 import phalanx
 from conftest import assert_close
-from phalanx._backends import BackendRefusal
+from phalanx.backends import BackendRefusal
 from test_fused import EmbeddingNet
 
 BACKENDS = ["auto", "fused", "vmap", "loop"]

@@ -13,7 +13,7 @@ from torch import nn
 
 import phalanx
 from conftest import Arch, assert_close, check_forward_and_gradients, reference_outputs
-from phalanx._backends import BackendRefusal, _fused
+from phalanx.backends import BackendRefusal, _fused
 from phalanx_tools.threads import intra_op_threads
 
 
@@ -335,7 +335,7 @@ def test_mlp_fast_path_respects_frozen_parameters():
 
 
 def test_mlp_no_grad_forward_in_member_chunks(monkeypatch):
-    from phalanx._backends import _fused_mlp
+    from phalanx.backends import _fused_mlp
 
     monkeypatch.setattr(_fused_mlp, "_CHUNK_BYTES", 4 * 4 * 7 * 2)  # two members a chunk
     torch.manual_seed(0)
@@ -395,7 +395,7 @@ def test_autocast_matches_the_loop_under_autocast(backend, arch):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_batched_linear_is_twice_differentiable_and_grads_keep_the_weight_layout(bias):
-    from phalanx._backends._bmm import linear_bmm
+    from phalanx.backends._bmm import linear_bmm
 
     torch.manual_seed(0)
     x = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)

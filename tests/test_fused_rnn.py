@@ -234,7 +234,7 @@ def test_dropout_between_layers_draws_per_member():
 
 @pytest.mark.parametrize("mode", ["GRU", "RNN_TANH", "RNN_RELU"])
 def test_gru_and_rnn_run_as_one_recurrence_for_all_members(mode, monkeypatch):
-    from phalanx._backends import _recurrence
+    from phalanx.backends import _recurrence
 
     taken = []
     recurrence = _recurrence._recurrence

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 SCRIPT = """
-import torch, phalanx, phalanx._memory as m
+import torch, phalanx, phalanx.core._memory as m
 from torch import nn
 phalanx.stack([nn.Embedding({rows}, 1024) for _ in range(2)])
 print(m._done)

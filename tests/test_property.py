@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import phalanx
-from phalanx._backends import BackendRefusal
+from phalanx.backends import BackendRefusal
 from phalanx.testing import assert_equal_to_loop
 
 WIDTH = 6  # every block maps (B, WIDTH) to (B, WIDTH)

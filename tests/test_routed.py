@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import phalanx
-from phalanx import _routed
+from phalanx.routed import _routed
 
 BACKENDS = ["loop", "vmap", "fused", "auto"]
 

@@ -24,8 +24,8 @@ from torch import nn
 
 import phalanx
 from conftest import ARCHS, assert_close, make_members
-from phalanx._step import CompiledStep, compile_step, decide
 from phalanx.optim._base import NonFiniteWarning
+from phalanx.step._api import CompiledStep, compile_step, decide
 from phalanx.testing import assert_equal_to_loop
 
 N = 4
@@ -352,7 +352,7 @@ def test_inductor_compiles_the_step():
 
 def test_layout_flattens_and_unflattens_every_kind_of_input():
     """The flat list the compiled graph takes holds each tensor once, in a fixed order."""
-    from phalanx._step_graph import ADAM_HYPERS, INPUT, flatten, layout_of, unflatten
+    from phalanx.step._graph import ADAM_HYPERS, INPUT, flatten, layout_of, unflatten
 
     def t():
         return torch.randn(3)
@@ -447,7 +447,7 @@ def test_a_target_holding_an_object_runs_eager_with_one_warning():
 def test_hyperparameter_cache_never_mistakes_a_new_tensor_for_an_old_one():
     """The cache key holds its tensors: a tensor freed and replaced by one that happens to
     get the same id (a scheduler stepped twice between steps) is a change."""
-    from phalanx._step_signature import value_key as _value_key
+    from phalanx.step._signature import value_key as _value_key
 
     old = torch.full((N,), 0.1, dtype=torch.float64)
     key = _value_key((old, 0.9))
@@ -502,7 +502,7 @@ def test_simplify_keeps_every_value_and_never_aliases_a_written_input():
     unless something downstream writes into it."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from phalanx._step_graph import simplify
+    from phalanx.step._graph import simplify
 
     def fold(x, w, b):  # the fused backend's (N, B, d) -> (N * B, d) -> (N, B, d)
         h = x.reshape(-1, 20).view(N, -1, 20)

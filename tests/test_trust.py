@@ -19,7 +19,7 @@ from torch import nn
 
 import phalanx
 from conftest import assert_close
-from phalanx._backends import BackendRefusal
+from phalanx.backends import BackendRefusal
 
 BACKENDS = ["auto", "fused", "vmap", "loop"]
 

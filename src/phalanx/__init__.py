@@ -1,17 +1,17 @@
 """phalanx: N PyTorch models of one architecture run as one computation."""
 
 from phalanx import data, distributed, metrics, optim, population, routing, testing
-from phalanx._backends import BACKENDS, BackendRefusal
-from phalanx._build import stack
-from phalanx._checkpoint import CheckpointError, export_members, load, save
-from phalanx._clip import clip_grad_norm_, clip_grad_value_
-from phalanx._export import export
-from phalanx._inplace import MemberView, StackedModuleList, stack_in_place, unstack_in_place
-from phalanx._losses import member_losses
-from phalanx._polyak import polyak_
-from phalanx._split import merge, split
-from phalanx._stack import Stack
-from phalanx._step import CompiledStep, compile_step
+from phalanx.backends import BACKENDS, BackendRefusal
+from phalanx.checkpoint._single import CheckpointError, export_members, load, save
+from phalanx.core._build import stack
+from phalanx.core._export import export
+from phalanx.core._inplace import MemberView, StackedModuleList, stack_in_place, unstack_in_place
+from phalanx.core._polyak import polyak_
+from phalanx.core._split import merge, split
+from phalanx.core._stack import Stack
+from phalanx.step._api import CompiledStep, compile_step
+from phalanx.train._clip import clip_grad_norm_, clip_grad_value_
+from phalanx.train._losses import member_losses
 
 __version__ = "0.1.0"
 

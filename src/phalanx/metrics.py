@@ -26,15 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from phalanx._ensemble_metrics import (
+from phalanx._warnings import warn
+from phalanx.train._ensemble_metrics import (
     disagreement,
     ece,
     mutual_information,
     nll,
     predictive_mean,
 )
-from phalanx._losses import member_losses
-from phalanx._warnings import warn
+from phalanx.train._losses import member_losses
 
 __all__ = [
     "accuracy",

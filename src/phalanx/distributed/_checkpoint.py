@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from phalanx._checks import CheckpointError, check_part
-from phalanx._files import atomic_write_text, save_atomic
-from phalanx._stack import Stack
+from phalanx.checkpoint._files import atomic_write_text, save_atomic
+from phalanx.checkpoint._fit import CheckpointError, check_part
+from phalanx.core._stack import Stack
 from phalanx.distributed import _health
 from phalanx.distributed._agree import describe_members, exchange
 from phalanx.distributed._mesh import Shard, layout

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from phalanx._stack import Stack
+from phalanx.core._stack import Stack
 from phalanx.distributed._mesh import Shard
 from phalanx.distributed._shard import shard_of
 

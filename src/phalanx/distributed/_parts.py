@@ -1,7 +1,7 @@
 """The parts of a run beside the stack (optimizer, scheduler, loader, extras), split by member.
 
 Each part's ``state_dict()`` is encoded as in a single-file checkpoint (JSON with tensors
-replaced by ``{"__tensor__": key}``, see :mod:`phalanx._checkpoint`), and its tensors are
+replaced by ``{"__tensor__": key}``, see :mod:`phalanx.checkpoint._single`), and its tensors are
 sorted in two: a tensor whose dim 0 is this rank's number of members holds one row per member
 and is stored as this rank's rows (``member/KEY``), so a load on any number of ranks reads
 the rows of its own members; any other tensor is the same on every rank and is stored whole
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from phalanx._checkpoint import _encode
-from phalanx._checks import type_name
+from phalanx.checkpoint._fit import type_name
+from phalanx.checkpoint._single import _encode
 
 __all__ = ["MEMBER", "PARTS", "REPLICA", "Part", "encode_part", "localize_loader"]
 

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from phalanx._build import build_members
-from phalanx._stack import Stack
+from phalanx.core._build import build_members
+from phalanx.core._stack import Stack
 from phalanx.distributed._agree import describe_members, differences, exchange
 from phalanx.distributed._mesh import Shard, init, is_distributed, layout
 
@@ -45,7 +45,7 @@ def shard(
             (the caller's random state is left as it was), so its initial weights are those of
             ``torch.manual_seed(seed + i); factory(i)`` in one process. None leaves seeding to
             the factory. Members are built one at a time straight into the stacked tensors
-            (see :func:`phalanx._build.stack_from_factory`): memory peaks at this rank's
+            (see :func:`phalanx.core._build.stack_from_factory`): memory peaks at this rank's
             stack plus one member.
         backend: the stack's backend, as for :func:`phalanx.stack`.
         device: where to put this rank's members; None: its GPU under nccl, else the CPU.

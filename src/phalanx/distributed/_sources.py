@@ -15,9 +15,9 @@ from typing import Any, TypeGuard
 import torch
 from safetensors import safe_open
 
-from phalanx._checks import CheckpointError, decode, parse_meta
-from phalanx._files import checksum
 from phalanx._torch_compat import pytree
+from phalanx.checkpoint._files import checksum
+from phalanx.checkpoint._fit import CheckpointError, decode, parse_meta
 from phalanx.distributed._parts import MEMBER, REPLICA
 
 __all__ = ["FORMAT", "INDEX", "VERSION", "Sharded", "SingleFile", "read_index"]

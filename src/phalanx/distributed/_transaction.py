@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from phalanx._checks import CheckpointError
-from phalanx._files import atomic_write_text, fsync_directory
+from phalanx.checkpoint._files import atomic_write_text, fsync_directory
+from phalanx.checkpoint._fit import CheckpointError
 from phalanx.distributed._agree import differences, exchange
 from phalanx.distributed._mesh import Shard
 from phalanx.distributed._sources import GENERATION, INDEX, OLD_SHARD_FILE

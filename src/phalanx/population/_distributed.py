@@ -20,7 +20,7 @@ from phalanx.distributed import DistributedError
 from phalanx.population._rows import copy_within, member_tensors
 
 if TYPE_CHECKING:
-    from phalanx._stack import Stack
+    from phalanx.core._stack import Stack
     from phalanx.data import MemberLoader
     from phalanx.distributed import Shard
     from phalanx.optim import MemberOptimizer

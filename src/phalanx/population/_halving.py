@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from phalanx._checkpoint import CheckpointError, read, restore, save
+from phalanx.checkpoint._single import CheckpointError, read, restore, save
 from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
 from phalanx.population._pbt import check_mode, ranking
@@ -26,7 +26,7 @@ from phalanx.population._rows import check_run
 from phalanx.population._surgery import keep_members
 
 if TYPE_CHECKING:
-    from phalanx._stack import Stack
+    from phalanx.core._stack import Stack
 
 __all__ = ["Rungs", "SuccessiveHalving", "rungs"]
 

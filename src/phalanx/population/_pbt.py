@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from phalanx import _checkpoint as checkpoint
+from phalanx.checkpoint import _single as checkpoint
 from phalanx.data import MemberLoader
 from phalanx.distributed import _checkpoint as sharded
 from phalanx.optim import MemberOptimizer
@@ -25,7 +25,7 @@ from phalanx.population._rows import check_run
 from phalanx.population._surgery import copy_members
 
 if TYPE_CHECKING:
-    from phalanx._stack import Stack
+    from phalanx.core._stack import Stack
     from phalanx.distributed import Shard
 
 __all__ = [

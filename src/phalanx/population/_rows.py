@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from phalanx._members import pairs
-from phalanx._stack import Stack
+from phalanx.core._stack import Stack
 from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
 

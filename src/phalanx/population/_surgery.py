@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from phalanx._members import member_index
-from phalanx._modules import copy_modes
-from phalanx._stack import Stack
+from phalanx._module_tree import copy_modes
+from phalanx.core._stack import Stack
 from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
 from phalanx.population._distributed import copy_across_ranks

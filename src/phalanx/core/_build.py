@@ -22,9 +22,9 @@ from typing import cast
 import torch
 from torch import nn
 
-from phalanx._modules import meta_copy
-from phalanx._stack import Stack
-from phalanx._validate import architecture_differences, behaviour_differences, tie_differences
+from phalanx._module_tree import meta_copy
+from phalanx.core._stack import Stack
+from phalanx.core._validate import architecture_differences, behaviour_differences, tie_differences
 
 __all__ = ["build_members", "call_factory", "stack_from_factory"]
 

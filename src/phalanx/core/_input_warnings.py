@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from phalanx._backends import StackView
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
+from phalanx.backends import StackView
 
 _KEY = "habits"
 

@@ -44,15 +44,15 @@ from torch import nn
 from torch.func import functional_call
 
 from phalanx import _torch_compat as compat
-from phalanx._backends._bmm import linear_bmm, linear_ops
-from phalanx._backends._state import _INTERNALS, PerMemberAttributes, hooked
-from phalanx._modules import meta_copy
+from phalanx._module_tree import meta_copy
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
+from phalanx.backends._bmm import linear_bmm, linear_ops
+from phalanx.backends._state import _INTERNALS, PerMemberAttributes, hooked
 from phalanx.routing import Dispatch
 
 if TYPE_CHECKING:
-    from phalanx._backends import StackView
+    from phalanx.backends import StackView
 
 WHERE = "Stack.forward()"
 
@@ -1277,7 +1277,7 @@ def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable
     parameters are gathered with ``index_select`` (gradients flow into those rows alone) and
     the buffers copied, to be written back after the call.
     """
-    from phalanx._backends import StackView
+    from phalanx.backends import StackView
 
     params, buffers = view.state()
     start, stop = chosen[0], chosen[-1] + 1

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from phalanx._stack import Stack
 from phalanx._warnings import warn
+from phalanx.core._stack import Stack
 
 
 def export(

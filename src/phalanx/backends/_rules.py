@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from phalanx import _torch_compat as compat
-from phalanx._backends._bmm import linear_bmm, linear_shared
-from phalanx._backends._recurrence import batched
+from phalanx.backends._bmm import linear_bmm, linear_shared
+from phalanx.backends._recurrence import batched
 
 Dims = Sequence[int | None]
 

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx import _torch_compat as compat
-from phalanx._backends._bmm import linear_ops, linear_shared
+from phalanx.backends._bmm import linear_ops, linear_shared
 
 if TYPE_CHECKING:
-    from phalanx._backends import StackView
+    from phalanx.backends import StackView
 
 _ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU)
 _CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap
 
-from phalanx import _smoothing
-from phalanx._hf import not_a_tensor, own_loss
+from phalanx.core._hf import not_a_tensor, own_loss
+from phalanx.train import _smoothing
 
 # Losses that are a mean of per-element terms: computed once on (N, B, ...) with
 # reduction="none", then averaged per member, instead of through vmap's per-call overhead.

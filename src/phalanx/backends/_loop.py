@@ -8,13 +8,13 @@ import torch
 from torch.func import functional_call
 
 from phalanx import _torch_compat as compat
-from phalanx._backends._recompute import MemberRecompute
-from phalanx._backends._state import PerMemberAttributes
-from phalanx._keywords import member_kwargs
 from phalanx._torch_compat import pytree
+from phalanx.backends._keywords import member_kwargs
+from phalanx.backends._recompute import MemberRecompute
+from phalanx.backends._state import PerMemberAttributes
 
 if TYPE_CHECKING:
-    from phalanx._backends import StackView
+    from phalanx.backends import StackView
 
 
 def stack_outputs(outputs: list[Any], where: str) -> Any:

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx._backends._fused_mlp import run_mlp
-from phalanx._backends._rules import SPEED
-from phalanx._backends._vmap import vmapped
+from phalanx.backends._fused_mlp import run_mlp
+from phalanx.backends._rules import SPEED
+from phalanx.backends._vmap import vmapped
 
 if TYPE_CHECKING:
-    from phalanx._backends import StackView
+    from phalanx.backends import StackView
 
 
 class FusedBackend:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from phalanx._checks import (
+from phalanx.checkpoint._files import read_safetensors, save_atomic
+from phalanx.checkpoint._fit import (
     CheckpointError,
     check_part,
     check_stack,
@@ -31,8 +32,7 @@ from phalanx._checks import (
     parse_meta,
     type_name,
 )
-from phalanx._files import read_safetensors, save_atomic
-from phalanx._inplace import StackedModuleList
+from phalanx.core._inplace import StackedModuleList
 from phalanx.optim import LBFGS
 
 __all__ = ["CheckpointError", "export_members", "load", "read", "restore", "save"]

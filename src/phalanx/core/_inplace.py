@@ -27,8 +27,8 @@ from torch import nn
 from torch.func import functional_call
 
 from phalanx import _torch_compat as compat
-from phalanx._stack import Stack
-from phalanx._validate import architecture_differences
+from phalanx.core._stack import Stack
+from phalanx.core._validate import architecture_differences
 
 _WHERE = "phalanx.stack_in_place()"
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from phalanx import _torch_compat as compat
-from phalanx._backends import StackView, get_backend
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
+from phalanx.backends import StackView, get_backend
 
 
 def _reason(e: BaseException) -> str:

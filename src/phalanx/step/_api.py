@@ -31,11 +31,13 @@ import torch
 from torch import Tensor
 
 from phalanx import _torch_compat as compat
-from phalanx._clip import clip_grad_norm_
-from phalanx._losses import member_losses
-from phalanx._stack import Stack
-from phalanx._step_compile import compile_graph
-from phalanx._step_graph import (
+from phalanx._torch_compat import pytree
+from phalanx._warnings import warn
+from phalanx.core._stack import Stack
+from phalanx.optim import Adam
+from phalanx.optim._base import MemberOptimizer
+from phalanx.step._compile import compile_graph
+from phalanx.step._graph import (
     ADAM_HYPERS,
     OUTPUTS,
     Layout,
@@ -47,11 +49,9 @@ from phalanx._step_graph import (
     step_function,
     unflatten,
 )
-from phalanx._step_signature import HYPER_KEYS, NoSignature, value_key
-from phalanx._torch_compat import pytree
-from phalanx._warnings import warn
-from phalanx.optim import Adam
-from phalanx.optim._base import MemberOptimizer
+from phalanx.step._signature import HYPER_KEYS, NoSignature, value_key
+from phalanx.train._clip import clip_grad_norm_
+from phalanx.train._losses import member_losses
 
 logger = logging.getLogger("phalanx")
 

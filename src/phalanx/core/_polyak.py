@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from phalanx import _torch_compat as compat
-from phalanx._stack import Stack
+from phalanx.core._stack import Stack
 
 _BUFFERS = ("average", "copy", "keep")
 

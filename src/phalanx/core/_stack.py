@@ -10,16 +10,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx import _routed
 from phalanx import _torch_compat as compat
-from phalanx._backends import CHOICES, StackView, get_backend
-from phalanx._habits import check_inputs, record_outputs
-from phalanx._hf import check_call, guard_stacked
-from phalanx._keywords import KwInDims, keyword_dims
-from phalanx._layout import to_member_format
-from phalanx._memory import reuse_freed_memory
-from phalanx._modules import copy_modes, meta_copy
-from phalanx._validate import architecture_differences, as_module_list, check_same_architecture
+from phalanx._module_tree import copy_modes, meta_copy
+from phalanx.backends import CHOICES, StackView, get_backend
+from phalanx.backends._keywords import KwInDims, keyword_dims
+from phalanx.core._hf import check_call, guard_stacked
+from phalanx.core._input_warnings import check_inputs, record_outputs
+from phalanx.core._memory import reuse_freed_memory
+from phalanx.core._memory_format import to_member_format
+from phalanx.core._validate import architecture_differences, as_module_list, check_same_architecture
+from phalanx.routed import _routed
 
 _CHOICES = CHOICES
 InDims = int | None | Sequence[int | None]
@@ -190,7 +190,7 @@ class Stack(nn.Module):
 
         ``stack.to(memory_format=torch.channels_last)`` lays out every member's conv weight
         as ``member.to(memory_format=torch.channels_last)`` would: ``stack.parameters()``
-        stay the same objects, holding the same values (``phalanx._layout``).
+        stay the same objects, holding the same values (``phalanx.core._memory_format``).
         """
         memory_format = kwargs.pop("memory_format", None)
         if args or kwargs:

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call, vmap
 
-from phalanx._backends import BackendRefusal, _recompute
-from phalanx._backends._export_rules import EXPORT
-from phalanx._backends._rules import CORRECTNESS, BatchedOps, Rule
-from phalanx._backends._state import hooked, put_back, snapshot, stored_tensors
 from phalanx._torch_compat import pytree
+from phalanx.backends import BackendRefusal, _recompute
+from phalanx.backends._export_rules import EXPORT
+from phalanx.backends._rules import CORRECTNESS, BatchedOps, Rule
+from phalanx.backends._state import hooked, put_back, snapshot, stored_tensors
 
 if TYPE_CHECKING:
-    from phalanx._backends import StackView
+    from phalanx.backends import StackView
 
 
 def vmapped(

@@ -24,11 +24,11 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from phalanx._clip import clip_coefficients, member_norms
-from phalanx._losses import member_losses
 from phalanx._torch_compat import pytree
 from phalanx.optim._adam import adam_update
 from phalanx.optim._base import finite_members, isolate, per_member
+from phalanx.train._clip import clip_coefficients, member_norms
+from phalanx.train._losses import member_losses
 
 #: The hyperparameters of one parameter's update, each an (N,) tensor.
 ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")

@@ -1,0 +1,1 @@
+"""Routed calls: members= (each row to its own members) and subset= (some members)."""

@@ -1,0 +1,1 @@
+"""The captured training step: compile_step, its graph, its compilation and cache key."""
