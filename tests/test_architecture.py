@@ -58,6 +58,7 @@ def test_the_wheel_holds_only_the_library(tmp_path):
     assert all(n.startswith(("phalanx/", "phalanx-")) for n in names), names
     assert not any("_bench" in n or "_demo" in n or "zoo" in n for n in names), names
     assert "phalanx/testing.py" in names
+    assert "phalanx/py.typed" in names  # PEP 561: the annotations reach users' type checkers
 
 
 def _private_torch_uses(path: Path) -> list[str]:

@@ -150,7 +150,7 @@ def keep_members(
     params = {name: rows(p) for name, p in stack.module.named_parameters()}
     buffers = {name: rows(b) for name, b in stack.module.named_buffers()}
     # The backend the user asked for ("auto" stays "auto"), not the one auto picked: auto
-    # re-races at the new size, where another backend may be faster.
+    # chooses again for the smaller stack (its choice depends on the architecture, not N).
     backend = stack.requested_backend
     smaller = Stack.from_stacked(stack.template, params, buffers, len(index), backend=backend)
     copy_modes(stack.module, smaller.module)
