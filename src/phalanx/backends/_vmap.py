@@ -9,8 +9,8 @@ and the backend refuses with torch's reason. Parameters and buffers are mapped o
 per-member inputs too; shared inputs and keyword arguments are broadcast. Random operations
 draw independently for each member (``randomness="different"``).
 
-``vmap`` uses torch.func's own rules except where they are not exact (``_rules.CORRECTNESS``:
-convolutions, embeddings). ``fused`` adds phalanx's batched layers (``_rules.SPEED``) and runs
+``vmap`` uses torch.func's own rules except where they are not exact (``rules.CORRECTNESS``:
+convolutions, embeddings). ``fused`` adds phalanx's batched layers (``rules.SPEED``) and runs
 a plain ``Sequential`` MLP as one autograd node (``_fused_mlp``). The stack's own module is
 called on every call, so hooks, attributes and modes changed at any time are seen.
 """
@@ -24,9 +24,8 @@ from torch.func import functional_call, vmap
 
 from phalanx._torch_compat import pytree
 from phalanx.backends import BackendRefusal, _recompute
-from phalanx.backends._export_rules import EXPORT
-from phalanx.backends._rules import CORRECTNESS, BatchedOps, Rule
 from phalanx.backends._state import hooked, put_back, snapshot, stored_tensors
+from phalanx.backends.rules import CORRECTNESS, EXPORT, BatchedOps, Route
 
 if TYPE_CHECKING:
     from phalanx.backends import StackView
@@ -37,7 +36,7 @@ def vmapped(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     in_dims: tuple[int | None, ...],
-    rules: dict[Any, Rule],
+    rules: dict[Any, Route],
     name: str,
     kw_dims: frozenset[str] = frozenset(),
 ) -> Any:

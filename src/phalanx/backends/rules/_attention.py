@@ -1,0 +1,141 @@
+"""Attention (``fused``): scaled dot-product attention and ``nn.MultiheadAttention``.
+
+Attention is per (sample, head) anyway, so the members merge into the first batch dim and
+every member's attention is one call; MultiheadAttention's projections are batched linears.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.backends._bmm import linear_bmm
+from phalanx.backends.rules._registry import Dims, batch_rule, first, per_member
+
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {
+    "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False,
+}  # fmt: skip
+
+
+@batch_rule(F.scaled_dot_product_attention, _SDPA, _SDPA_DEFAULTS, table="speed")
+def _attention(n: int, dims: Dims, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):
+    """The members merged into the first batch dim: attention is per (sample, head) anyway."""
+    q, k, v = (first(t, d, n) for t, d in zip((q, k, v), dims[:3]))
+    if q.dim() < 4:  # one member's (T, D): no batch dim of its own to merge into
+        return per_member(
+            n, (0, 0, 0, dims[3]), F.scaled_dot_product_attention, q, k, v, mask,
+            dropout_p, is_causal, scale, enable_gqa,
+        )  # fmt: skip
+    if mask is not None:
+        m = first(mask, dims[3], n)
+        m = m.expand(n, *torch.broadcast_shapes(m.shape[1:], (*q.shape[1:-1], k.shape[-2])))
+        mask = m.flatten(0, 1)
+    y = F.scaled_dot_product_attention(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask, dropout_p, is_causal,
+        scale=scale, enable_gqa=enable_gqa,
+    )  # fmt: skip
+    return y.unflatten(0, (n, -1)), 0
+
+
+_MHA = (
+    "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight",
+    "in_proj_bias", "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight",
+    "out_proj_bias", "training", "key_padding_mask", "need_weights", "attn_mask",
+    "use_separate_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "static_k",
+    "static_v", "average_attn_weights", "is_causal",
+)  # fmt: skip
+_MHA_DEFAULTS = {
+    "training": True, "key_padding_mask": None, "need_weights": True, "attn_mask": None,
+    "use_separate_proj_weight": False, "q_proj_weight": None, "k_proj_weight": None,
+    "v_proj_weight": None, "static_k": None, "static_v": None, "average_attn_weights": True,
+    "is_causal": False,
+}  # fmt: skip
+
+
+def _float_mask(mask: Any, dtype: torch.dtype) -> Any:
+    """A boolean mask as torch's attention takes it: -inf where True, else 0."""
+    if mask is None or mask.is_floating_point():
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, -torch.inf)
+
+
+@batch_rule(F.multi_head_attention_forward, _MHA, _MHA_DEFAULTS, table="speed")
+def _mha(n: int, dims: Dims, *args):
+    """``F.multi_head_attention_forward`` (nn.MultiheadAttention, TransformerEncoderLayer):
+    the projections as batched linears and the attention of all members as one call.
+
+    Python-level functionals run their body with the mode popped (a TorchFunctionMode sees
+    only the outermost call), so without this rule the attention inside would go through
+    torch.func's rules, a loop over the members. The common configuration runs batched here;
+    any other (separate projection weights, bias_k / bias_v, add_zero_attn, static keys,
+    attention weights asked for) runs member by member with torch's own function.
+    """
+    a, d = dict(zip(_MHA, args)), dict(zip(_MHA, dims))
+    common = (
+        not a["use_separate_proj_weight"]
+        and a["bias_k"] is None
+        and a["bias_v"] is None
+        and not a["add_zero_attn"]
+        and a["static_k"] is None
+        and a["static_v"] is None
+        and not a["need_weights"]
+        and a["in_proj_weight"] is not None
+        and a["query"].dim() - (d["query"] is not None) == 3
+    )
+    if not common:
+        return per_member(n, dims, F.multi_head_attention_forward, *args)
+    q, k, v = (first(a[x], d[x], n) for x in ("query", "key", "value"))  # (N, T, B, E)
+    _, t, b, e = q.shape
+    src = k.shape[1]
+    heads = a["num_heads"]
+    head_dim = e // heads
+    w = first(a["in_proj_weight"], d["in_proj_weight"], n)  # (N, 3E, E)
+    bias = first(a["in_proj_bias"], d["in_proj_bias"], n)  # (N, 3E) | None
+
+    def heads_of(y: torch.Tensor, length: int) -> torch.Tensor:
+        """(N, B * L, E) projections -> (N * B, heads, L, head_dim)."""
+        return y.view(n * b, length, heads, head_dim).transpose(1, 2)
+
+    # Sample-major (N, B, L, E): a batch-first module's input is that already, a view.
+    if a["query"] is a["key"] is a["value"]:  # self-attention: one GEMM for q, k and v
+        x = q.transpose(1, 2).reshape(n, b * t, e)
+        qkv = linear_bmm(x, w, bias)  # (N, B * T, 3E)
+        qh, kh, vh = (heads_of(part, t) for part in qkv.chunk(3, dim=-1))
+    else:
+        wq, wk, wv = w.chunk(3, dim=1)
+        bq, bk, bv = (None, None, None) if bias is None else bias.chunk(3, dim=1)
+        qh = heads_of(linear_bmm(q.transpose(1, 2).reshape(n, b * t, e), wq, bq), t)
+        kh = heads_of(linear_bmm(k.transpose(1, 2).reshape(n, b * src, e), wk, bk), src)
+        vh = heads_of(linear_bmm(v.transpose(1, 2).reshape(n, b * src, e), wv, bv), src)
+    dtype = q.dtype
+    is_causal = a["is_causal"]
+    kpm = a["key_padding_mask"]
+    mask = a["attn_mask"]
+    if is_causal and mask is None:
+        return per_member(n, dims, F.multi_head_attention_forward, *args)  # torch's error
+    if kpm is not None:
+        kpm = _float_mask(first(kpm, d["key_padding_mask"], n), dtype)  # (N, B, S)
+    if is_causal and kpm is None:
+        mask = None
+    else:
+        is_causal = False
+        if mask is not None:
+            m = _float_mask(first(mask, d["attn_mask"], n), dtype)
+            # (N, T, S) for a 2-D mask, else (N, B * heads, T, S)
+            mask = m.view(n, 1, 1, t, src) if m.dim() == 3 else m.view(n, b, heads, t, src)
+    if kpm is not None:
+        kp = kpm.view(n, b, 1, 1, src)
+        mask = kp if mask is None else mask + kp
+    if mask is not None:
+        mask = mask.expand(n, b, heads, t, src).reshape(n * b, heads, t, src)
+    dropout = a["dropout_p"] if a["training"] else 0.0
+    out = F.scaled_dot_product_attention(qh, kh, vh, mask, dropout, is_causal)
+    # (N * B, heads, T, hd) -> (N, B * T, E), the heads side by side as torch puts them
+    out = out.transpose(1, 2).reshape(n, b * t, e)
+    wo = first(a["out_proj_weight"], d["out_proj_weight"], n)
+    bo = first(a["out_proj_bias"], d["out_proj_bias"], n)
+    y = linear_bmm(out, wo, bo).view(n, b, t, wo.shape[1])
+    return (y.transpose(1, 2), None), (0, None)  # (N, T, B, E), a view
