@@ -94,7 +94,7 @@ def test_wandb_offline_grouped_runs(tmp_path, monkeypatch):
         (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
         assert run.run_group == "sweep-0" and run.display_name == f"sweep-0-member_{i}"
         config = {u.key: json.loads(u.value_json) for u in run.config.update}
-        assert config["lr"]["value"] == LRS[i] and config["member"]["value"] == i
+        assert config["lr"] == LRS[i] and config["member"] == i
         history = []
         for r in recs:
             if r.WhichOneof("record_type") == "history":
