@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def wandb_records(path):
             pos += 32768 - pos % 32768
             continue
         _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:
+        if kind == 0 or pos + 7 + n > len(data):  # the end, or a record still being written
             break
         buf += data[pos + 7 : pos + 7 + n]
         pos += 7 + n
@@ -72,6 +73,17 @@ def wandb_records(path):
             rec.ParseFromString(buf)
             yield rec
             buf = b""
+
+
+def finished_records(path, timeout=60.0):
+    """The records once wandb-core, which writes the file from its own process after
+    run.finish() returns, has written the run's last ("exit") record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        recs = list(wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in recs) or time.monotonic() > deadline:
+            return recs
+        time.sleep(0.2)
 
 
 def test_wandb_offline_grouped_runs(tmp_path, monkeypatch):
@@ -90,7 +102,7 @@ def test_wandb_offline_grouped_runs(tmp_path, monkeypatch):
     assert len(runs) == N and {r.name.rsplit("-", 1)[1] for r in runs} == set(ids)
     for i, run_id in enumerate(ids):
         (path,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
-        recs = list(wandb_records(path))
+        recs = finished_records(path)
         (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
         assert run.run_group == "sweep-0" and run.display_name == f"sweep-0-member_{i}"
         config = {u.key: json.loads(u.value_json) for u in run.config.update}
