@@ -164,8 +164,13 @@ def test_a_plain_bert_encoder_runs_equal_to_its_members(backend):
     # though its config says use_cache=True: it was refused on every backend
     tf = pytest.importorskip("transformers")
     config = tf.BertConfig(
-        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     assert config.use_cache is True and config.is_decoder is False
     torch.manual_seed(0)
