@@ -67,9 +67,9 @@ def optimize(
     """
     where = "phalanx.integrations.ray_tune.optimize()"
     batch = n_trials if n_members is None else n_members
-    for name, value in (("n_trials", n_trials), ("n_members", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{where}: {name} must be a positive int; got {value!r}.")
+    for name, count in (("n_trials", n_trials), ("n_members", batch)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{where}: {name} must be a positive int; got {count!r}.")
     metric = metric or searcher.metric
     if not metric:
         raise ValueError(
@@ -78,7 +78,8 @@ def optimize(
         )
     runs: list[tuple[str, dict[str, Any], float]] = []
     while len(runs) < n_trials:
-        ids, configs = [], []
+        ids: list[str] = []
+        configs: list[dict[str, Any]] = []
         for _ in range(min(batch, n_trials - len(runs))):
             trial_id = f"{prefix}_{len(runs) + len(ids)}"
             config = searcher.suggest(trial_id)
@@ -99,10 +100,10 @@ def optimize(
                 f"{where}: train(configs) returned {len(values)} values for {len(configs)} "
                 "configurations; return one value per configuration, in order."
             )
-        for trial_id, config, value in zip(ids, configs, values):
+        for tid, config, value in zip(ids, configs, values):
             if math.isfinite(value):
-                searcher.on_trial_complete(trial_id, {metric: value})
+                searcher.on_trial_complete(tid, {metric: value})
             else:
-                searcher.on_trial_complete(trial_id, None, error=True)
-            runs.append((trial_id, config, value))
+                searcher.on_trial_complete(tid, None, error=True)
+            runs.append((tid, config, value))
     return runs
