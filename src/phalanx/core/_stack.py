@@ -19,6 +19,7 @@ from phalanx.core._input_warnings import check_inputs, record_outputs
 from phalanx.core._memory import reuse_freed_memory
 from phalanx.core._memory_format import to_member_format
 from phalanx.core._validate import architecture_differences, as_module_list, check_same_architecture
+from phalanx.core._widths import Padding, mask_gradients, pad_members
 from phalanx.routed import _routed
 
 _CHOICES = CHOICES
@@ -66,10 +67,21 @@ class Stack(nn.Module):
     _template: nn.Module
     _view: StackView
 
-    def __init__(self, models: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto"):
+    def __init__(
+        self,
+        models: Sequence[nn.Module] | nn.ModuleList,
+        *,
+        backend: str = "auto",
+        pad_widths: bool = False,
+    ):
         super().__init__()
         where = "phalanx.stack()"
         members = as_module_list(models, where)
+        if pad_widths:
+            _check_backend(backend, where)
+            member, params, buffers, padding = pad_members(members)
+            self._setup(member, params, buffers, len(members), backend, padding)
+            return
         check_same_architecture(members, where)
         _check_backend(backend, where)
         with torch.no_grad():
@@ -92,6 +104,7 @@ class Stack(nn.Module):
         num_members: int,
         *,
         backend: str = "auto",
+        padding: Padding | None = None,
     ) -> Stack:
         """A stack over tensors that are already stacked, ``(N, *shape)`` each, without copies.
 
@@ -99,12 +112,13 @@ class Stack(nn.Module):
         ``meta``, such as another stack's :attr:`template`); ``params`` and ``buffers`` are
         keyed as ``member.named_parameters()`` and ``member.named_buffers()`` and become the
         stack's tensors as they are. ``phalanx.stack``'s factory form and
-        ``phalanx.population.keep_members`` build their stacks with it.
+        ``phalanx.population.keep_members`` build their stacks with it. ``padding``: the
+        members' own shapes where the tensors are padded to the widest (:attr:`padding`).
         """
         _check_backend(backend, "phalanx.stack()")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(member, params, buffers, num_members, backend)
+        self._setup(member, params, buffers, num_members, backend, padding)
         return self
 
     def _setup(
@@ -114,8 +128,10 @@ class Stack(nn.Module):
         buffers: dict[str, torch.Tensor],
         num_members: int,
         backend: str,
+        padding: Padding | None = None,
     ) -> None:
         self.num_members = num_members
+        self._padding = padding
         template = meta_copy(member)
         object.__setattr__(self, "_template", template)
         self.module = copy.deepcopy(template)  # deepcopy keeps member 0's train/eval modes
@@ -125,7 +141,14 @@ class Stack(nn.Module):
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
         object.__setattr__(
-            self, "_view", StackView(num_members, self.module, template, self.stacked_state)
+            self,
+            "_view",
+            StackView(
+                num_members,
+                self.module,
+                template,
+                self.stacked_state if padding is None else self._masked_state,
+            ),
         )
         self._set_backend(backend)
         cpu = [t for t in [*params.values(), *buffers.values()] if t.device.type == "cpu"]
@@ -166,6 +189,39 @@ class Stack(nn.Module):
             )
         return params, buffers
 
+    def _masked_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """:meth:`stacked_state` with the padded parameters behind a gradient mask: what the
+        backends of a padded stack read (``phalanx.core._widths``)."""
+        params, buffers = self.stacked_state()
+        assert self._padding is not None
+        return mask_gradients(params, self._padding), buffers
+
+    @property
+    def padding(self) -> Padding | None:
+        """For a stack built with ``pad_widths=True``, each member's own shapes
+        (``padding.shapes[name][i]``); None for a stack of one width."""
+        return self._padding
+
+    def zero_padding_(self) -> Stack:
+        """Writes 0 into every padded entry of the parameters and buffers, in place.
+
+        Gradients are masked and the optimizers keep padded entries at 0 by themselves; call
+        this after writing parameters some other way (``p.data``, a perturbation).
+        """
+        if self._padding is not None:
+            params, buffers = self.stacked_state()
+            with torch.no_grad():
+                for name, t in [*params.items(), *buffers.items()]:
+                    if self._padding.padded(name):
+                        t.masked_fill_(~self._padding.mask(name, t), 0)
+        return self
+
+    def _row(self, t: torch.Tensor, name: str, i: int) -> torch.Tensor:
+        """Member i's own entries of the stacked tensor ``t`` (a view)."""
+        if self._padding is None:
+            return t[i]
+        return t[i][self._padding.corner(name, i)]
+
     def apply(self, fn: Callable[[nn.Module], None]) -> Stack:
         """Calls ``fn`` on every submodule of each member in turn, as on N separate modules.
 
@@ -180,9 +236,9 @@ class Stack(nn.Module):
                 member = self._member_module(i)
                 member.apply(fn)
                 for name, p in params.items():
-                    p[i].copy_(member.get_parameter(name))
+                    self._row(p, name, i).copy_(member.get_parameter(name))
                 for name, b in buffers.items():
-                    b[i].copy_(member.get_buffer(name))
+                    self._row(b, name, i).copy_(member.get_buffer(name))
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> Stack:
@@ -416,7 +472,8 @@ class Stack(nn.Module):
         """Returns N ordinary modules holding the members' current weights and buffers.
 
         The modules are independent copies (no memory is shared with the stack), on the
-        stack's device and dtype, in the stack's train/eval mode.
+        stack's device and dtype, in the stack's train/eval mode; in a stack built with
+        ``pad_widths=True``, each at its own widths.
 
         Example:
             >>> stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)])
@@ -431,12 +488,13 @@ class Stack(nn.Module):
 
     def _member_module(self, i: int) -> nn.Module:
         params, buffers = self.stacked_state()
-        member = copy.deepcopy(self._template)
+        own = self._template if self._padding is None else self._padding.members[i]
+        member = copy.deepcopy(own)
         with torch.no_grad():
             _swap_in(
                 member,
-                {k: v[i].detach().clone() for k, v in params.items()},
-                {k: v[i].clone() for k, v in buffers.items()},
+                {k: self._row(v, k, i).detach().clone() for k, v in params.items()},
+                {k: self._row(v, k, i).clone() for k, v in buffers.items()},
             )
         copy_modes(self.module, member)
         return member
@@ -458,12 +516,18 @@ class Stack(nn.Module):
                 f"{where}: the stack has {self.num_members} members but {len(targets)} modules "
                 f"were given; pass exactly one module per member."
             )
+        one = self._padding is None  # else each member is checked at its own widths
         reference = self._member_module(0)
         diffs = [
             d
             for i, m in enumerate(targets)
             for d in architecture_differences(
-                reference, m, i, ref_name="the stack", check_device=False, check_mode=False
+                reference if one else self._member_module(i),
+                m,
+                i,
+                ref_name="the stack" if one else f"the stack's member {i}",
+                check_device=False,
+                check_mode=False,
             )
         ]
         if diffs:
@@ -475,9 +539,9 @@ class Stack(nn.Module):
         with torch.no_grad():
             for i, m in enumerate(targets):
                 for name, p in params.items():
-                    m.get_parameter(name).copy_(p[i])
+                    m.get_parameter(name).copy_(self._row(p, name, i))
                 for name, b in buffers.items():
-                    m.get_buffer(name).copy_(b[i])
+                    m.get_buffer(name).copy_(self._row(b, name, i))
 
 
 def _normalize_in_dims(
