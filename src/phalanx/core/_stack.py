@@ -407,6 +407,104 @@ class Stack(nn.Module):
                 self._view, backend.forward(self._view, args, kwargs, dims, kw_dims)
             )
 
+    def backward_in_chunks(
+        self,
+        loss_fn: Callable[[Any, slice], torch.Tensor],
+        *args: Any,
+        chunk_members: int,
+        in_dims: InDims = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Forward and backward of the members ``chunk_members`` at a time, for less memory.
+
+        ``loss_fn(stack(*args)[rows], rows).sum().backward()`` for each chunk of members
+        ``rows`` in turn: only one chunk's activations are alive at once, so the step takes
+        the memory of ``chunk_members`` members' activations instead of N's. Each chunk runs
+        on views of the stacked parameters and its gradients are accumulated into the stacked
+        ``.grad`` (rows ``rows``), as ``backward`` accumulates; each member's gradient is the
+        unchunked step's to float rounding (bit for bit where the backend's kernels do not
+        depend on the number of members, as the tests check for the MLP and the loop).
+        Random operations (dropout) draw chunk by chunk, not as one call draws.
+
+        Args:
+            loss_fn: ``loss_fn(outputs, rows)`` with ``outputs`` the chunk's outputs
+                ``(k, B, ...)`` and ``rows`` a ``slice`` of member indices; returns the
+                chunk's per-member losses ``(k,)``, e.g. ``lambda out, rows:
+                phalanx.member_losses(F.cross_entropy, out, y[rows], in_dims=(0, 0))`` for
+                per-member targets ``y (N, B)``.
+            *args: the inputs, as for ``stack(*args)``; per-member inputs are cut to the chunk.
+            chunk_members: k >= 1, the members per chunk (the last chunk may be smaller).
+            in_dims: as for ``stack(*args, in_dims=...)``.
+            **kwargs: keyword inputs shared by every member.
+
+        Returns:
+            The members' losses ``(N,)``, detached.
+
+        Raises:
+            ValueError: ``chunk_members`` is not a positive int, or ``loss_fn`` does not
+                return one loss per member of the chunk.
+
+        Example:
+            >>> stack = phalanx.stack([nn.Linear(4, 3) for _ in range(8)])
+            >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+            >>> losses = stack.backward_in_chunks(
+            ...     lambda out, rows: phalanx.member_losses(F.cross_entropy, out, y),
+            ...     x, chunk_members=2)
+            >>> losses.shape, stack.module.weight.grad.shape
+            (torch.Size([8]), torch.Size([8, 3, 4]))
+        """
+        where = "Stack.backward_in_chunks()"
+        k = chunk_members
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"{where}: chunk_members must be a positive int; got {k!r}.")
+        dims = self._normalize_in_dims(in_dims, args)
+        self._check_devices(args, kwargs)
+        check_call(self.module, kwargs)
+        if self.retired is not None:
+            raise RuntimeError(f"{where}: {self.retired}")
+        params, buffers = self.stacked_state()
+        backend = get_backend(self._requested)
+        losses = []
+        for start in range(0, self.num_members, k):
+            rows = slice(start, min(start + k, self.num_members))
+            leaves = {n: p[rows].detach().requires_grad_(p.requires_grad) for n, p in params.items()}
+            held = leaves if self._padding is None else mask_gradients(
+                leaves, self._padding, full=params, rows=rows
+            )
+            view = self._chunk_view(rows, held, {n: b[rows] for n, b in buffers.items()})
+            chunk_args = tuple(a if d is None else a[rows] for a, d in zip(args, dims))
+            with torch.enable_grad(), self._view.lock:
+                loss = loss_fn(backend.forward(view, chunk_args, dict(kwargs), dims), rows)
+            size = rows.stop - rows.start
+            if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != (size,):
+                got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(
+                    f"{where}: loss_fn must return the chunk's per-member losses, shape "
+                    f"({size},) for members {rows.start}..{rows.stop - 1}; got {got}. Use "
+                    f"phalanx.member_losses(loss, outputs, targets[rows], in_dims=(0, 0))."
+                )
+            wanted = [(n, t) for n, t in leaves.items() if t.requires_grad]
+            grads = torch.autograd.grad(loss.sum(), [t for _, t in wanted], allow_unused=True)
+            with torch.no_grad():
+                for (name, _), g in zip(wanted, grads):
+                    if g is None:
+                        continue
+                    p = params[name]
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad[rows] += g
+            losses.append(loss.detach())
+        return torch.cat(losses)
+
+    def _chunk_view(
+        self, rows: slice, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+    ) -> StackView:
+        """A view of members ``rows`` over the given tensors; ``auto``'s choices are shared."""
+        view = StackView(rows.stop - rows.start, self.module, self._template, lambda: (params, buffers))
+        view.lock = self._view.lock
+        view.cache["auto"] = self._view.cache_of("auto")
+        return view
+
     def _routed(
         self,
         args: tuple[Any, ...],

@@ -114,6 +114,17 @@ class Padding:
             self._masks[key] = mask
         return self._masks[key]
 
+    def copy_rows(self, source: Sequence[int], target: Sequence[int]) -> None:
+        """Member ``target[j]`` takes member ``source[j]``'s widths (``copy_members``)."""
+        shapes = {k: list(v) for k, v in self.shapes.items()}
+        members = list(self.members)
+        for s, t in zip(source, target):
+            for k in shapes:
+                shapes[k][t] = self.shapes[k][s]
+            members[t] = self.members[s]
+        self.shapes, self.members = shapes, members
+        self._masks.clear()
+
     def rows(self, index: Sequence[int]) -> Padding:
         """The padding of the members ``index``, in that order (for ``keep_members``)."""
         return Padding(
@@ -232,8 +243,7 @@ def pad_members(
     devices = {t.device for m in members for t in _own_tensors(m).values()}
     if len(devices) > 1:
         diffs.append(f"members are on {sorted(map(str, devices))}; move every member to one device")
-    if not diffs:
-        diffs.extend(_flow_problems(padded[0], shapes))
+    diffs[:0] = _flow_problems(padded[0], shapes)  # the most specific reasons first
     if diffs:
         raise ValueError(
             f"{_WHERE}: these members cannot be padded to one stack exactly:\n  - "
