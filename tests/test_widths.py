@@ -209,13 +209,13 @@ def test_keep_and_copy_members_carry_the_widths() -> None:
     with torch.no_grad():  # the replaced stack still evaluates
         torch.testing.assert_close(kept(xs[[3, 1]], in_dims=0), stack(xs, in_dims=0)[[3, 1]])
     stack = phalanx.stack(models, pad_widths=True)
-    phalanx.population.copy_members(stack, [1], [0])
-    assert stack.unstack()[0][0].out_features == 9
-    out = stack(xs[[1, 1, 2, 3]], in_dims=0)
-    torch.testing.assert_close(out[0], out[1])
-    stack(xs, in_dims=0).sum().backward()  # member 0's gradients now masked at member 1's widths
+    phalanx.population.copy_members(stack, [3], [0])  # member 3 is 2 units wide, member 0 4
+    assert stack.unstack()[0][0].out_features == 2
+    out = stack(xs[[3, 1, 2, 3]], in_dims=0)
+    assert torch.equal(out[0], out[3])
+    stack(xs, in_dims=0).sum().backward()  # member 0's gradients now masked at member 3's widths
     mask = stack.padding.mask("0.weight", stack.module[0].weight)
-    assert not bool(mask[0].all()) and torch.equal(mask[0], mask[1])
+    assert int(mask[0].sum()) == 2 * 6 and torch.equal(mask[0], mask[3])
     assert torch.equal(stack.module[0].weight.grad[0], stack.module[0].weight.grad[0] * mask[0])
 
 
