@@ -16,7 +16,9 @@ from phalanx.testing import assert_close, assert_equal_to_loop
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
+    )
 
 
 def cnn() -> nn.Module:

@@ -86,9 +86,12 @@ def test_outputs_and_gradients_equal_each_member_alone(kind: str, backend: str) 
         reference[i].pow(2).sum().backward(retain_graph=True)
     assert_equal_to_loop(out, loop, reference, what="outputs", per_member=True)
     assert_equal_to_loop(
-        x.grad, torch.stack([v.grad for v in x32]), torch.stack([v.grad for v in x64]),
-        what="input gradients", per_member=True,
-    )  # fmt: skip
+        x.grad,
+        torch.stack([v.grad for v in x32]),
+        torch.stack([v.grad for v in x64]),
+        what="input gradients",
+        per_member=True,
+    )
     padding = stack.padding
     assert padding is not None
     for name, p in stack.module.named_parameters():
@@ -99,9 +102,12 @@ def test_outputs_and_gradients_equal_each_member_alone(kind: str, backend: str) 
             # size of the member's other gradients: their rounding is the floor.
             terms = max(g.abs().max().item() for g in own_grads(wide[i]).values())
             assert_equal_to_loop(
-                p.grad[i][corner], own_grads(alone[i])[name], own_grads(wide[i])[name],
-                what=f"member {i} '{name}' gradient", floor_scale=terms,
-            )  # fmt: skip
+                p.grad[i][corner],
+                own_grads(alone[i])[name],
+                own_grads(wide[i])[name],
+                what=f"member {i} '{name}' gradient",
+                floor_scale=terms,
+            )
         mask = padding.mask(name, p)
         assert torch.equal(p.grad[~mask], torch.zeros_like(p.grad[~mask])), name
 
@@ -111,7 +117,9 @@ def test_outputs_and_gradients_equal_each_member_alone(kind: str, backend: str) 
     [
         lambda ps, lr, wd: phalanx.optim.Adam(ps, lr=lr, weight_decay=wd),
         lambda ps, lr, wd: phalanx.optim.AdamW(ps, lr=lr, weight_decay=wd, amsgrad=True),
-        lambda ps, lr, wd: phalanx.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=wd, nesterov=True),
+        lambda ps, lr, wd: phalanx.optim.SGD(
+            ps, lr=lr, momentum=0.9, weight_decay=wd, nesterov=True
+        ),
     ],
     ids=["Adam", "AdamW-amsgrad", "SGD-nesterov"],
 )
@@ -127,10 +135,14 @@ def test_optimizer_steps_equal_each_member_alone_and_padding_stays_zero(make, ba
     # with phalanx's optimizer at its own hyperparameters (phalanx.optim's rule is tested bit
     # for bit against torch.optim in test_optim.py).
     singles = [phalanx.stack([m], backend="loop") for m in models]
-    alone_opts = [make(s.parameters(), lrs[i : i + 1], wds[i : i + 1]) for i, s in enumerate(singles)]
+    alone_opts = [
+        make(s.parameters(), lrs[i : i + 1], wds[i : i + 1]) for i, s in enumerate(singles)
+    ]
     for _ in range(6):
         opt.zero_grad()
-        phalanx.member_losses(F.cross_entropy, stack(xs, in_dims=0), y, in_dims=(0, 0)).sum().backward()
+        phalanx.member_losses(
+            F.cross_entropy, stack(xs, in_dims=0), y, in_dims=(0, 0)
+        ).sum().backward()
         opt.step()
         for i, (s, o) in enumerate(zip(singles, alone_opts)):
             o.zero_grad()
@@ -274,29 +286,62 @@ class Branchy(nn.Module):
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda w: nn.Sequential(nn.Linear(6, w), nn.LayerNorm(w), nn.Linear(w, 3)),
-         r"LayerNorm '1': a LayerNorm normalizes over the padded dimension"),
-        (lambda w: nn.Sequential(nn.Linear(6, w), nn.Softmax(-1), nn.Linear(w, 3)),
-         r"Softmax '1': a softmax over the padded dimension"),
-        (lambda w: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, w)),
-         r"the member's output .* differs in width among the members \(its widths are "
-         r"member 0: 4, member 1: 8\)"),
-        (lambda w: nn.Sequential(nn.Linear(w, 8), nn.ReLU(), nn.Linear(8, 3)),
-         r"Linear '0': its in_features differ among the members but its input is not padded"),
+        (
+            lambda w: nn.Sequential(nn.Linear(6, w), nn.LayerNorm(w), nn.Linear(w, 3)),
+            r"LayerNorm '1': a LayerNorm normalizes over the padded dimension",
+        ),
+        (
+            lambda w: nn.Sequential(nn.Linear(6, w), nn.Softmax(-1), nn.Linear(w, 3)),
+            r"Softmax '1': a softmax over the padded dimension",
+        ),
+        (
+            lambda w: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, w)),
+            r"the member's output .* differs in width among the members \(its widths are "
+            r"member 0: 4, member 1: 8\)",
+        ),
+        (
+            lambda w: nn.Sequential(nn.Linear(w, 8), nn.ReLU(), nn.Linear(8, 3)),
+            r"Linear '0': its in_features differ among the members but its input is not padded",
+        ),
         (lambda w: Mean(w), r"call_method 'mean' \(mean\): phalanx cannot check"),
         (lambda w: Skip(w), r"combines a padded tensor with one padded otherwise"),
-        (lambda w: nn.Sequential(nn.Linear(6, w), nn.Sigmoid(), nn.BatchNorm1d(w), nn.Linear(w, 3)),
-         r"BatchNorm1d '2': it normalizes padded units holding f\(0\) != 0"),
-        (lambda w: nn.Sequential(nn.Conv1d(2, w, 3, groups=2), nn.Flatten(), nn.Linear(w * 6, 3)),
-         r"Conv1d '0': groups=2: padding channels would regroup them"),
-        (lambda w: nn.Sequential(nn.Linear(6, 8), nn.TransformerEncoderLayer(8, w // 4, w), nn.Linear(8, 3)),
-         r"differ only in the widths|nhead"),
+        (
+            lambda w: nn.Sequential(
+                nn.Linear(6, w), nn.Sigmoid(), nn.BatchNorm1d(w), nn.Linear(w, 3)
+            ),
+            r"BatchNorm1d '2': it normalizes padded units holding f\(0\) != 0",
+        ),
+        (
+            lambda w: nn.Sequential(
+                nn.Conv1d(2, w, 3, groups=2), nn.Flatten(), nn.Linear(w * 6, 3)
+            ),
+            r"Conv1d '0': groups=2: padding channels would regroup them",
+        ),
+        (
+            lambda w: nn.Sequential(
+                nn.Linear(6, 8), nn.TransformerEncoderLayer(8, w // 4, w), nn.Linear(8, 3)
+            ),
+            r"differ only in the widths|nhead",
+        ),
         (lambda w: Branchy(w), r"torch.fx cannot trace the member's forward"),
-        (lambda w: nn.Sequential(nn.Linear(6, w), nn.Dropout(0.1 * w / 4), nn.Linear(w, 3)),
-         r"Dropout\(p=0\.2"),
-    ],  # fmt: skip
-    ids=["layernorm", "softmax", "output", "input", "mean", "skip", "bn-after-sigmoid",
-         "groups", "attention-heads", "untraceable", "other-setting"],  # fmt: skip
+        (
+            lambda w: nn.Sequential(nn.Linear(6, w), nn.Dropout(0.1 * w / 4), nn.Linear(w, 3)),
+            r"Dropout\(p=0\.2",
+        ),
+    ],
+    ids=[
+        "layernorm",
+        "softmax",
+        "output",
+        "input",
+        "mean",
+        "skip",
+        "bn-after-sigmoid",
+        "groups",
+        "attention-heads",
+        "untraceable",
+        "other-setting",
+    ],
 )
 def test_refused_where_padding_would_change_a_result(make, match: str) -> None:
     torch.manual_seed(0)

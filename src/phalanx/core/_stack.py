@@ -467,9 +467,13 @@ class Stack(nn.Module):
         losses = []
         for start in range(0, self.num_members, k):
             rows = slice(start, min(start + k, self.num_members))
-            leaves = {n: p[rows].detach().requires_grad_(p.requires_grad) for n, p in params.items()}
-            held = leaves if self._padding is None else mask_gradients(
-                leaves, self._padding, full=params, rows=rows
+            leaves = {
+                n: p[rows].detach().requires_grad_(p.requires_grad) for n, p in params.items()
+            }
+            held = (
+                leaves
+                if self._padding is None
+                else mask_gradients(leaves, self._padding, full=params, rows=rows)
             )
             view = self._chunk_view(rows, held, {n: b[rows] for n, b in buffers.items()})
             chunk_args = tuple(a if d is None else a[rows] for a, d in zip(args, dims))
@@ -500,7 +504,9 @@ class Stack(nn.Module):
         self, rows: slice, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
     ) -> StackView:
         """A view of members ``rows`` over the given tensors; ``auto``'s choices are shared."""
-        view = StackView(rows.stop - rows.start, self.module, self._template, lambda: (params, buffers))
+        view = StackView(
+            rows.stop - rows.start, self.module, self._template, lambda: (params, buffers)
+        )
         view.lock = self._view.lock
         view.cache["auto"] = self._view.cache_of("auto")
         return view

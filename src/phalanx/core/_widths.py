@@ -253,20 +253,18 @@ def pad_members(
             "in/out_features, channels, num_features, embedding_dim), with the same input and "
             "output widths; everything else must be the same, as for phalanx.stack()."
         )
-    n = len(members)
     tables = [_own_tensors(m) for m in members]
     with torch.no_grad():
         params: dict[str, Tensor] = {}
         buffers: dict[str, Tensor] = {}
-        for name, p in members[0].named_parameters():
+        for name, _ in members[0].named_parameters():
             params[name] = _stack_padded([t[name] for t in tables], widest[name])
-        for name, b in members[0].named_buffers():
+        for name, _ in members[0].named_buffers():
             buffers[name] = _stack_padded([t[name] for t in tables], widest[name])
     padding = Padding(
         {k: v for k, v in shapes.items() if k in params or k in buffers},
         [meta_copy(m) for m in members],
     )
-    assert len(padding.members) == n
     return padded[0], params, buffers, padding
 
 
@@ -295,7 +293,7 @@ def _flow_problems(template: nn.Module, shapes: dict[str, list[tuple[int, ...]]]
         return []
     try:
         graph = fx.Tracer().trace(template)
-    except Exception as e:  # noqa: BLE001 - any tracing failure: the flow cannot be checked
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return [
             f"torch.fx cannot trace the member's forward ({type(e).__name__}: {first}), so "
@@ -344,14 +342,15 @@ def _flow_problems(template: nn.Module, shapes: dict[str, list[tuple[int, ...]]]
             elif padded_in or any(varying.values()):
                 reason = next(
                     (why for t, why in _REFUSED.items() if isinstance(m, t)),
-                    f"phalanx cannot check that a {kind} keeps the padded units out of its "
-                    f"result",
+                    f"phalanx cannot check that a {kind} keeps the padded units out of its result",
                 )
                 out, problem = None, f"{kind} {label}: {reason}"
             else:
                 out, problem = None, None
             if problem:
-                problems.append(f"{kind} {label}: {problem}" if not problem.startswith(kind) else problem)
+                problems.append(
+                    f"{kind} {label}: {problem}" if not problem.startswith(kind) else problem
+                )
         elif node.op in ("call_function", "call_method"):
             out, problem = _function(node, got, padded_in)
             if problem:
@@ -378,7 +377,7 @@ def _target_name(node: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
 
 
-def _linear(x, varying, name, width):  # type: ignore[no-untyped-def]
+def _linear(x, varying, name, width):
     if 1 in varying:
         need = width(name, 1)
         if not isinstance(x, _Padded) or x.kind not in ("features", "flat"):
@@ -402,7 +401,7 @@ def _linear(x, varying, name, width):  # type: ignore[no-untyped-def]
     return None, None
 
 
-def _conv(m, x, varying, name, width):  # type: ignore[no-untyped-def]
+def _conv(m, x, varying, name, width):
     if any(d >= 2 for d in varying):
         return None, "its kernel sizes differ among the members"
     if varying and m.groups != 1:
@@ -417,7 +416,7 @@ def _conv(m, x, varying, name, width):  # type: ignore[no-untyped-def]
     return None, None
 
 
-def _batchnorm(m, x, own, varying, width):  # type: ignore[no-untyped-def]
+def _batchnorm(m, x, own, varying, width):
     ref = "weight" if "weight" in own else "running_mean" if "running_mean" in own else None
     if ref is None or not varying.get(ref):
         if x is not None:
@@ -434,7 +433,7 @@ def _batchnorm(m, x, own, varying, width):  # type: ignore[no-untyped-def]
     return x, None
 
 
-def _embedding(x, varying, name, width):  # type: ignore[no-untyped-def]
+def _embedding(x, varying, name, width):
     if 0 in varying:
         return None, "its num_embeddings differ among the members"
     if x is not None:
@@ -499,7 +498,9 @@ def _function(node: fx.Node, got: list[Any], padded_in: list[Any]) -> tuple[Any,
                     "it combines a padded tensor with one padded otherwise (a residual across "
                     "padded widths, say): the padded units would mix with real ones"
                 )
-            junk = sa.junk and sb.junk if target in (operator.mul, torch.mul) else sa.junk or sb.junk
+            junk = (
+                sa.junk and sb.junk if target in (operator.mul, torch.mul) else sa.junk or sb.junk
+            )
             return _Padded(sa.kind, sa.widths, junk), None
         value = b if isinstance(a, fx.Node) else a
         if isinstance(value, (int, float)):
