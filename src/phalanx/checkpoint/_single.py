@@ -80,6 +80,39 @@ def _num_members(stack: nn.Module) -> int | None:
     return int(n) if n is not None else None
 
 
+def _member_shapes(stack: nn.Module) -> dict[str, list[list[int]]] | None:
+    """A stack padded to the widest (``pad_widths=True``): each member's own shape per
+    state-dict key, as JSON holds it; None for a stack of one width."""
+    padding = getattr(stack, "padding", None)
+    if padding is None:
+        return None
+    return {f"module.{k}": [list(s) for s in v] for k, v in padding.shapes.items()}
+
+
+def _check_member_shapes(where: str, path: str, stack: nn.Module, meta: dict[str, Any]) -> None:
+    want, got = _member_shapes(stack), meta.get("member_shapes")
+    if want == got:
+        return
+    if want is None or got is None:
+        saved = "padded to the widest" if got is not None else "of one width"
+        target = "padded to the widest" if want is not None else "of one width"
+        raise CheckpointError(
+            f"{where}: '{path}' holds a stack {saved} but the stack to load into is {target}; "
+            f"build it as the saved one was (phalanx.stack(models, pad_widths=...))."
+        )
+    bad = [
+        f"'{k}' member {i}: saved {tuple(a)}, stack {tuple(b)}"
+        for k in sorted(want.keys() | got.keys())
+        for i, (a, b) in enumerate(zip(got.get(k, []), want.get(k, [])))
+        if a != b
+    ] or ["the members' shapes are keyed or counted differently"]
+    raise CheckpointError(
+        f"{where}: '{path}' holds members of other widths than the stack's:\n  - "
+        + "\n  - ".join(bad)
+        + "\nBuild the stack from members of the saved widths."
+    )
+
+
 def save(
     path: str | os.PathLike[str],
     stack: nn.Module,
@@ -131,6 +164,8 @@ def save(
     for key, value in stack.state_dict().items():
         tensors[f"stack/{key}"] = value.detach()
     meta: dict[str, Any] = {"format": _FORMAT, "num_members": _num_members(stack), "types": {}}
+    if (shapes := _member_shapes(stack)) is not None:
+        meta["member_shapes"] = shapes
     parts = {"optimizer": optimizer, "scheduler": scheduler, "loader": loader}
     for name, obj in parts.items():
         if obj is not None:
@@ -280,6 +315,7 @@ def restore(
     """`load` of a checkpoint already `read`: checks everything, then writes; the extras."""
     stack_state = {k[len("stack/") :]: v for k, v in tensors.items() if k.startswith("stack/")}
     check_stack(where, path, stack, stack_state, meta.get("num_members"))
+    _check_member_shapes(where, path, stack, meta)
     parts = {"optimizer": optimizer, "scheduler": scheduler, "loader": loader}
     types = meta.get("types", {})
     states = {}
@@ -311,7 +347,8 @@ def export_members(stack: nn.Module, indices: Sequence[int] | Tensor) -> list[di
 
     Returns:
         One state dict per chosen member, in the order of `indices`, with the stack's
-        "module." prefix removed and tensors copied (they do not alias the stack).
+        "module." prefix removed and tensors copied (they do not alias the stack); in a stack
+        built with ``pad_widths=True``, each tensor at the member's own shape.
 
     Raises:
         IndexError: an index is outside [0, N).
@@ -345,10 +382,13 @@ def export_members(stack: nn.Module, indices: Sequence[int] | Tensor) -> list[di
             f"{n} members; valid indices are 0 to {n - 1}."
         )
     prefix = "module." if all(k.startswith("module.") for k in state) else ""
+    shapes = _member_shapes(stack) or {}
     out = []
     for i in index.tolist():
         member: dict[str, Tensor] = OrderedDict()
         for key, value in state.items():
-            member[key[len(prefix) :]] = value[i].clone()
+            own = shapes.get(key if prefix else f"module.{key}")
+            row = value[i] if own is None else value[i][tuple(slice(0, s) for s in own[i])]
+            member[key[len(prefix) :]] = row.clone()
         out.append(member)
     return out

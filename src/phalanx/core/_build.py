@@ -191,6 +191,7 @@ def stack(
     num_members: int | None = None,
     seed: int | None = 0,
     device: torch.device | str | None = None,
+    pad_widths: bool = False,
 ) -> Stack:
     """Stacks N modules of one architecture into one :class:`Stack`.
 
@@ -211,6 +212,13 @@ def stack(
             so its weights are those of ``torch.manual_seed(seed + i); factory(i)``; None
             leaves seeding to the factory.
         device: with a factory, where the stacked tensors live.
+        pad_widths: members may differ in the widths of their Linear, Conv, BatchNorm and
+            Embedding layers (not in their input and output widths): the stacked tensors are
+            padded to the widest with zeros that stay zero (gradients masked), so each member
+            computes what it computes alone; refused, naming the layer, wherever padding would
+            change a result (a LayerNorm or softmax over a padded width, a reduction, an
+            output width that differs). See docs/SEARCH.md. With a factory, all N members
+            are built first.
 
     Returns:
         The stack, an ``nn.Module``.
@@ -225,7 +233,22 @@ def stack(
         >>> stack = phalanx.stack(models)
         >>> stack(torch.randn(32, 10)).shape
         torch.Size([8, 32, 2])
+        >>> sweep = [nn.Sequential(nn.Linear(10, w), nn.ReLU(), nn.Linear(w, 2)) for w in (8, 32)]
+        >>> stack = phalanx.stack(sweep, pad_widths=True)
+        >>> stack.module[0].weight.shape, stack.unstack()[0][0].weight.shape
+        (torch.Size([2, 32, 10]), torch.Size([8, 10]))
     """
+    if callable(models) and not isinstance(models, nn.Module) and pad_widths:
+        if num_members is None:
+            raise TypeError(
+                "phalanx.stack(): a factory needs num_members=N, the number of members to "
+                "build, e.g. phalanx.stack(lambda i: MLP(widths[i]), num_members=8)."
+            )
+        factory = cast("Factory", models)
+        built = [_build_one(factory, i, seed, "phalanx.stack()") for i in range(num_members)]
+        if device is not None:
+            built = [m.to(device) for m in built]
+        return Stack(built, backend=backend, pad_widths=True)
     if callable(models) and not isinstance(models, nn.Module):
         if num_members is None:
             raise TypeError(
@@ -241,4 +264,4 @@ def stack(
             f"phalanx.stack(): num_members={num_members} but {len(models)} modules were given; "
             f"drop num_members when passing modules."
         )
-    return Stack(models, backend=backend)
+    return Stack(models, backend=backend, pad_widths=pad_widths)

@@ -19,6 +19,7 @@ from phalanx.core._input_warnings import check_inputs, record_outputs
 from phalanx.core._memory import reuse_freed_memory
 from phalanx.core._memory_format import to_member_format
 from phalanx.core._validate import architecture_differences, as_module_list, check_same_architecture
+from phalanx.core._widths import Padding, mask_gradients, pad_members
 from phalanx.routed import _routed
 
 _CHOICES = CHOICES
@@ -66,10 +67,21 @@ class Stack(nn.Module):
     _template: nn.Module
     _view: StackView
 
-    def __init__(self, models: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto"):
+    def __init__(
+        self,
+        models: Sequence[nn.Module] | nn.ModuleList,
+        *,
+        backend: str = "auto",
+        pad_widths: bool = False,
+    ):
         super().__init__()
         where = "phalanx.stack()"
         members = as_module_list(models, where)
+        if pad_widths:
+            _check_backend(backend, where)
+            member, params, buffers, padding = pad_members(members)
+            self._setup(member, params, buffers, len(members), backend, padding)
+            return
         check_same_architecture(members, where)
         _check_backend(backend, where)
         with torch.no_grad():
@@ -92,6 +104,7 @@ class Stack(nn.Module):
         num_members: int,
         *,
         backend: str = "auto",
+        padding: Padding | None = None,
     ) -> Stack:
         """A stack over tensors that are already stacked, ``(N, *shape)`` each, without copies.
 
@@ -99,12 +112,13 @@ class Stack(nn.Module):
         ``meta``, such as another stack's :attr:`template`); ``params`` and ``buffers`` are
         keyed as ``member.named_parameters()`` and ``member.named_buffers()`` and become the
         stack's tensors as they are. ``phalanx.stack``'s factory form and
-        ``phalanx.population.keep_members`` build their stacks with it.
+        ``phalanx.population.keep_members`` build their stacks with it. ``padding``: the
+        members' own shapes where the tensors are padded to the widest (:attr:`padding`).
         """
         _check_backend(backend, "phalanx.stack()")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(member, params, buffers, num_members, backend)
+        self._setup(member, params, buffers, num_members, backend, padding)
         return self
 
     def _setup(
@@ -114,8 +128,10 @@ class Stack(nn.Module):
         buffers: dict[str, torch.Tensor],
         num_members: int,
         backend: str,
+        padding: Padding | None = None,
     ) -> None:
         self.num_members = num_members
+        self._padding = padding
         template = meta_copy(member)
         object.__setattr__(self, "_template", template)
         self.module = copy.deepcopy(template)  # deepcopy keeps member 0's train/eval modes
@@ -125,7 +141,14 @@ class Stack(nn.Module):
         self._param_slots = [_slot(self.module, name) for name, _ in self.module.named_parameters()]
         self._buffer_slots = [_slot(self.module, name) for name, _ in self.module.named_buffers()]
         object.__setattr__(
-            self, "_view", StackView(num_members, self.module, template, self.stacked_state)
+            self,
+            "_view",
+            StackView(
+                num_members,
+                self.module,
+                template,
+                self.stacked_state if padding is None else self._masked_state,
+            ),
         )
         self._set_backend(backend)
         cpu = [t for t in [*params.values(), *buffers.values()] if t.device.type == "cpu"]
@@ -166,6 +189,39 @@ class Stack(nn.Module):
             )
         return params, buffers
 
+    def _masked_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """:meth:`stacked_state` with the padded parameters behind a gradient mask: what the
+        backends of a padded stack read (``phalanx.core._widths``)."""
+        params, buffers = self.stacked_state()
+        assert self._padding is not None
+        return mask_gradients(params, self._padding), buffers
+
+    @property
+    def padding(self) -> Padding | None:
+        """For a stack built with ``pad_widths=True``, each member's own shapes
+        (``padding.shapes[name][i]``); None for a stack of one width."""
+        return self._padding
+
+    def zero_padding_(self) -> Stack:
+        """Writes 0 into every padded entry of the parameters and buffers, in place.
+
+        Gradients are masked and the optimizers keep padded entries at 0 by themselves; call
+        this after writing parameters some other way (``p.data``, a perturbation).
+        """
+        if self._padding is not None:
+            params, buffers = self.stacked_state()
+            with torch.no_grad():
+                for name, t in [*params.items(), *buffers.items()]:
+                    if self._padding.padded(name):
+                        t.masked_fill_(~self._padding.mask(name, t), 0)
+        return self
+
+    def _row(self, t: torch.Tensor, name: str, i: int) -> torch.Tensor:
+        """Member i's own entries of the stacked tensor ``t`` (a view)."""
+        if self._padding is None:
+            return t[i]
+        return t[i][self._padding.corner(name, i)]
+
     def apply(self, fn: Callable[[nn.Module], None]) -> Stack:
         """Calls ``fn`` on every submodule of each member in turn, as on N separate modules.
 
@@ -180,9 +236,9 @@ class Stack(nn.Module):
                 member = self._member_module(i)
                 member.apply(fn)
                 for name, p in params.items():
-                    p[i].copy_(member.get_parameter(name))
+                    self._row(p, name, i).copy_(member.get_parameter(name))
                 for name, b in buffers.items():
-                    b[i].copy_(member.get_buffer(name))
+                    self._row(b, name, i).copy_(member.get_buffer(name))
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> Stack:
@@ -351,6 +407,110 @@ class Stack(nn.Module):
                 self._view, backend.forward(self._view, args, kwargs, dims, kw_dims)
             )
 
+    def backward_in_chunks(
+        self,
+        loss_fn: Callable[[Any, slice], torch.Tensor],
+        *args: Any,
+        chunk_members: int,
+        in_dims: InDims = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Forward and backward of the members ``chunk_members`` at a time, for less memory.
+
+        ``loss_fn(stack(*args)[rows], rows).sum().backward()`` for each chunk of members
+        ``rows`` in turn: only one chunk's activations are alive at once, so the step takes
+        the memory of ``chunk_members`` members' activations instead of N's. Each chunk runs
+        on views of the stacked parameters and its gradients are accumulated into the stacked
+        ``.grad`` (rows ``rows``), as ``backward`` accumulates; each member's gradient is the
+        unchunked step's to float rounding (bit for bit where the backend's kernels do not
+        depend on the number of members, as the tests check for the MLP and the loop).
+        Random operations (dropout) draw chunk by chunk, not as one call draws.
+
+        Args:
+            loss_fn: ``loss_fn(outputs, rows)`` with ``outputs`` the chunk's outputs
+                ``(k, B, ...)`` and ``rows`` a ``slice`` of member indices; returns the
+                chunk's per-member losses ``(k,)``, e.g. ``lambda out, rows:
+                phalanx.member_losses(F.cross_entropy, out, y[rows], in_dims=(0, 0))`` for
+                per-member targets ``y (N, B)``.
+            *args: the inputs, as for ``stack(*args)``; per-member inputs are cut to the chunk.
+            chunk_members: k >= 1, the members per chunk (the last chunk may be smaller).
+            in_dims: as for ``stack(*args, in_dims=...)``.
+            **kwargs: keyword inputs shared by every member.
+
+        Returns:
+            The members' losses ``(N,)``, detached.
+
+        Raises:
+            ValueError: ``chunk_members`` is not a positive int, or ``loss_fn`` does not
+                return one loss per member of the chunk.
+
+        Example:
+            >>> stack = phalanx.stack([nn.Linear(4, 3) for _ in range(8)])
+            >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+            >>> losses = stack.backward_in_chunks(
+            ...     lambda out, rows: phalanx.member_losses(F.cross_entropy, out, y),
+            ...     x, chunk_members=2)
+            >>> losses.shape, stack.module.weight.grad.shape
+            (torch.Size([8]), torch.Size([8, 3, 4]))
+        """
+        where = "Stack.backward_in_chunks()"
+        k = chunk_members
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"{where}: chunk_members must be a positive int; got {k!r}.")
+        dims = self._normalize_in_dims(in_dims, args)
+        self._check_devices(args, kwargs)
+        check_call(self.module, kwargs)
+        if self.retired is not None:
+            raise RuntimeError(f"{where}: {self.retired}")
+        params, buffers = self.stacked_state()
+        backend = get_backend(self._requested)
+        losses = []
+        for start in range(0, self.num_members, k):
+            rows = slice(start, min(start + k, self.num_members))
+            leaves = {
+                n: p[rows].detach().requires_grad_(p.requires_grad) for n, p in params.items()
+            }
+            held = (
+                leaves
+                if self._padding is None
+                else mask_gradients(leaves, self._padding, full=params, rows=rows)
+            )
+            view = self._chunk_view(rows, held, {n: b[rows] for n, b in buffers.items()})
+            chunk_args = tuple(a if d is None else a[rows] for a, d in zip(args, dims))
+            with torch.enable_grad(), self._view.lock:
+                loss = loss_fn(backend.forward(view, chunk_args, dict(kwargs), dims), rows)
+            size = rows.stop - rows.start
+            if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != (size,):
+                got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(
+                    f"{where}: loss_fn must return the chunk's per-member losses, shape "
+                    f"({size},) for members {rows.start}..{rows.stop - 1}; got {got}. Use "
+                    f"phalanx.member_losses(loss, outputs, targets[rows], in_dims=(0, 0))."
+                )
+            wanted = [(n, t) for n, t in leaves.items() if t.requires_grad]
+            grads = torch.autograd.grad(loss.sum(), [t for _, t in wanted], allow_unused=True)
+            with torch.no_grad():
+                for (name, _), g in zip(wanted, grads):
+                    if g is None:
+                        continue
+                    p = params[name]
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad[rows] += g
+            losses.append(loss.detach())
+        return torch.cat(losses)
+
+    def _chunk_view(
+        self, rows: slice, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+    ) -> StackView:
+        """A view of members ``rows`` over the given tensors; ``auto``'s choices are shared."""
+        view = StackView(
+            rows.stop - rows.start, self.module, self._template, lambda: (params, buffers)
+        )
+        view.lock = self._view.lock
+        view.cache["auto"] = self._view.cache_of("auto")
+        return view
+
     def _routed(
         self,
         args: tuple[Any, ...],
@@ -416,7 +576,8 @@ class Stack(nn.Module):
         """Returns N ordinary modules holding the members' current weights and buffers.
 
         The modules are independent copies (no memory is shared with the stack), on the
-        stack's device and dtype, in the stack's train/eval mode.
+        stack's device and dtype, in the stack's train/eval mode; in a stack built with
+        ``pad_widths=True``, each at its own widths.
 
         Example:
             >>> stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)])
@@ -431,12 +592,13 @@ class Stack(nn.Module):
 
     def _member_module(self, i: int) -> nn.Module:
         params, buffers = self.stacked_state()
-        member = copy.deepcopy(self._template)
+        own = self._template if self._padding is None else self._padding.members[i]
+        member = copy.deepcopy(own)
         with torch.no_grad():
             _swap_in(
                 member,
-                {k: v[i].detach().clone() for k, v in params.items()},
-                {k: v[i].clone() for k, v in buffers.items()},
+                {k: self._row(v, k, i).detach().clone() for k, v in params.items()},
+                {k: self._row(v, k, i).clone() for k, v in buffers.items()},
             )
         copy_modes(self.module, member)
         return member
@@ -458,12 +620,18 @@ class Stack(nn.Module):
                 f"{where}: the stack has {self.num_members} members but {len(targets)} modules "
                 f"were given; pass exactly one module per member."
             )
+        one = self._padding is None  # else each member is checked at its own widths
         reference = self._member_module(0)
         diffs = [
             d
             for i, m in enumerate(targets)
             for d in architecture_differences(
-                reference, m, i, ref_name="the stack", check_device=False, check_mode=False
+                reference if one else self._member_module(i),
+                m,
+                i,
+                ref_name="the stack" if one else f"the stack's member {i}",
+                check_device=False,
+                check_mode=False,
             )
         ]
         if diffs:
@@ -475,9 +643,9 @@ class Stack(nn.Module):
         with torch.no_grad():
             for i, m in enumerate(targets):
                 for name, p in params.items():
-                    m.get_parameter(name).copy_(p[i])
+                    m.get_parameter(name).copy_(self._row(p, name, i))
                 for name, b in buffers.items():
-                    m.get_buffer(name).copy_(b[i])
+                    m.get_buffer(name).copy_(self._row(b, name, i))
 
 
 def _normalize_in_dims(

@@ -420,4 +420,11 @@ def check_same_architecture(members: Sequence[nn.Module], where: str) -> None:
             + "\nAll members must share one architecture: the same module types, parameter and "
             "buffer names, shapes, dtypes, devices, train/eval mode, settings, hooks and ties; "
             "only tensor values may differ."
+            + (
+                " Members that differ only in the widths of Linear, Conv, BatchNorm or "
+                "Embedding layers stack padded to the widest: phalanx.stack(models, "
+                "pad_widths=True)."
+                if any("has shape" in d for d in diffs)
+                else ""
+            )
         )

@@ -80,6 +80,8 @@ def copy_within(
     src, dst = pairs(source, target, len(stack), where)
     for t in member_tensors(stack):
         t[dst.to(t.device)] = t[src.to(t.device)]
+    if stack.padding is not None:  # members padded to the widest: targets take the widths
+        stack.padding.copy_rows(src.tolist(), dst.tolist())
     if optimizer is not None:
         optimizer.copy_members(src, dst, hyperparameters=hyperparameters)
     if loader is not None:

@@ -152,7 +152,10 @@ def keep_members(
     # The backend the user asked for ("auto" stays "auto"), not the one auto picked: auto
     # chooses again for the smaller stack (its choice depends on the architecture, not N).
     backend = stack.requested_backend
-    smaller = Stack.from_stacked(stack.template, params, buffers, len(index), backend=backend)
+    padding = stack.padding.rows(index.tolist()) if stack.padding is not None else None
+    smaller = Stack.from_stacked(
+        stack.template, params, buffers, len(index), backend=backend, padding=padding
+    )
     copy_modes(stack.module, smaller.module)
     smaller.training = stack.training
     if optimizer is not None:
