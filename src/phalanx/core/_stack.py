@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from phalanx import _torch_compat as compat
-from phalanx._module_tree import copy_modes, meta_copy
+from phalanx._module_tree import copy_modes, meta_copy, unshare_submodules
 from phalanx.backends import CHOICES, StackView, get_backend
 from phalanx.backends._keywords import KwInDims, keyword_dims
 from phalanx.core._hf import check_call, guard_stacked
@@ -119,6 +119,9 @@ class Stack(nn.Module):
         template = meta_copy(member)
         object.__setattr__(self, "_template", template)
         self.module = copy.deepcopy(template)  # deepcopy keeps member 0's train/eval modes
+        # A submodule used at several places: one object per place, its tensors tied
+        # (functional_call would leave a shared one holding a member's tensors).
+        unshare_submodules(self.module)
         _swap_in(self.module, params, buffers)
         guard_stacked(self.module)  # a Hugging Face model's save_pretrained would write (N, ...)
         self.training = self.module.training
