@@ -47,12 +47,15 @@ def unshare_submodules(module: nn.Module) -> list[str]:
     copied: list[str] = []
     while True:
         seen: set[int] = set()
+        again = None
         for path, sub in module.named_modules(remove_duplicate=False):
             if id(sub) in seen:
+                again = path, sub
                 break
             seen.add(id(sub))
-        else:
+        if again is None:
             return copied
+        path, sub = again
         parent_path, _, leaf = path.rpartition(".")
         memo: dict[int, Any] = {id(t): t for t in [*sub.parameters(), *sub.buffers()]}
         setattr(module.get_submodule(parent_path), leaf, copy.deepcopy(sub, memo))

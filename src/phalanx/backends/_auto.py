@@ -71,9 +71,7 @@ class _Undo:
 
     def undo(self, failure: BaseException) -> None:
         written = [
-            name
-            for (name, p), v in zip(self.params, self.versions)
-            if compat.version(p) != v
+            name for (name, p), v in zip(self.params, self.versions) if compat.version(p) != v
         ]
         if written and self.saved_params is None:
             raise RuntimeError(

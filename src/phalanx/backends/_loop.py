@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,7 +76,7 @@ def _rows(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]
 
 
 def _written_rows(row: torch.Tensor) -> bool:
-    return isinstance(row.grad_fn, _Rows._backward_cls)  # type: ignore[attr-defined]
+    return isinstance(row.grad_fn, _Rows._backward_cls)
 
 
 def _check_writes(
@@ -147,6 +148,8 @@ class LoopBackend:
                     before = {k: a.clone() for k, a, _ in shared}
             member_kw = member_kwargs(kwargs, kw_dims, i)
             call = lambda: functional_call(view.module, state, member_args, member_kw)  # noqa: B023, E731
+            if view.generators is not None:  # member i draws from its own generators
+                call = partial(view.generators.run, i, call)
             # A checkpointed region in the member's forward recomputes as member i.
             versions = {k: compat.version(state[k]) for k in tracked}
             outputs.append(

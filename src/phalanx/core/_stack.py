@@ -14,6 +14,7 @@ from phalanx import _torch_compat as compat
 from phalanx._module_tree import copy_modes, meta_copy, unshare_submodules
 from phalanx.backends import CHOICES, StackView, get_backend
 from phalanx.backends._keywords import KwInDims, keyword_dims
+from phalanx.backends._random import MemberGenerators, copy_generators, generator_slots
 from phalanx.core._hf import check_call, guard_stacked
 from phalanx.core._input_warnings import check_inputs, record_outputs
 from phalanx.core._memory import reuse_freed_memory
@@ -81,7 +82,9 @@ class Stack(nn.Module):
                 name: torch.stack([m.get_buffer(name) for m in members])
                 for name, _ in members[0].named_buffers()
             }
-        self._setup(members[0], params, buffers, len(members), backend)
+        slots = generator_slots(members[0])
+        generators = copy_generators(members, slots, where) if slots else None
+        self._setup(members[0], params, buffers, len(members), backend, generators)
 
     @classmethod
     def from_stacked(
@@ -92,6 +95,7 @@ class Stack(nn.Module):
         num_members: int,
         *,
         backend: str = "auto",
+        generators: list[list[torch.Generator]] | None = None,
     ) -> Stack:
         """A stack over tensors that are already stacked, ``(N, *shape)`` each, without copies.
 
@@ -99,12 +103,19 @@ class Stack(nn.Module):
         ``meta``, such as another stack's :attr:`template`); ``params`` and ``buffers`` are
         keyed as ``member.named_parameters()`` and ``member.named_buffers()`` and become the
         stack's tensors as they are. ``phalanx.stack``'s factory form and
-        ``phalanx.population.keep_members`` build their stacks with it.
+        ``phalanx.population.keep_members`` build their stacks with it. Where the member holds
+        ``torch.Generator`` attributes, ``generators[i]`` are member i's, in the order of
+        :attr:`generator_slots` (each is used as it is, not copied); without them every member
+        starts from a copy of ``member``'s.
         """
         _check_backend(backend, "phalanx.stack()")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(member, params, buffers, num_members, backend)
+        slots = generator_slots(member)
+        if generators is None and slots:
+            where = "Stack.from_stacked()"
+            generators = [copy_generators([member], slots, where)[0] for _ in range(num_members)]
+        self._setup(member, params, buffers, num_members, backend, generators)
         return self
 
     def _setup(
@@ -114,6 +125,7 @@ class Stack(nn.Module):
         buffers: dict[str, torch.Tensor],
         num_members: int,
         backend: str,
+        generators: list[list[torch.Generator]] | None = None,
     ) -> None:
         self.num_members = num_members
         template = meta_copy(member)
@@ -130,6 +142,9 @@ class Stack(nn.Module):
         object.__setattr__(
             self, "_view", StackView(num_members, self.module, template, self.stacked_state)
         )
+        if generators is not None:  # each member draws from its own (backends/_random.py)
+            slots = generator_slots(template)
+            self._view.generators = MemberGenerators(self.module, slots, generators)
         self._set_backend(backend)
         cpu = [t for t in [*params.values(), *buffers.values()] if t.device.type == "cpu"]
         if cpu:  # gradients of this size would be mapped and faulted in afresh every step
@@ -228,6 +243,19 @@ class Stack(nn.Module):
     def template(self) -> nn.Module:
         """Member 0's architecture on the ``meta`` device: module types, settings, modes."""
         return self._template
+
+    @property
+    def generator_slots(self) -> list[tuple[str, str]]:
+        """Where the member holds ``torch.Generator`` attributes, (submodule path, name); the
+        stack keeps one set per member (see README, "What a member's randomness is")."""
+        gens = self._view.generators
+        return list(gens.slots) if gens is not None else []
+
+    def member_generators(self, i: int) -> list[torch.Generator]:
+        """Member i's own generators, in the order of :attr:`generator_slots` (the objects
+        the loop draws from, not copies)."""
+        gens = self._view.generators
+        return list(gens.per_member[i]) if gens is not None else []
 
     @property
     def requested_backend(self) -> str:
@@ -442,6 +470,11 @@ class Stack(nn.Module):
                 {k: v[i].clone() for k, v in buffers.items()},
             )
         copy_modes(self.module, member)
+        gens = self._view.generators
+        if gens is not None:  # member i's own generators, at their current state
+            memo: dict[int, Any] = {}
+            for (path, key), g in zip(gens.slots, gens.per_member[i]):
+                vars(member.get_submodule(path))[key] = copy.deepcopy(g, memo)
         return member
 
     def copy_to(self, models: Sequence[nn.Module] | nn.ModuleList) -> None:

@@ -152,7 +152,12 @@ def keep_members(
     # The backend the user asked for ("auto" stays "auto"), not the one auto picked: auto
     # re-races at the new size, where another backend may be faster.
     backend = stack.requested_backend
-    smaller = Stack.from_stacked(stack.template, params, buffers, len(index), backend=backend)
+    generators = (
+        [stack.member_generators(i) for i in index.tolist()] if stack.generator_slots else None
+    )
+    smaller = Stack.from_stacked(
+        stack.template, params, buffers, len(index), backend=backend, generators=generators
+    )
     copy_modes(stack.module, smaller.module)
     smaller.training = stack.training
     if optimizer is not None:
