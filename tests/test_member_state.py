@@ -406,3 +406,43 @@ def test_a_forward_that_reseeds_gets_each_members_own_noise_or_a_refusal(seed):
             continue
         for call in range(2):
             assert torch.equal(quiet_call(stack, x), want), f"{backend} call {call}"
+
+
+# ------------------------------------------------------------ errors that name the fix
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "make", [nn.ReLU, lambda: nn.Sequential(nn.Flatten(), nn.Softmax(-1))], ids=["relu", "seq"]
+)
+def test_members_without_tensors_run_a_shared_input_on_every_backend(backend, make):
+    x = torch.randn(4, 3, requires_grad=True)
+    members = [make() for _ in range(3)]
+    out = quiet_call(phalanx.stack(members, backend=backend), x)
+    want = torch.stack([m(x) for m in members])
+    assert torch.equal(out, want)
+    (g,) = torch.autograd.grad(out.square().sum(), x)
+    (ref,) = torch.autograd.grad(want.square().sum(), x)
+    assert_close(g, ref)
+
+
+def test_lazy_members_are_refused_at_stack_naming_the_fix():
+    with pytest.raises(ValueError, match=r"member 0's '1\.weight' is not initialised yet"):
+        phalanx.stack([nn.Sequential(nn.Tanh(), nn.LazyLinear(3)) for _ in range(2)])
+    with pytest.raises(ValueError, match="Run one forward on each member first"):
+        phalanx.stack(lambda: nn.LazyLinear(3), num_members=2)
+    members = [nn.LazyLinear(3) for _ in range(2)]
+    x = torch.randn(5, 4)
+    for m in members:
+        m(x[:1])
+    out = phalanx.stack(members)(x)  # materialised: stacks and runs
+    assert_close(out, torch.stack([m(x) for m in members]))
+
+
+@pytest.mark.parametrize("in_dims", [(None, None), (1, None), (0, 2), (0,)])
+def test_member_losses_names_bad_in_dims(in_dims):
+    out, y = torch.randn(3, 8, 4), torch.randint(0, 4, (8,))
+    with pytest.raises(ValueError, match=r"must say where the member axis is"):
+        phalanx.member_losses(nn.functional.cross_entropy, out, y, in_dims=in_dims)
+    losses = phalanx.member_losses(nn.functional.cross_entropy, out, y, in_dims=[0, None])
+    assert losses.shape == (3,)

@@ -117,10 +117,10 @@ def get_backend(name: str) -> Backend:
     a ``torch.compile`` trace, which would trace the modules' import-time code too.
     """
     if not _loaded:
-        from phalanx.backends._random import OwnRandomness
+        from phalanx.backends._guard import Guarded
 
         for key, module in _MODULES.items():
             backend = importlib.import_module(module, __name__).BACKEND
-            # One vmapped call cannot draw what each member draws from its own generator.
-            _loaded[key] = OwnRandomness(backend) if key in ("fused", "vmap") else backend
+            # What one vmapped call needs beyond the member's forward (``_guard``).
+            _loaded[key] = Guarded(backend) if key in ("fused", "vmap") else backend
     return _loaded[name]

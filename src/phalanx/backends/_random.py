@@ -11,7 +11,7 @@ generators (``randomness="different"``): independent per member and reproducible
 seed, but other numbers than the loop's. It cannot give a member its own generator (it would
 draw every member's noise from one), nor the noise of a forward that reseeds the global
 generator (``torch.manual_seed(k)`` then ``torch.randn``: each member alone draws the same
-noise, one vmapped call N different ones). :class:`OwnRandomness` refuses both, so ``auto``
+noise, one vmapped call N different ones). ``_guard.Guarded`` refuses both, so ``auto``
 hands such a model to the loop.
 """
 
@@ -19,16 +19,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-from phalanx import _torch_compat as compat
-from phalanx.backends import BackendRefusal
-
-if TYPE_CHECKING:
-    from phalanx.backends import Backend, StackView
 
 Slot = tuple[str, str]
 """Where a module tree holds a generator: (submodule path, attribute name)."""
@@ -105,56 +99,3 @@ class MemberGenerators:
         finally:
             for d, (_, key), g in zip(owners, self.slots, own):
                 d[key] = g
-
-
-def _refuse(name: str, why: str) -> None:
-    refusal = BackendRefusal(
-        f"Stack.forward(): backend {name!r} cannot give each member its own random numbers: "
-        f"{why}\nUse phalanx.stack(models, backend='loop'), or backend='auto', which hands "
-        f"over to the loop by itself."
-    )
-    refusal.why = why  # type: ignore[attr-defined]
-    raise refusal
-
-
-class OwnRandomness:
-    """A vmapped backend that refuses where its draws could not be each member's own."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-        self.name = inner.name
-
-    def forward(
-        self,
-        view: StackView,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        in_dims: tuple[int | None, ...],
-        kw_dims: frozenset[str] = frozenset(),
-    ) -> Any:
-        if view.generators is not None:
-            _refuse(
-                self.name,
-                f"the member holds a torch.Generator of its own ({view.generators.path()!r}), "
-                f"and one vmapped call draws every member's noise from one generator; the "
-                f"loop draws each member's from its own",
-            )
-        if any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values())):
-            _refuse(
-                self.name,
-                "a torch.Generator is passed to the forward, and one vmapped call draws every "
-                "member's noise from it at once; the loop draws member after member, as the "
-                "members alone do",
-            )
-        if torch.compiler.is_compiling():
-            return self.inner.forward(view, args, kwargs, in_dims, kw_dims)
-        before = compat.seed_token()
-        out = self.inner.forward(view, args, kwargs, in_dims, kw_dims)
-        if compat.seed_token() != before:
-            _refuse(
-                self.name,
-                "the member's forward reseeds the global generator (torch.manual_seed): each "
-                "member alone then draws what the seed gives, one vmapped call N different "
-                "draws",
-            )
-        return out

@@ -25,7 +25,12 @@ from torch import nn
 from phalanx._module_tree import meta_copy
 from phalanx.backends._random import copy_generators, generator_slots
 from phalanx.core._stack import Stack
-from phalanx.core._validate import architecture_differences, behaviour_differences, tie_differences
+from phalanx.core._validate import (
+    architecture_differences,
+    behaviour_differences,
+    check_materialised,
+    tie_differences,
+)
 
 __all__ = ["build_members", "call_factory", "stack_from_factory"]
 
@@ -58,6 +63,7 @@ def _build_one(factory: Factory, i: int, seed: int | None, where: str) -> nn.Mod
             f"{where}: the factory returned a {type(member).__name__} for member {i}; it must "
             f"return one nn.Module, a new one on each call."
         )
+    check_materialised([member], where, first_index=i)
     on_meta = [n for n, t in (*member.named_parameters(), *member.named_buffers()) if t.is_meta]
     if on_meta:
         raise ValueError(

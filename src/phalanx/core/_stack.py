@@ -19,7 +19,12 @@ from phalanx.core._hf import check_call, guard_stacked
 from phalanx.core._input_warnings import check_inputs, record_outputs
 from phalanx.core._memory import reuse_freed_memory
 from phalanx.core._memory_format import to_member_format
-from phalanx.core._validate import architecture_differences, as_module_list, check_same_architecture
+from phalanx.core._validate import (
+    architecture_differences,
+    as_module_list,
+    check_materialised,
+    check_same_architecture,
+)
 from phalanx.routed import _routed
 
 _CHOICES = CHOICES
@@ -71,6 +76,7 @@ class Stack(nn.Module):
         super().__init__()
         where = "phalanx.stack()"
         members = as_module_list(models, where)
+        check_materialised(members, where)
         check_same_architecture(members, where)
         _check_backend(backend, where)
         with torch.no_grad():
