@@ -428,3 +428,21 @@ def check_same_architecture(members: Sequence[nn.Module], where: str) -> None:
                 else ""
             )
         )
+
+
+def check_materialised(members: Sequence[nn.Module], where: str, first_index: int = 0) -> None:
+    """Refuses a member whose lazy module (``nn.LazyLinear``, ``LazyConv2d``) has not run yet:
+    its parameters have no shape to stack."""
+    for i, m in enumerate(members, start=first_index):
+        lazy = [
+            name
+            for name, t in [*m.named_parameters(), *m.named_buffers()]
+            if torch.nn.parameter.is_lazy(t)
+        ]
+        if lazy:
+            raise ValueError(
+                f"{where}: member {i}'s {lazy[0]!r} is not initialised yet (a lazy module such "
+                f"as nn.LazyLinear takes its shape from its first input), so it has no shape to "
+                f"stack. Run one forward on each member first, e.g. "
+                f"`for m in models: m(x[:1])`, then stack them."
+            )

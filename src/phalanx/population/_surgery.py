@@ -153,8 +153,17 @@ def keep_members(
     # chooses again for the smaller stack (its choice depends on the architecture, not N).
     backend = stack.requested_backend
     padding = stack.padding.rows(index.tolist()) if stack.padding is not None else None
+    generators = (
+        [stack.member_generators(i) for i in index.tolist()] if stack.generator_slots else None
+    )
     smaller = Stack.from_stacked(
-        stack.template, params, buffers, len(index), backend=backend, padding=padding
+        stack.template,
+        params,
+        buffers,
+        len(index),
+        backend=backend,
+        padding=padding,
+        generators=generators,
     )
     copy_modes(stack.module, smaller.module)
     smaller.training = stack.training

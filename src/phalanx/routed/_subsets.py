@@ -61,6 +61,8 @@ def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable
 
     sub = StackView(len(chosen), view.module, view.template, lambda: (sub_params, sub_buffers))
     sub.lock = view.lock
+    if view.generators is not None:
+        sub.generators = view.generators.subset(chosen)
     sub.cache["auto"] = view.cache_of("auto")
     attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
     sub.cache["loop"] = {"attributes": _Remapped(attributes, chosen)}

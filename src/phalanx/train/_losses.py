@@ -134,6 +134,21 @@ def member_losses(
             f"{where}: the loss function comes first: member_losses(loss_fn, output, target); "
             f"got a {type(loss_fn).__name__} where loss_fn goes."
         )
+    if isinstance(in_dims, list):
+        in_dims = (in_dims[0], in_dims[1]) if len(in_dims) == 2 else in_dims
+    if (
+        not isinstance(in_dims, tuple)
+        or len(in_dims) != 2
+        or any(d not in (0, None) or isinstance(d, bool) for d in in_dims)
+        or in_dims == (None, None)
+    ):
+        raise ValueError(
+            f"{where}: in_dims={in_dims!r} must say where the member axis is: 0 (dim 0 is "
+            f"the member axis) or None (shared by every member) for the output and the "
+            f"target, at least one of them 0. The stack's output carries the member axis: "
+            f"in_dims=(0, None) for a target shared by every member, (0, 0) for per-member "
+            f"targets."
+        )
     if _smoothing.is_per_member(kwargs):
         return _smoothing.smoothed_losses(member_losses, loss_fn, output, target, in_dims, kwargs)
     if (
