@@ -122,6 +122,7 @@ foreach_neg = torch._foreach_neg
 foreach_sqrt = torch._foreach_sqrt
 fused_adam_ = torch._fused_adam_
 fused_adamw_ = torch._fused_adamw_
+fused_sgd_ = torch._fused_sgd_
 
 
 # --------------------------------------------------------------------------- the captured step
