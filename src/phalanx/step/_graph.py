@@ -272,19 +272,13 @@ def split_keywords(args: Any, names: tuple[str, ...]) -> tuple[tuple[Any, ...], 
 # ------------------------------------------------------------------- rewrites of the graph
 
 _aten = torch.ops.aten
-_RESHAPES = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default)
 
 
 def simplify(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Two rewrites of the traced step that leave every value as it was, measured faster.
-
-    - ``baddbmm(c, a, b)`` becomes ``c + bmm(a, b)``: on a CPU, aten's baddbmm took 1.8x
-      the time of bmm for W1's 400 products of (32, 20) and (20, 10), while the compiler
-      fuses the addition into the pointwise kernel that follows.
-    - ``clone`` to contiguous memory followed only by reshapes back to the tensor's own shape
-      becomes the tensor itself: the fused backend folds a sliced input ``(N, B, d)`` into
-      ``(N * B, d)`` and back, which copies it (1 MB on W1) for a bmm that reads it strided
-      just as fast. Skipped where anything downstream could write into it.
+    """A rewrite of the traced step that leaves every value as it was, measured faster:
+    ``baddbmm(c, a, b)`` becomes ``c + bmm(a, b)``: on a CPU, aten's baddbmm took 1.8x the
+    time of bmm for W1's 400 products of (32, 20) and (20, 10), while the compiler fuses the
+    addition into the pointwise kernel that follows.
 
     Args:
         graph: a ``make_fx`` graph (nodes carry their ``meta["val"]``); changed in place.
@@ -304,44 +298,7 @@ def simplify(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             product.meta, total.meta = {}, dict(node.meta)
             node.replace_all_uses_with(total)
             g.erase_node(node)
-        elif node.target is _aten.clone.default:
-            _drop_round_trip_copy(g, node)
     g.eliminate_dead_code()
     g.lint()
     graph.recompile()
     return graph
-
-
-def _drop_round_trip_copy(g: torch.fx.Graph, clone: torch.fx.Node) -> None:
-    source = clone.args[0]
-    fmt = clone.kwargs.get("memory_format", torch.contiguous_format)
-    if fmt not in (torch.contiguous_format, torch.preserve_format):
-        return
-    if not isinstance(source, torch.fx.Node) or "val" not in source.meta:
-        return
-    end = clone
-    while len(end.users) == 1:
-        (user,) = end.users
-        if user.op != "call_function" or user.target not in _RESHAPES:
-            break
-        end = user
-    val, src = end.meta.get("val"), source.meta["val"]
-    if end is clone or not isinstance(val, Tensor) or not isinstance(src, Tensor):
-        return
-    if val.shape != src.shape or val.dtype != src.dtype or _written(end):
-        return
-    end.replace_all_uses_with(source)
-
-
-def _written(node: torch.fx.Node) -> bool:
-    """Whether an operation downstream of ``node`` may write into its memory."""
-    for user in node.users:
-        if user.op == "output":
-            continue
-        schema = getattr(user.target, "_schema", None)
-        if schema is None or schema.is_mutable:
-            return True
-        aliases = user.target in _RESHAPES or any(r.alias_info for r in schema.returns)
-        if aliases and _written(user):
-            return True
-    return False
