@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx import _torch_compat as compat
 from phalanx.routed._segments import NotRowwise, Segments, segment_linear
 
 
@@ -259,7 +260,7 @@ def call_module(mod: nn.Module, args: Any, kwargs: Any, seg: Segments) -> Any:
         return RowTensor(
             segment_linear(x.t, weight, bias if isinstance(bias, torch.Tensor) else None, seg)[0]
         )
-    if mod._parameters or mod._buffers:
+    if compat.own_parameters(mod) or compat.own_buffers(mod):
         raise NotRowwise(f"a {kind.__name__} layer")
     if kind in _DROPOUT_MODULES:
         if mod.training and getattr(mod, "p", 0) > 0:

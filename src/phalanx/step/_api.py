@@ -130,7 +130,7 @@ class CompiledStep:
         self._eager_reasons: set[str] = set()
         self._hypers: tuple[list, list[dict[str, Tensor]]] | None = None
         self._max_norm: tuple[Any, Tensor] | None = None
-        self._modules = list(stack.modules())  # whose train/eval modes the signature reads
+        self._mode_modules = list(stack.modules())  # whose train/eval modes the signature reads
         self._groups: dict[int, dict[str, Any]] = {}  # id(param) -> its optimizer group
         # Injected by tests: the clock of the timings, and the exchange of every rank's
         # medians (a list with this rank's object alone outside torch.distributed).
@@ -320,7 +320,7 @@ class CompiledStep:
                 "a constant; pass tensors (or a tuple, list or dict of them) and numbers"
             )
             return None
-        modes = (*(m.training for m in self._modules), torch.is_autocast_enabled())
+        modes = (*(m.training for m in self._mode_modules), torch.is_autocast_enabled())
         opt: Any = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         if len(params) != len(self._params) or any(
