@@ -138,4 +138,5 @@ def _mha(n: int, dims: Dims, *args):
     wo = first(a["out_proj_weight"], d["out_proj_weight"], n)
     bo = first(a["out_proj_bias"], d["out_proj_bias"], n)
     y = linear_bmm(out, wo, bo).view(n, b, t, wo.shape[1])
-    return (y.transpose(1, 2), None), (0, None)  # (N, T, B, E), a view
+    # (N, T, B, E), each member's contiguous as torch's own output is
+    return (y.transpose(1, 2).contiguous(), None), (0, None)
