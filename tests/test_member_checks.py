@@ -133,33 +133,54 @@ def test_forward_mode_ad_through_a_gru_equals_the_members(backend):
     [{"kdim": 6, "vdim": 5}, {"add_bias_kv": True}, {"add_zero_attn": True}, {}],
     ids=["kdim-vdim", "bias-kv", "zero-attn", "plain"],
 )
+@pytest.mark.parametrize("masks", [None, "padding", "both"])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_multihead_attention_variants_run_on_fused(variant, need_weights):
+def test_multihead_attention_variants_run_on_fused(variant, masks, need_weights):
+    """Issue 29, 10a: kdim / vdim, bias_k / bias_v and add_zero_attn run on fused (auto kept
+    it), each member as alone, masks included."""
+
     class Attend(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.attn = nn.MultiheadAttention(8, 2, batch_first=True, **variant)
 
-        def forward(self, q, k, v):
-            return self.attn(q, k, v, need_weights=need_weights)
+        def forward(self, q, k, v, padding, mask):
+            return self.attn(
+                q, k, v, key_padding_mask=padding, attn_mask=mask, need_weights=need_weights
+            )
 
     torch.manual_seed(0)
     members = [Attend() for _ in range(3)]
     q = torch.randn(3, 2, 4, 8)
     k = torch.randn(3, 2, 7, variant.get("kdim", 8))
     v = torch.randn(3, 2, 7, variant.get("vdim", 8))
+    padding = torch.rand(3, 2, 7) < 0.3 if masks else None
+    if padding is not None:
+        padding[..., 0] = False  # no sample with every key masked
+    mask = torch.rand(3, 4, 7) < 0.3 if masks == "both" else None  # each member's (T, S)
+    if mask is not None:
+        mask[..., 0] = False
+    args = (q, k, v, padding, mask)
+    dims = tuple(None if a is None else 0 for a in args)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto must not hand over to the loop
         for backend in ("fused", "auto"):
             stack = _stack(members, backend)
-            out, weights = stack(q, k, v, in_dims=0)
+            out, weights = stack(*args, in_dims=dims)
             assert stack.backend == "fused"
-            for i, m in enumerate(members):
-                own, own_w = m(q[i], k[i], v[i])
+            out.square().sum().backward()
+            alone = copy.deepcopy(members)
+            for i, m in enumerate(alone):
+                own, own_w = m(*(None if a is None else a[i] for a in args))
                 torch.testing.assert_close(out[i], own)
+                assert out[i].stride() == own.stride()
                 assert (weights is None) == (own_w is None)
                 if own_w is not None:
                     torch.testing.assert_close(weights[i], own_w)
+                own.square().sum().backward()
+            for name, p in stack.module.named_parameters():
+                own_grads = torch.stack([dict(m.named_parameters())[name].grad for m in alone])
+                torch.testing.assert_close(p.grad, own_grads, msg=name)
 
 
 # ------------------------------------------------------------------------- outputs holding None
