@@ -9,9 +9,17 @@ routes a few functions to batching rules of phalanx's own (``_registry``: what a
 shell that runs it, the tables), one file per family, each rule registered beside its
 definition:
 
-- correctness (both backends): convolutions (``_conv``), embeddings (``_embedding``).
+- correctness (both backends): convolutions (``_conv``); embeddings, embedding bags and
+  ``one_hot``, every id checked per member (``_embedding``); BatchNorm with a member's
+  arithmetic independent of N (``_norm``); ``grid_sample`` (``_sampling``).
 - speed (``fused`` only): Linear and bilinear (``_linear``), attention (``_attention``),
-  BatchNorm (``_norm``), recurrent layers (``_recurrent``).
+  recurrent layers (``_recurrent``).
+
+Every rule hands its outputs back member-first with each member's output laid out as the
+function's own (``member_first``): a member's code that branches on ``is_contiguous()`` or
+calls ``view`` sees what it sees alone. Where a rule's one flat call would skip a check the
+function makes on a member's inputs (ids, offsets, classes, dtypes), it runs member by member
+instead, so the member raises its own error.
 - export (while ``torch.export`` traces): sizes and reshapes (``_export``).
 
 To add a rule: write it in its family's file (or a new one imported here) as a
@@ -28,6 +36,7 @@ from phalanx.backends.rules import (  # noqa: F401  (each registers its rules)
     _linear,
     _norm,
     _recurrent,
+    _sampling,
 )
 from phalanx.backends.rules._registry import (
     CORRECTNESS,
@@ -36,6 +45,7 @@ from phalanx.backends.rules._registry import (
     BatchedOps,
     BatchRule,
     Route,
+    deferred,
 )
 
-__all__ = ["CORRECTNESS", "EXPORT", "SPEED", "BatchRule", "BatchedOps", "Route"]
+__all__ = ["CORRECTNESS", "EXPORT", "SPEED", "BatchRule", "BatchedOps", "Route", "deferred"]

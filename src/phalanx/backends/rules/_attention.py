@@ -55,6 +55,9 @@ _MHA_DEFAULTS = {
 }  # fmt: skip
 
 
+_PROJ = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
 def _float_mask(mask: Any, dtype: torch.dtype) -> Any:
     """A boolean mask as torch's attention takes it: -inf where True, else 0."""
     if mask is None or mask.is_floating_point():
@@ -69,20 +72,19 @@ def _mha(n: int, dims: Dims, *args):
 
     Python-level functionals run their body with the mode popped (a TorchFunctionMode sees
     only the outermost call), so without this rule the attention inside would go through
-    torch.func's rules, a loop over the members. The common configuration runs batched here;
-    any other (separate projection weights, bias_k / bias_v, add_zero_attn, static keys,
-    attention weights asked for) runs member by member with torch's own function.
+    torch.func's rules, a loop over the members. Packed or separate projection weights
+    (kdim / vdim), bias_k / bias_v and add_zero_attn run batched here; static keys and
+    attention weights asked for run member by member with torch's own function.
     """
     a, d = dict(zip(_MHA, args)), dict(zip(_MHA, dims))
+    separate = a["use_separate_proj_weight"]
+    extra = (a["bias_k"] is not None) + bool(a["add_zero_attn"])  # key columns appended
     common = (
-        not a["use_separate_proj_weight"]
-        and a["bias_k"] is None
-        and a["bias_v"] is None
-        and not a["add_zero_attn"]
+        (a["bias_k"] is None) == (a["bias_v"] is None)
         and a["static_k"] is None
         and a["static_v"] is None
         and not a["need_weights"]
-        and a["in_proj_weight"] is not None
+        and (a["q_proj_weight"] is not None if separate else a["in_proj_weight"] is not None)
         and a["query"].dim() - (d["query"] is not None) == 3
     )
     if not common:
@@ -92,24 +94,45 @@ def _mha(n: int, dims: Dims, *args):
     src = k.shape[1]
     heads = a["num_heads"]
     head_dim = e // heads
-    w = first(a["in_proj_weight"], d["in_proj_weight"], n)  # (N, 3E, E)
     bias = first(a["in_proj_bias"], d["in_proj_bias"], n)  # (N, 3E) | None
+    bq, bk, bv = (None, None, None) if bias is None else bias.chunk(3, dim=1)
 
-    def heads_of(y: torch.Tensor, length: int) -> torch.Tensor:
-        """(N, B * L, E) projections -> (N * B, heads, L, head_dim)."""
-        return y.view(n * b, length, heads, head_dim).transpose(1, 2)
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        """(N, L, B, X) -> (N, B * L, X): sample-major, a view for a batch-first input."""
+        return x.transpose(1, 2).reshape(n, -1, x.shape[-1])
 
-    # Sample-major (N, B, L, E): a batch-first module's input is that already, a view.
-    if a["query"] is a["key"] is a["value"]:  # self-attention: one GEMM for q, k and v
-        x = q.transpose(1, 2).reshape(n, b * t, e)
-        qkv = linear_bmm(x, w, bias)  # (N, B * T, 3E)
-        qh, kh, vh = (heads_of(part, t) for part in qkv.chunk(3, dim=-1))
+    # Projections (N, B, L, E), sample-major.
+    if separate:  # kdim / vdim: one weight per projection
+        wq, wk, wv = (first(a[x], d[x], n) for x in _PROJ)  # (N, E, E), (N, E, kdim), (N, E, vdim)
+        qp = linear_bmm(rows(q), wq, bq).view(n, b, t, e)
+        kp = linear_bmm(rows(k), wk, bk).view(n, b, src, e)
+        vp = linear_bmm(rows(v), wv, bv).view(n, b, src, e)
     else:
-        wq, wk, wv = w.chunk(3, dim=1)
-        bq, bk, bv = (None, None, None) if bias is None else bias.chunk(3, dim=1)
-        qh = heads_of(linear_bmm(q.transpose(1, 2).reshape(n, b * t, e), wq, bq), t)
-        kh = heads_of(linear_bmm(k.transpose(1, 2).reshape(n, b * src, e), wk, bk), src)
-        vh = heads_of(linear_bmm(v.transpose(1, 2).reshape(n, b * src, e), wv, bv), src)
+        w = first(a["in_proj_weight"], d["in_proj_weight"], n)  # (N, 3E, E)
+        if a["query"] is a["key"] is a["value"]:  # self-attention: one GEMM for q, k and v
+            qkv = linear_bmm(rows(q), w, bias).view(n, b, t, 3 * e)
+            qp, kp, vp = qkv.chunk(3, dim=-1)
+        else:
+            wq, wk, wv = w.chunk(3, dim=1)
+            qp = linear_bmm(rows(q), wq, bq).view(n, b, t, e)
+            kp = linear_bmm(rows(k), wk, bk).view(n, b, src, e)
+            vp = linear_bmm(rows(v), wv, bv).view(n, b, src, e)
+    if extra:  # as torch appends them: bias_k / bias_v, then a zero key and value
+        ks, vs = [kp], [vp]
+        if a["bias_k"] is not None:
+            ks.append(first(a["bias_k"], d["bias_k"], n).view(n, 1, 1, e).expand(n, b, 1, e))
+            vs.append(first(a["bias_v"], d["bias_v"], n).view(n, 1, 1, e).expand(n, b, 1, e))
+        if a["add_zero_attn"]:
+            ks.append(kp.new_zeros(n, b, 1, e))
+            vs.append(vp.new_zeros(n, b, 1, e))
+        kp, vp = torch.cat(ks, 2), torch.cat(vs, 2)
+        src += extra
+
+    def heads_of(y: torch.Tensor) -> torch.Tensor:
+        """(N, B, L, E) projections -> (N * B, heads, L, head_dim)."""
+        return y.reshape(n * b, y.shape[2], heads, head_dim).transpose(1, 2)
+
+    qh, kh, vh = heads_of(qp), heads_of(kp), heads_of(vp)
     dtype = q.dtype
     is_causal = a["is_causal"]
     kpm = a["key_padding_mask"]
@@ -118,17 +141,19 @@ def _mha(n: int, dims: Dims, *args):
         return per_member(n, dims, F.multi_head_attention_forward, *args)  # torch's error
     if kpm is not None:
         kpm = _float_mask(first(kpm, d["key_padding_mask"], n), dtype)  # (N, B, S)
+        kpm = F.pad(kpm, (0, extra)) if extra else kpm
     if is_causal and kpm is None:
         mask = None
     else:
         is_causal = False
         if mask is not None:
             m = _float_mask(first(mask, d["attn_mask"], n), dtype)
+            m = F.pad(m, (0, extra)) if extra else m
             # (N, T, S) for a 2-D mask, else (N, B * heads, T, S)
             mask = m.view(n, 1, 1, t, src) if m.dim() == 3 else m.view(n, b, heads, t, src)
     if kpm is not None:
-        kp = kpm.view(n, b, 1, 1, src)
-        mask = kp if mask is None else mask + kp
+        padding = kpm.view(n, b, 1, 1, src)
+        mask = padding if mask is None else mask + padding
     if mask is not None:
         mask = mask.expand(n, b, heads, t, src).reshape(n * b, heads, t, src)
     dropout = a["dropout_p"] if a["training"] else 0.0
@@ -138,4 +163,5 @@ def _mha(n: int, dims: Dims, *args):
     wo = first(a["out_proj_weight"], d["out_proj_weight"], n)
     bo = first(a["out_proj_bias"], d["out_proj_bias"], n)
     y = linear_bmm(out, wo, bo).view(n, b, t, wo.shape[1])
-    return (y.transpose(1, 2), None), (0, None)  # (N, T, B, E), a view
+    # (N, T, B, E), each member's contiguous as torch's own output is
+    return (y.transpose(1, 2).contiguous(), None), (0, None)

@@ -12,7 +12,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from phalanx.backends.rules._registry import BatchRule, Dims, batch_rule, first, per_member
+from phalanx.backends.rules._registry import (
+    BatchRule,
+    Dims,
+    batch_rule,
+    first,
+    member_first,
+    per_member,
+)
 
 _CONV_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
@@ -52,7 +59,7 @@ def _conv(func: Callable[..., torch.Tensor], spatial: int, transposed: bool) -> 
             b = None if bias is None else first(bias, dims[2], n).reshape(-1)
             y = func(x, w.flatten(0, 1), b, stride, padding, dilation, 1)
             at = 1 if x.dim() == spatial + 2 else 0  # (B, N * out, ...) or unbatched
-            return y.unflatten(at, (n, -1)), at
+            return member_first(y.unflatten(at, (n, -1)), at, n), 0
         return per_member(n, dims, func, x, w, *rest)
 
     return rule

@@ -10,8 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phalanx import _torch_compat as compat
-from phalanx.backends.rules._registry import Dims, batch_rule, first, per_member
+from phalanx.backends.rules._registry import (
+    Dims,
+    batch_rule,
+    first,
+    holds,
+    member_first,
+    per_member,
+)
 
 _EMB_NAMES = (
     "input",
@@ -39,20 +45,23 @@ def _embedding_func(ids, w, padding_idx, max_norm, norm_type, scale, sparse):
     return F.embedding(ids, w, padding_idx, max_norm, norm_type, scale, sparse)
 
 
-def _check_ids(ids: torch.Tensor, rows: int) -> None:
-    """Raises as ``nn.Embedding`` does when an id is outside ``[0, rows)``: an id outside a
-    member's table must never read another member's rows."""
+_IDS = (torch.int32, torch.int64)
+
+
+def _ids_in_range(ids: torch.Tensor, rows: int) -> bool:
+    """Whether every id is in ``[0, rows)``, as the member's own table requires: where one is
+    not, the rule runs member by member and the member raises its own error (an id outside a
+    member's table must never read another member's rows)."""
     if ids.numel() == 0:
-        return
+        return True
     low, high = torch.aminmax(ids)
-    if ids.device.type == "cpu" and not compat.tracing():  # make_fx: no values to read
-        if bool(low < 0) or bool(high >= rows):
-            raise IndexError(
-                f"index out of range in self: an embedding of {rows} rows got ids from "
-                f"{int(low)} to {int(high)}"
-            )
-        return
-    compat.assert_async((low >= 0) & (high < rows), "index out of range in self")
+    return holds((low >= 0) & (high < rows), "index out of range in self")
+
+
+def _clamped(ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """Under ``torch.export`` the range check raises after the vmapped call (``deferred``):
+    until then no id may index past the flat table."""
+    return ids.clamp(0, rows - 1) if torch.compiler.is_exporting() else ids
 
 
 @batch_rule(F.embedding, _EMB_NAMES, _EMB_DEFAULTS, table="correctness", computes=_embedding_func)
@@ -60,15 +69,20 @@ def _embedding(n: int, dims: Dims, ids, w, padding_idx, max_norm, norm_type, sca
     idd, wd = dims[0], dims[1]
     if wd is None:
         y = F.embedding(ids, w, padding_idx, max_norm, norm_type, scale, sparse)
-        return y, idd
-    if sparse or scale:  # sparse gradients, or gradients scaled by counts in the flat table
+        return member_first(y, idd, n), 0
+    v = w.movedim(wd, 0).shape[1]
+    if (
+        sparse
+        or scale  # sparse gradients, or gradients scaled by counts in the flat table
+        or ids.dtype not in _IDS
+        or not _ids_in_range(ids, v)
+    ):
         return per_member(
             n, dims, _embedding_func, ids, w, padding_idx, max_norm, norm_type, scale, sparse
         )
     w = w.movedim(wd, 0)  # (N, V, D)
-    v, d = w.shape[1], w.shape[2]
-    _check_ids(ids, v)
-    ids = first(ids, idd, n)
+    d = w.shape[2]
+    ids = _clamped(first(ids, idd, n), v)
     if max_norm is not None:  # as F.embedding: the rows looked up are renormalised in place
         with torch.no_grad():
             for i in range(n):
@@ -103,24 +117,64 @@ def _embedding_bag(n: int, dims: Dims, *args):
         return per_member(n, dims, F.embedding_bag, *args)
     w = w.movedim(d["weight"], 0)  # (N, V, D)
     v, dim = w.shape[1], w.shape[2]
-    _check_ids(ids, v)
     ids = first(ids, d["input"], n)
-    base = torch.arange(n, device=ids.device).mul_(v)
     psw = a["per_sample_weights"]
-    psw = None if psw is None else first(psw, d["per_sample_weights"], n).reshape(-1)
-    if ids.dim() == 3 and offsets is None:  # (N, B, L): fixed-length bags
+    psw = None if psw is None else first(psw, d["per_sample_weights"], n)
+    offs = None if offsets is None else first(offsets, d["offsets"], n)  # (N, B)
+    if not (
+        ids.dtype in _IDS
+        and (psw is None or psw.shape == ids.shape)
+        and (
+            (ids.dim() == 3 and offs is None)  # (N, B, L): fixed-length bags
+            or (ids.dim() == 2 and offs is not None and _bags_ok(offs, ids.shape[1]))
+        )
+        and _ids_in_range(ids, v)
+    ):
+        # Each member's own checks and errors (and its answer for offsets that decrease).
+        return per_member(n, dims, F.embedding_bag, *args)
+    ids = _clamped(ids, v)
+    base = torch.arange(n, device=ids.device).mul_(v)
+    psw = None if psw is None else psw.reshape(-1)
+    if offs is None:
         flat, flat_offsets = (ids + base.view(n, 1, 1)).reshape(-1, ids.shape[-1]), None
         psw = None if psw is None else psw.view(flat.shape)
-    elif ids.dim() == 2 and offsets is not None:  # (N, L) with (N, B) offsets
+    else:  # (N, L) with (N, B) offsets
         length = ids.shape[1]
         flat = (ids + base.view(n, 1)).reshape(-1)
-        offs = first(offsets, d["offsets"], n)
         flat_offsets = offs + torch.arange(n, device=ids.device).mul_(length).view(n, 1)
         flat_offsets = flat_offsets.reshape(-1)
-    else:
-        return per_member(n, dims, F.embedding_bag, *args)
     y = F.embedding_bag(
         flat, w.reshape(n * v, dim), flat_offsets, scale_grad_by_freq=a["scale_grad_by_freq"],
         mode=a["mode"], sparse=a["sparse"], per_sample_weights=psw,
     )  # fmt: skip
     return y.unflatten(0, (n, -1)), 0
+
+
+def _bags_ok(offs: torch.Tensor, length: int) -> bool:
+    """Whether every member's offsets ``(N, B)`` are what one flat call computes as the member
+    alone does: B >= 1 of the ids' dtypes, starting at 0, never decreasing, the last at most
+    the member's ``length`` ids (torch raises on the first and last; its answer for offsets
+    that decrease is its own)."""
+    if offs.dtype not in _IDS or offs.shape[1] == 0:
+        return False
+    ok = (offs[:, 0] == 0).all() & (offs[:, -1] <= length).all() & (offs.diff(dim=1) >= 0).all()
+    return holds(
+        ok,
+        "embedding_bag: a member's offsets must start at 0, never decrease and end at most at "
+        "its input's length",
+    )
+
+
+@batch_rule(F.one_hot, ("input", "num_classes"), {"num_classes": -1}, table="correctness")
+def _one_hot(n: int, dims: Dims, x, num_classes):
+    """Every member's classes checked against ``num_classes`` (torch.func's rule writes an
+    all-zero row for a class out of range, where the member alone raises)."""
+    ok = x.dtype == torch.int64 and num_classes >= 0
+    if ok and x.numel():
+        low, high = torch.aminmax(x)
+        ok = holds(
+            (low >= 0) & (high < num_classes), "Class values must be smaller than num_classes."
+        )
+    if not ok:  # the member's own error, or num_classes=-1 (each member's own count)
+        return per_member(n, dims, F.one_hot, x, num_classes)
+    return member_first(F.one_hot(x, num_classes), dims[0], n), 0

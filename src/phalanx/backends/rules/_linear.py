@@ -11,19 +11,20 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.backends._bmm import linear_bmm, linear_shared
-from phalanx.backends.rules._registry import Dims, batch_rule, first, per_member
+from phalanx.backends.rules._registry import Dims, batch_rule, first, member_first, per_member
 
 
 @batch_rule(F.linear, ("input", "weight", "bias"), {"bias": None}, table="speed")
 def _linear(n: int, dims: Dims, x, w, b=None):
     xd, wd, bd = dims
     if wd is None and bd is None:  # only the input is batched: its batch is one more dim
-        return F.linear(x, w, b), xd
+        return member_first(F.linear(x, w, b), xd, n), 0
     w = first(w, wd, n)  # (N, out, in)
     b = first(b, bd, n)  # (N, out) | None
     out_f, in_f = w.shape[1], w.shape[2]
-    if xd is None:  # a shared input: one GEMM against every member's weights
-        return linear_shared(x, w, b), x.dim() - 1  # (*, N, out)
+    if xd is None:  # a shared input: one GEMM against every member's weights, (*, N, out),
+        # each member's output then laid out as its own F.linear's
+        return member_first(linear_shared(x, w, b), x.dim() - 1, n), 0
     x = x.movedim(xd, 0)
     y = linear_bmm(x.reshape(n, -1, in_f), w, b)
     return y.reshape(*x.shape[:-1], out_f), 0
@@ -39,4 +40,4 @@ def _bilinear(n: int, dims: Dims, x1, x2, w, b=None):
                      c.reshape(n, -1, c.shape[-1]))  # fmt: skip
     if b is not None:
         y = y + first(b, dims[3], n).unsqueeze(1)
-    return y.reshape(*a.shape[:-1], w.shape[1]), 0
+    return member_first(y.reshape(*a.shape[:-1], w.shape[1]), 0, n), 0

@@ -290,9 +290,9 @@ def _recurrence(
     reverse: bool,
 ) -> tuple[torch.Tensor, ...]:
     """``(out, h_n)`` and LSTM's ``c_n``, by the fastest path that is exact here."""
-    if torch.compiler.is_compiling() or compat.transforms_active():
-        # torch.compile fuses the ordinary operations itself, and a torch.func transform
-        # cannot see through the hand-written backward.
+    if torch.compiler.is_compiling() or compat.transforms_active() or compat.forward_ad_active():
+        # torch.compile fuses the ordinary operations itself, and a torch.func transform or
+        # forward-mode AD cannot see through the hand-written backward.
         return _steps(mode, gi, h0, c0, w_hh, b_hn, reverse)
     inputs = (gi, h0, c0, w_hh, b_hn)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
@@ -378,7 +378,8 @@ def batched(
         seq = outs[0] if dirs == 1 else torch.cat(outs, 2)
     out = seq.permute(1, 3, 0, 2) if batch_first else seq.permute(1, 0, 3, 2)
     states = torch.stack(h_n).permute(1, 0, 3, 2)  # (N, L * D, B, H)
-    return (out, states), (0, 0)
+    # each member's contiguous, as torch's own outputs are
+    return (out.contiguous(), states.contiguous()), (0, 0)
 
 
 # ------------------------------------------------------------------------------- the routes

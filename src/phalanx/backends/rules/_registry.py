@@ -22,7 +22,9 @@ while ``torch.export`` traces a vmapped call).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
@@ -122,8 +124,55 @@ def per_member(n: int, dims: Dims, func: Callable[..., Any], *args: Any) -> tupl
         outs.append(func(*(a if u is None else u[i] for a, u in zip(args, unbound))))
     if isinstance(outs[0], torch.Tensor):
         return torch.stack(outs), 0
-    stacked = tuple(torch.stack(col) for col in zip(*outs))
-    return stacked, (0,) * len(stacked)
+    stacked = tuple(None if col[0] is None else torch.stack(col) for col in zip(*outs))
+    return stacked, tuple(None if t is None else 0 for t in stacked)
+
+
+def member_first(y: torch.Tensor, d: int | None, n: int) -> torch.Tensor:
+    """``y`` as a rule hands it back: the batch dim first and each batch element contiguous,
+    as the function's output is for a member alone (its code may branch on
+    ``is_contiguous()`` or ``view`` it). Copies only where ``y`` is not so already."""
+    y = first(y, d, n)
+    return y if y.is_contiguous() else y.contiguous()
+
+
+_pending = threading.local()
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """While ``torch.export`` traces a vmapped call: the checks rules assert (:func:`holds`)
+    are put after the call, outside its vmap level.
+
+    An exported graph enters and leaves the level with ops of its own; a check that raises
+    between them would leave the serving process inside the level for good.
+    """
+    if not torch.compiler.is_exporting():
+        yield
+        return
+    outer = getattr(_pending, "checks", None)
+    checks: list[tuple[torch.Tensor, str]] = []
+    _pending.checks = checks
+    try:
+        yield
+    finally:
+        _pending.checks = outer
+    for ok, message in checks:
+        compat.assert_async(ok, message)
+
+
+def holds(condition: torch.Tensor, message: str) -> bool:
+    """Whether ``condition`` (a bool tensor of one element) holds, read on a CPU; where its
+    value cannot be read for free (a trace, another device) it is asserted with ``message``
+    instead and True returned: the call then raises where the condition fails."""
+    if condition.device.type == "cpu" and not compat.tracing():
+        return bool(condition)
+    checks = getattr(_pending, "checks", None)
+    if checks is None:
+        compat.assert_async(condition, message)
+    else:
+        checks.append((condition, message))
+    return True
 
 
 # --------------------------------------------------------------------------- the Function shell
