@@ -174,7 +174,9 @@ class Monitor:
                 late.append(
                     f"rank {r} ({self._host(r)}) did not arrive: it is alive but has made "
                     f"{theirs} phalanx collective call(s) to this rank's {count}, the last "
-                    f"{last!r}" if last else f"rank {r} ({self._host(r)}) did not arrive: it "
+                    f"{last!r}"
+                    if last
+                    else f"rank {r} ({self._host(r)}) did not arrive: it "
                     f"has made no phalanx collective call yet"
                 )
         except Exception:
