@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,7 @@ from phalanx._module_tree import meta_copy
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
 from phalanx.backends._bmm import linear_bmm, linear_ops
+from phalanx.backends._loop import check_writes, member_rows, writable
 from phalanx.backends._state import _INTERNALS, PerMemberAttributes, hooked
 from phalanx.routing import Dispatch
 
@@ -209,7 +211,8 @@ def routed_forward(
     )
     out = None
     cache = view.cache_of("routed")
-    if requested in ("fused", "auto") and routing.total and not torch.compiler.is_compiling():
+    batched = requested in ("fused", "auto") and view.generators is None  # own generators: loop
+    if batched and routing.total and not torch.compiler.is_compiling():
         out = _segment_path(view, requested, gathered, kwargs, routing)
     cache["last_path"] = "segment" if out is not None else "general"  # for tests and benches
     if out is None:
@@ -222,7 +225,8 @@ def _general_path(
 ) -> Any:
     """Each member's own forward on its own segment, as the loop over members runs it."""
     params, buffers = view.state()
-    param_views = {k: v.unbind(0) for k, v in params.items()}
+    param_views = member_rows(params)  # rows a member may write in place, as the loop's
+    tracked = [k for k, rows in param_views.items() if rows and writable(rows[0])]
     attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
     outputs: list[Any] = []
     start = 0
@@ -236,13 +240,12 @@ def _general_path(
             a.narrow(0, start, count) if isinstance(a, torch.Tensor) else a for a in gathered
         )
         start += count
-        outputs.append(
-            attributes.run(
-                i,
-                view.module,
-                lambda: functional_call(view.module, state, member_args, kwargs),  # noqa: B023
-            )
-        )
+        call = lambda: functional_call(view.module, state, member_args, kwargs)  # noqa: B023, E731
+        if view.generators is not None:  # member i draws from its own generators
+            call = partial(view.generators.run, i, call)
+        versions = {k: compat.version(state[k]) for k in tracked}
+        outputs.append(attributes.run(i, view.module, call))
+        check_writes(i, params, state, versions)
     return _concat(outputs, [c for _, c in segments])
 
 
