@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -127,3 +128,30 @@ def test_ranks_whose_restart_counts_differ_or_that_finish_early_are_not_reported
         True,
         True,
     ]
+
+
+def _rank_1_hangs_before_a_collective(tmp: str) -> dict:
+    _, shard = pdist.shard(_member, num_members=4, seed=0, backend="loop")
+    shard.gather(torch.zeros(2))  # both ranks arrive here
+    if shard.rank == 1:
+        time.sleep(6.0)  # past rank 0's collective timeout, alive, in no phalanx call
+        return {"message": "rank 1 slept"}
+    try:
+        shard.gather(torch.zeros(2))
+    except DistributedError as e:
+        return {"message": str(e)}
+    return {"message": "no error"}
+
+
+def test_a_rank_that_hangs_is_named_by_the_rank_that_waited_for_it(tmp_path):
+    per_rank = pdist.launch(_rank_1_hangs_before_a_collective, 2, str(tmp_path), timeout=3.0)
+    message = per_rank[0]["message"]
+    assert "rank 0 of 2 waited in the all_gather" in message, message
+    found = re.search(
+        r"rank 1 \(.*\) did not arrive: it is alive but has made (\d+) phalanx "
+        r"collective call\(s\) to this rank's (\d+), the last '(.*)'",
+        message,
+    )
+    assert found is not None, message
+    assert int(found[1]) == int(found[2]) - 1, message
+    assert "gather" in found[3], message

@@ -67,7 +67,7 @@ class _Rows(torch.autograd.Function):
         return torch.stack(grads)
 
 
-def _rows(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
+def member_rows(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
     """Member i's parameters at ``[i]``: writable rows where autograd records the forward,
     ``unbind`` views otherwise (no graph, or inside a torch.func transform)."""
     if not torch.is_grad_enabled() or compat.transforms_active() or compat.forward_ad_active():
@@ -75,11 +75,11 @@ def _rows(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]
     return {k: _Rows.apply(v) if v.requires_grad else v.unbind(0) for k, v in params.items()}
 
 
-def _written_rows(row: torch.Tensor) -> bool:
+def writable(row: torch.Tensor) -> bool:
     return isinstance(row.grad_fn, _Rows._backward_cls)
 
 
-def _check_writes(
+def check_writes(
     i: int,
     params: dict[str, torch.Tensor],
     state: dict[str, torch.Tensor],
@@ -91,7 +91,7 @@ def _check_writes(
         row = state[name]
         if compat.version(row) == v:
             continue
-        if _written_rows(row):
+        if writable(row):
             torch.autograd.graph.increment_version(params[name])
             continue
         raise RuntimeError(
@@ -124,8 +124,8 @@ class LoopBackend:
         params, buffers = view.state()
         # One autograd node per stacked parameter gives all N rows, so backward builds one
         # stacked grad instead of N zero-padded ones.
-        param_views = _rows(params)
-        tracked = {k for k, rows in param_views.items() if rows and _written_rows(rows[0])}
+        param_views = member_rows(params)
+        tracked = {k for k, rows in param_views.items() if rows and writable(rows[0])}
         attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
         shared = [
             (k, a, compat.version(a))
@@ -160,7 +160,7 @@ class LoopBackend:
                     lambda: attributes.run(i, view.module, call),  # noqa: B023
                 )
             )
-            _check_writes(i, params, state, versions)
+            check_writes(i, params, state, versions)
             if i == 0 and shared:
                 originals = {k: before[k] for k, a, v in shared if compat.version(a) != v}
                 del before

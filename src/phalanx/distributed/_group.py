@@ -186,8 +186,19 @@ def comm_device() -> torch.device:
 
 @contextmanager
 def collective(where: str, shard: Shard, op: str) -> Iterator[None]:
-    """Turns a failed collective into a :class:`DistributedError` that says what to check."""
+    """Turns a failed collective into a :class:`DistributedError` that says what to check.
 
+    Each rank counts its arrivals at phalanx's collectives in the job's store (with the
+    failure detector on): a rank whose collective times out names the ranks that never
+    reached it, not itself.
+    """
+    monitor = _health.current()
+    # Counted over every rank only where every rank takes part (no replica groups).
+    arrived = (
+        monitor.arrive(f"{where}: {op}")
+        if monitor is not None and shard.num_replicas == 1
+        else None
+    )
     try:
         yield
     except RuntimeError as e:
@@ -198,6 +209,14 @@ def collective(where: str, shard: Shard, op: str) -> Iterator[None]:
         # can say which one it was: wait for its verdict, bounded by its deadline. A timeout
         # means the peers are alive, so no verdict is coming.
         timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        late = monitor.not_arrived(arrived) if timed_out and monitor and arrived else []
+        if late:
+            raise DistributedError(
+                f"{where}: rank {shard.rank} of {shard.world_size} waited in the {op} until "
+                f"the timeout ({_timeout.total_seconds():g} s, "
+                f"phalanx.distributed.init(timeout=...)): " + "; ".join(late) + ". Look for "
+                "what that rank is doing (a hang, a long step) or why its calls differ."
+            ) from e
         waits = not timed_out and _failure_timeout is not None and _health.wait_in_collectives
         wait = _failure_timeout + 2.0 if waits and _failure_timeout is not None else 0.0
         found = _health.verdict(wait=wait)

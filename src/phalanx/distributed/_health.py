@@ -146,6 +146,43 @@ class Monitor:
                     break
         return out
 
+    # ------------------------------------------------------------------- collective arrivals
+
+    def arrive(self, what: str) -> int | None:
+        """Counts this rank's arrival at its next phalanx collective (and says which), so a
+        rank that waits in vain can name the ranks that never came; None if the store fails."""
+        try:
+            count = int(self.store.add(self._key("arrived", self.rank), 1))
+            self.store.set(self._key("at", self.rank), what)
+            return count
+        except Exception:
+            return None
+
+    def not_arrived(self, count: int) -> list[str]:
+        """The ranks that have not reached this rank's collective number ``count``, each
+        with the phalanx call it made last."""
+        late = []
+        try:
+            for r in range(self.world_size):
+                if r == self.rank:
+                    continue
+                theirs = int(self.store.add(self._key("arrived", r), 0))
+                if theirs >= count:
+                    continue
+                at = self._key("at", r)
+                last = self.store.get(at).decode() if self.store.check([at]) else ""
+                late.append(
+                    f"rank {r} ({self._host(r)}) did not arrive: it is alive but has made "
+                    f"{theirs} phalanx collective call(s) to this rank's {count}, the last "
+                    f"{last!r}"
+                    if last
+                    else f"rank {r} ({self._host(r)}) did not arrive: it "
+                    f"has made no phalanx collective call yet"
+                )
+        except Exception:
+            return []
+        return late
+
     def _host(self, rank: int) -> str:
         try:
             if self.store.check([self._key("host", rank)]):

@@ -3,12 +3,15 @@ sorted rows, as the loop over members runs it (any architecture)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call
 
+from phalanx import _torch_compat as compat
 from phalanx._torch_compat import pytree
+from phalanx.backends._loop import check_writes, member_rows, writable
 from phalanx.backends._state import PerMemberAttributes
 from phalanx.routed._checks import WHERE, Routing
 
@@ -21,7 +24,8 @@ def general_path(
 ) -> Any:
     """Each member's own forward on its own segment, as the loop over members runs it."""
     params, buffers = view.state()
-    param_views = {k: v.unbind(0) for k, v in params.items()}
+    param_views = member_rows(params)  # rows a member may write in place, as the loop's
+    tracked = [k for k, rows in param_views.items() if rows and writable(rows[0])]
     attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
     outputs: list[Any] = []
     start = 0
@@ -35,13 +39,12 @@ def general_path(
             a.narrow(0, start, count) if isinstance(a, torch.Tensor) else a for a in gathered
         )
         start += count
-        outputs.append(
-            attributes.run(
-                i,
-                view.module,
-                lambda: functional_call(view.module, state, member_args, kwargs),  # noqa: B023
-            )
-        )
+        call = lambda: functional_call(view.module, state, member_args, kwargs)  # noqa: B023, E731
+        if view.generators is not None:  # member i draws from its own generators
+            call = partial(view.generators.run, i, call)
+        versions = {k: compat.version(state[k]) for k in tracked}
+        outputs.append(attributes.run(i, view.module, call))
+        check_writes(i, params, state, versions)
     return concat(outputs, [c for _, c in segments])
 
 

@@ -69,7 +69,8 @@ def routed_forward(
     )
     out = None
     cache = view.cache_of("routed")
-    if requested in ("fused", "auto") and routing.total and not torch.compiler.is_compiling():
+    batched = requested in ("fused", "auto") and view.generators is None  # own generators: loop
+    if batched and routing.total and not torch.compiler.is_compiling():
         out = segment_path(view, requested, gathered, kwargs, routing)
     cache["last_path"] = "segment" if out is not None else "general"  # for tests and benches
     if out is None:
