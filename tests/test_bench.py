@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import phalanx
 from phalanx import BACKENDS
 from phalanx_tools.bench import report
 from phalanx_tools.bench.contenders import Contender, LoopRunner, TorchFuncRunner
@@ -276,3 +277,13 @@ def test_a_failing_reference_stops_the_bench():
             settings=ONE_ROUND,
             machine=FAKE_MACHINE,
         )
+
+
+def test_dynamic_measures_the_float32_loops_own_distance_from_float64():
+    """W8-style agreement: the stack's weights after the run are no further from a float64
+    loop on the same run than the float32 loop is (rounding growth, not a difference)."""
+    from phalanx_tools.bench import dynamic
+
+    r = dynamic.run_one(dynamic.DYNAMIC["D3"], epochs=1)
+    assert 0 < r["loop_from_float64"] < 1e-3
+    assert r["phalanx_from_float64"] <= phalanx.testing.FACTOR * r["loop_from_float64"]
