@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import phalanx
 from phalanx import BACKENDS
 from phalanx_tools.bench import report
 from phalanx_tools.bench.contenders import Contender, LoopRunner, TorchFuncRunner
@@ -25,11 +26,13 @@ from phalanx_tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTENDERS = [
-    "loop", "loop+fused", "torch.func", *(f"phalanx:{b}" for b in BACKENDS), "phalanx:auto",
-    "phalanx:compiled",
+    "loop", "loop+fused", "loop+compile", "torch.func", *(f"phalanx:{b}" for b in BACKENDS),
+    "phalanx:auto", "phalanx:compiled",
 ]  # fmt: skip
+TRAIN_ONLY = ("loop+compile", "phalanx:compiled")
 # The contenders that run W2 and W3 today; "fused" is checked too, but may still be n/a.
-WORKING = ["loop", "loop+fused", "torch.func", "phalanx:vmap", "phalanx:loop", "phalanx:auto"]
+WORKING = ["loop", "loop+fused", "loop+compile", "torch.func", "phalanx:vmap", "phalanx:loop",
+           "phalanx:auto"]  # fmt: skip
 FAKE_MACHINE = Machine("cpu", "cpu", "cpu", 1, "", "", "", 1, 1, 10.0, 1, 10.0)
 ONE_ROUND = Settings(rounds=2, min_rounds=2, warmup=0, target_s=0.0, budget_s=0.0)
 
@@ -74,7 +77,7 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
         assert result["flops"] > 0 and result["floor_s"] > 0
         rows = {row["name"]: row for row in result["rows"]}
         train = result["phase"] == "train"
-        assert list(rows) == [c for c in CONTENDERS if train or c != "phalanx:compiled"]
+        assert list(rows) == [c for c in CONTENDERS if train or c not in TRAIN_ONLY]
         for name, row in rows.items():
             assert row["status"] in ("ok", "WRONG", "n/a"), name
             if name in WORKING:
@@ -274,3 +277,13 @@ def test_a_failing_reference_stops_the_bench():
             settings=ONE_ROUND,
             machine=FAKE_MACHINE,
         )
+
+
+def test_dynamic_measures_the_float32_loops_own_distance_from_float64():
+    """W8-style agreement: the stack's weights after the run are no further from a float64
+    loop on the same run than the float32 loop is (rounding growth, not a difference)."""
+    from phalanx_tools.bench import dynamic
+
+    r = dynamic.run_one(dynamic.DYNAMIC["D3"], epochs=1)
+    assert 0 < r["loop_from_float64"] < 1e-3
+    assert r["phalanx_from_float64"] <= phalanx.testing.FACTOR * r["loop_from_float64"]

@@ -139,18 +139,22 @@ _TINY = Settings(rounds=2, min_rounds=2, warmup=1, target_s=0.001, budget_s=0.5)
 
 
 def test_time_model_checks_then_times_every_contender():
-    row = time_model(MODELS["td3_actor"], 2, _TINY)
+    row = time_model(MODELS["td3_actor"], 2, _TINY, compile_backend="aot_eager")
     assert row.status == dict.fromkeys(CONTENDERS, "ok")
+    assert row.compile_choice in ("captured", "eager")
     assert set(row.median_s) == set(CONTENDERS)
     assert row.backend in ("fused", "vmap", "loop")
     assert row.speedup("loop") == row.median_s["loop"] / row.median_s["phalanx"]
     assert row.gflop is not None and row.gflop > 0
-    table = format_table([row], gemm_gflops=50.0)
+    table = format_table([row], gemm_gflops=50.0, bandwidth_gbs=10.0)
     assert table.splitlines()[2].startswith("td3_actor")
+    ceiling = row.ceiling_s(50.0, 10.0)
+    assert ceiling == row.gflop / 50.0 + 28 * row.params / 10e9 and row.params > 0
+    assert "vs loop+compile" in table and "phalanx / ceiling" in table
 
 
 def test_time_model_reports_a_contender_that_raises_and_does_not_time_it():
-    row = time_model(MODELS["lstm_forecaster"], 2, _TINY)
+    row = time_model(MODELS["lstm_forecaster"], 2, _TINY, compile_backend="aot_eager")
     assert row.status["torch.func"].startswith("n/a: RuntimeError")
     assert "torch.func" not in row.median_s
     assert row.status["loop"] == "ok" and "loop" in row.median_s

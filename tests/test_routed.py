@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import phalanx
-from phalanx.routed import _segments
+from phalanx.routed import _rowwise, _segments, _subsets
 
 BACKENDS = ["loop", "vmap", "fused", "auto"]
 
@@ -297,6 +297,46 @@ def test_both_segment_kernels_match_the_loop(monkeypatch, grouped_rows, dtype):
     assert stack.routed_path == "segment"
 
 
+def _count_plan_runs(monkeypatch, module) -> list[int]:
+    """Counts the traced forward's runs (one per segment on the per-segment path)."""
+    runs: list[int] = []
+    real = _rowwise.run_plan
+
+    def counted(*a, **k):
+        runs.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, "run_plan", counted)
+    return runs
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("arch", sorted(ROWWISE))
+def test_per_segment_runs_match_the_loop(monkeypatch, arch, grad):
+    """The cost rule's per-segment runs (few large segments): each member's own operations
+    on its rows, its tensors as views, one backward stack of the members' gradients."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    runs = _count_plan_runs(monkeypatch, _rowwise)
+    models, stack = build(arch, 4, "auto")
+    gen = torch.Generator().manual_seed(5)
+    rows = 30
+    index = torch.randint(0, 3, (rows, 2), generator=gen)  # member 3 empty
+    weights = torch.rand(rows, 2, generator=gen)
+    args = inputs(arch, rows, gen)
+    if grad:
+        check_against_loop(models, stack, args, index, weights, second=True)
+    else:
+        with torch.no_grad():
+            got = leaves(stack(*args, members=index, weights=weights))
+            ref, *_ = loop_reference(models, args, index, weights, torch.float32)
+            ref64, *_ = loop_reference(models, args, index, weights, torch.float64)
+        for g, r, r64 in zip(got, ref, ref64):
+            phalanx.testing.assert_equal_to_loop(g, r, r64)
+    assert stack.routed_path == "segment"
+    assert len(runs) >= len(index.unique())  # once per member with rows
+    assert _segments.per_segment(3, rows * 2) and not _segments.per_segment(40, rows * 2)
+
+
 def test_output_shapes():
     _models, stack = build("gaussian", 3, "auto")
     x = torch.randn(7, 8)
@@ -396,9 +436,14 @@ def test_hooks_and_transforms_take_the_general_path():
 # ------------------------------------------------------------------------------------ subsets
 
 
+@pytest.mark.parametrize("per_segment_rows", [1, 10**9])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chosen", [[3, 7], [7, 3], [2, 3, 4], [5]])
-def test_subset_matches_those_members_alone(backend, chosen):
+def test_subset_matches_those_members_alone(monkeypatch, backend, chosen, per_segment_rows):
+    """Both subset paths of the cost rule: each chosen member on the whole input (views,
+    nothing gathered) and one run over the repeated input."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", per_segment_rows)
+    runs = _count_plan_runs(monkeypatch, _subsets)
     torch.manual_seed(0)
     models = [TwoInputs() for _ in range(10)]
     stack = phalanx.stack(copy.deepcopy(models), backend=backend)
@@ -408,6 +453,9 @@ def test_subset_matches_those_members_alone(backend, chosen):
     torch.testing.assert_close(out, ref)
     path = stack.routed_path
     assert path == ("segment" if backend in ("fused", "auto") else "general")
+    if backend in ("fused", "auto"):
+        per_segment = per_segment_rows == 1 and len(chosen) > 1
+        assert len(runs) == (len(chosen) if per_segment else 1)
     out.sum().backward()
     for p_name, p in stack.module.named_parameters():
         for i in range(10):
@@ -434,6 +482,20 @@ def test_subset_per_member_inputs_and_buffers():
         torch.testing.assert_close(stack.module[1].running_mean[i], models[i][1].running_mean)
     with pytest.raises(ValueError, match="the subset's size"):
         stack(torch.randn(5, 7, 8), subset=[4, 1], in_dims=0)
+
+
+@pytest.mark.parametrize("per_segment_rows", [1, 10**9])
+def test_subset_per_member_inputs_on_the_segment_path(monkeypatch, per_segment_rows):
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", per_segment_rows)
+    torch.manual_seed(0)
+    models = [Gaussian() for _ in range(5)]
+    stack = phalanx.stack(copy.deepcopy(models), backend="auto")
+    xs = torch.randn(3, 7, 8)
+    out = stack(xs, subset=[4, 0, 2], in_dims=0)
+    assert stack.routed_path == "segment"
+    for j, i in enumerate([4, 0, 2]):
+        for got, ref in zip(out, models[i](xs[j])):
+            torch.testing.assert_close(got[j], ref)
 
 
 def test_subset_errors():

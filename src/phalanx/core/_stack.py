@@ -420,6 +420,17 @@ class Stack(nn.Module):
             >>> stack(torch.randn(5, 4)).shape
             torch.Size([3, 5, 2])
         """
+        if (
+            not kwargs
+            and in_dims is None
+            and members is None
+            and subset is None
+            and weights is None
+            and kw_in_dims is None
+        ):
+            out = self._shared_call(args, kwargs)
+            if out is not _GENERAL:
+                return out
         if members is not None or subset is not None:
             if kw_in_dims is not None:
                 raise ValueError(
@@ -548,6 +559,26 @@ class Stack(nn.Module):
         view.lock = self._view.lock
         view.cache["auto"] = self._view.cache_of("auto")
         return view
+
+    def _shared_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The common call, shared positional inputs and no keywords, with the general path's
+        checks answered in one pass over the inputs: an input one of them could act on (on
+        ``meta``, requiring grad, or N rows: ``_check_devices``, ``check_inputs``), a member
+        with a config (``check_call``) or a ``torch.compile`` trace return ``_GENERAL``, and
+        the general path then runs them (raising or warning exactly as before)."""
+        n = self.num_members
+        for a in args:
+            if isinstance(a, torch.Tensor) and (
+                a.is_meta or a.requires_grad or (a.dim() and a.shape[0] == n)
+            ):
+                return _GENERAL
+        view = self._view
+        if "config" in view.module.__dict__ or torch.compiler.is_compiling():
+            return _GENERAL
+        dims = _SHARED_DIMS[len(args)] if len(args) < len(_SHARED_DIMS) else (None,) * len(args)
+        backend = get_backend(self._requested)
+        with view.lock:
+            return record_outputs(view, backend.forward(view, args, kwargs, dims, _NO_KEYWORDS))
 
     def _routed(
         self,
@@ -689,6 +720,11 @@ class Stack(nn.Module):
                     m.get_parameter(name).copy_(self._row(p, name, i))
                 for name, b in buffers.items():
                     m.get_buffer(name).copy_(self._row(b, name, i))
+
+
+_GENERAL = object()  # Stack._shared_call: take the general path
+_SHARED_DIMS = [(None,) * k for k in range(8)]  # in_dims of k shared inputs
+_NO_KEYWORDS: frozenset[str] = frozenset()
 
 
 def _normalize_in_dims(

@@ -21,6 +21,7 @@ from phalanx._module_tree import meta_copy
 from phalanx._warnings import warn
 from phalanx.backends._state import _INTERNALS, hooked
 from phalanx.routed._checks import Routing
+from phalanx.routed._general import concat
 from phalanx.routed._rowwise_ops import (
     IN_PLACE,
     MemberTensor,
@@ -32,7 +33,7 @@ from phalanx.routed._rowwise_ops import (
     map_leaves,
     unwrap,
 )
-from phalanx.routed._segments import NotRowwise, Segments, segment_linear
+from phalanx.routed._segments import NotRowwise, Segments, per_segment, segment_linear
 
 if TYPE_CHECKING:
     from phalanx.backends import StackView
@@ -216,7 +217,8 @@ def segment_path(
     kwargs: dict[str, Any],
     routing: Routing,
 ) -> Any:
-    """The trace run once over all sorted rows, or None (then the general path runs)."""
+    """The trace run over the sorted rows (``run_segments``), or None (then the general path
+    runs)."""
     reason = blocked(view, gathered, kwargs)
     plan: Plan | str | None = None
     signature = tuple((a.dim(), a.dtype) for a in gathered)
@@ -231,13 +233,28 @@ def segment_path(
     if reason is None:
         assert isinstance(plan, Plan)
         try:
-            return run_plan(plan, view, gathered, Segments.of(routing, view.num_members))
+            return run_segments(plan, view, gathered, Segments.of(routing, view.num_members))
         except NotRowwise as e:
             reason = str(e)
             plan.refused[signature] = reason
     if requested == "fused":
         _warn_once(view, reason)
     return None
+
+
+def run_segments(plan: Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segments) -> Any:
+    """The plan once over all sorted rows, or (the cost rule ``per_segment``) once per
+    segment on that segment's rows, the outputs joined in row order."""
+    if not per_segment(len(seg.members), seg.rows):
+        return run_plan(plan, view, args, seg)
+    views: dict[int, Any] = {}
+    outputs = []
+    start = 0
+    for m, count in zip(seg.members, seg.count_list):
+        rows = tuple(a.narrow(0, start, count) for a in args)
+        outputs.append(run_plan(plan, view, rows, Segments.one(m, count, seg.num_members, views)))
+        start += count
+    return concat(outputs, seg.count_list)
 
 
 def blocked(view: StackView, gathered: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -237,6 +237,8 @@ def _elementwise(fn: Callable[..., Any], args: Any, kwargs: Any, seg: Segments) 
             own = v.t.shape[1:]
             _check_rank(v.t[0], rank, "a member tensor")
             shape = own[1:] if len(own) == rank else (1,) * (rank - 1 - len(own)) + tuple(own)
+            if len(seg.members) == 1:  # one member: its own tensor, broadcast as in its forward
+                return seg.member_slice(v.t, seg.members[0]).reshape(1, *shape)
             return v.t.reshape(v.t.shape[0], *shape).index_select(0, seg.member_of)
         return v
 
@@ -287,7 +289,6 @@ def call_op(op: str, target: Any, args: Any, kwargs: Any, seg: Segments) -> Any:
         if op == "call_method":
             return getattr(args[0], target)(*args[1:], **kwargs)
         return target(*args, **kwargs)
-    name = target if op == "call_method" else getattr(target, "__name__", repr(target))
     if target is operator.getitem:
         return _getitem(args[0], args[1])
     if target is getattr:
@@ -308,7 +309,7 @@ def call_op(op: str, target: Any, args: Any, kwargs: Any, seg: Segments) -> Any:
             return _dimwise(target, lambda s, *a, **k: getattr(s, target)(*a, **k), args, kwargs)
         if target in ("transpose", "swapaxes", "permute"):
             return _transpose(target, args)
-        raise NotRowwise(f"the method .{name}()")
+        raise NotRowwise(f"the method .{target}()")
     if target in _ELEMENTWISE_FUNCTIONS:
         return _elementwise(target, args, kwargs, seg)
     if target in _DIM_FUNCTIONS:
@@ -317,7 +318,7 @@ def call_op(op: str, target: Any, args: Any, kwargs: Any, seg: Segments) -> Any:
         return _cat(target, args, kwargs)
     if target in (torch.transpose, torch.swapaxes, torch.permute):
         return _transpose(target, args)
-    raise NotRowwise(f"the function {name}")
+    raise NotRowwise(f"the function {getattr(target, '__name__', repr(target))}")
 
 
 def _size(target: str, args: Any, kwargs: Any) -> Any:

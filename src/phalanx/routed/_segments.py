@@ -25,26 +25,62 @@ class Segments:
     Attributes:
         members: the member of each segment, in row order (distinct).
         count_list: the rows of each segment.
-        member_of: ``(R,)`` each row's member.
+        member_of: ``(R,)`` each row's member (not held by a one-segment ``Segments.one``).
         num_members: N.
     """
 
     def __init__(
-        self, members: list[int], counts: list[int], member_of: torch.Tensor, num_members: int
+        self,
+        members: list[int],
+        counts: list[int],
+        member_of: torch.Tensor | None,
+        num_members: int,
+        views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] | None = None,
     ) -> None:
-        self.members, self.count_list, self.member_of = members, counts, member_of
+        self.members, self.count_list, self._member_of = members, counts, member_of
         self.num_members = num_members
         self.rows = sum(counts)
         self.equal = len(set(counts)) == 1
         self.whole = members == list(range(num_members))
         self._index: torch.Tensor | None = None
         self._offsets: dict[int, torch.Tensor] = {}
+        self._views = views
 
     @classmethod
     def of(cls, routing: Routing, num_members: int) -> Segments:
         members = [i for i, c in enumerate(routing.count_list) if c]
         counts = [routing.count_list[i] for i in members]
         return cls(members, counts, routing.member_of, num_members)
+
+    @classmethod
+    def one(
+        cls,
+        member: int,
+        rows: int,
+        num_members: int,
+        views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]],
+    ) -> Segments:
+        """One segment of ``rows`` rows, all member ``member``'s; the segments of one call
+        share ``views`` (see ``member_slice``)."""
+        return cls([member], [rows], None, num_members, views)
+
+    @property
+    def member_of(self) -> torch.Tensor:
+        if self._member_of is None:
+            raise RuntimeError("a one-segment Segments holds no per-row members")
+        return self._member_of
+
+    def member_slice(self, t: torch.Tensor, m: int) -> torch.Tensor:
+        """Member ``m``'s slice of the stacked tensor ``t``. The per-segment runs of one call
+        share one ``unbind`` per tensor, so that backward stacks the members' gradients in
+        one pass (as the general path and the loop backend do) instead of one zero-filled
+        full-size gradient per slice."""
+        if self._views is None or not (t.requires_grad and torch.is_grad_enabled()):
+            return t[m]
+        got = self._views.get(id(t))
+        if got is None:  # the tensor is kept with its views: its id stays its own
+            got = self._views[id(t)] = (t, t.unbind(0))
+        return got[1][m]
 
     def index(self, device: torch.device) -> torch.Tensor:
         if self._index is None:
@@ -80,6 +116,27 @@ GROUPED_SEGMENTS = 32
 ``GROUPED_ROWS`` rows per segment on average: many small GEMMs, where one call per segment
 costs more in Python than in arithmetic. Elsewhere one GEMM per segment is as fast or faster
 on the CPUs measured (docs/ROUTED.md)."""
+
+
+PER_SEGMENT_ROWS = 128
+PER_SEGMENT_MAX = 16
+"""The cost rule's other half: up to ``PER_SEGMENT_MAX`` segments of at least
+``PER_SEGMENT_ROWS`` rows on average run the forward once per segment (``per_segment``)."""
+
+
+def per_segment(segments: int, rows: int) -> bool:
+    """Whether a routed or subset call runs its forward once per segment, the member's own
+    operations on its rows (the loop's kernels: one GEMM per Linear, its parameters read as
+    views, no per-row gathers of member tensors, each segment's intermediates in cache), rather
+    than once over all rows (one ``bmm``, ``grouped_mm`` or a GEMM per segment inside each
+    Linear, elementwise passes over every row).
+
+    A static rule, from the shapes alone: the per-segment runs cost one pass of the traced
+    forward's Python per segment, which only a few segments amortise; many or small segments
+    run once over all rows, where one call per layer covers them. Segment sizes measured on
+    this project's CPU (docs/ROUTED.md, "The cost rule").
+    """
+    return 1 < segments <= PER_SEGMENT_MAX and rows >= PER_SEGMENT_ROWS * segments
 
 
 def _use_grouped(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
@@ -215,7 +272,7 @@ def segment_linear(
         act = None
     if len(seg.members) == 1:
         m = seg.members[0]
-        y = F.linear(x, w[m], None if b is None else b[m])
+        y = F.linear(x, seg.member_slice(w, m), None if b is None else seg.member_slice(b, m))
         return (y, False) if act is None else (act(y), True)
     if seg.equal and seg.consecutive:  # one bmm over a view of the stacked weights
         xs = x.reshape(len(seg.members), -1, x.shape[-1])

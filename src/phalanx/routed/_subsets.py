@@ -12,7 +12,7 @@ from torch import nn
 from phalanx._torch_compat import pytree
 from phalanx.backends._state import PerMemberAttributes
 from phalanx.routed._rowwise import NotRowwise, blocked, plan_of, run_plan
-from phalanx.routed._segments import Segments
+from phalanx.routed._segments import Segments, per_segment
 
 if TYPE_CHECKING:
     from phalanx.backends import StackView
@@ -77,9 +77,11 @@ def subset_segment(
     in_dims: tuple[int | None, ...],
     chosen: list[int],
 ) -> Any:
-    """A subset call on the segment path: member ``chosen[s]`` runs segment s, which holds
-    the whole input (a shared input is repeated, a per-member one flattened); None where the
-    segment path does not apply (then the backend runs the subset view)."""
+    """A subset call on the segment path, or None where it does not apply (then the backend
+    runs the subset view). By the cost rule (``per_segment``), either member ``chosen[s]``
+    runs once on its own input (the shared input itself, a per-member input's slice ``s``:
+    views, nothing gathered), the outputs stacked; or once over all rows, segment s holding
+    the whole input (a shared input repeated, a per-member one flattened)."""
     view.cache_of("routed")["last_path"] = "general"  # until the segment path has run
     if requested not in ("fused", "auto") or not args or torch.compiler.is_compiling():
         return None
@@ -90,27 +92,41 @@ def subset_segment(
     if len(rows) != 1 or not (batch := rows.pop()):
         return None
     k = len(chosen)
-    gathered = tuple(
-        a.expand(k, *a.shape).reshape(k * batch, *a.shape[1:]) if d is None
-        else a.reshape(k * batch, *a.shape[2:])
-        for a, d in zip(args, in_dims)
-    )  # fmt: skip
-    device = gathered[0].device
-    member_of = torch.tensor(chosen, device=device).repeat_interleave(batch)
-    seg = Segments(chosen, [batch] * k, member_of, view.num_members)
-    reason = blocked(view, gathered, kwargs)
-    if reason is not None:
+    if blocked(view, args, kwargs) is not None:
         return None
     plan = plan_of(view)
-    signature = ("subset", *((a.dim(), a.dtype) for a in gathered))
+    signature = ("subset", *((a.dim() - (d is not None), a.dtype) for a, d in zip(args, in_dims)))
     if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
         return None
     try:
-        out = run_plan(plan, view, gathered, seg)
+        if per_segment(k, k * batch):
+            views: dict[int, Any] = {}
+            outs = [
+                run_plan(
+                    plan,
+                    view,
+                    tuple(a if d is None else a[s] for a, d in zip(args, in_dims)),
+                    Segments.one(m, batch, view.num_members, views),
+                )
+                for s, m in enumerate(chosen)
+            ]
+            out = pytree.tree_map(
+                lambda *ts: torch.stack(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *outs
+            )
+        else:
+            gathered = tuple(
+                a.expand(k, *a.shape).reshape(k * batch, *a.shape[1:]) if d is None
+                else a.reshape(k * batch, *a.shape[2:])
+                for a, d in zip(args, in_dims)
+            )  # fmt: skip
+            member_of = torch.tensor(chosen, device=gathered[0].device).repeat_interleave(batch)
+            seg = Segments(chosen, [batch] * k, member_of, view.num_members)
+            out = pytree.tree_map(
+                lambda t: t.view(k, batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t,
+                run_plan(plan, view, gathered, seg),
+            )
     except NotRowwise as e:
         plan.refused[signature] = str(e)
         return None
     view.cache_of("routed")["last_path"] = "segment"
-    return pytree.tree_map(
-        lambda t: t.view(k, batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t, out
-    )
+    return out

@@ -156,6 +156,34 @@ class LoopRunner:
         return ""
 
 
+class CompiledLoopRunner(LoopRunner):
+    """The loop a user after speed writes: each member ``torch.compile``'d (one graph serves
+    every member of one architecture: it is compiled once), ``torch.optim.Adam(fused=True)``."""
+
+    def __init__(
+        self,
+        members: list[nn.Module],
+        data: Data,
+        workload: Workload,
+        *,
+        compile_backend: str = "inductor",
+    ):
+        super().__init__(members, data, workload, fused=True)
+        self.calls = [torch.compile(m, backend=compile_backend) for m in self.models]
+
+    def forward(self) -> torch.Tensor:
+        outs = [m(x) for m, x in zip(self.calls, self.inputs)]
+        return torch.cat(outs, 1) if self.workload.input_mode == "sliced" else torch.stack(outs)
+
+    def backward(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = torch.stack(
+            [self.loss_fn(m(x), t) for m, x, t in zip(self.calls, self.inputs, self.targets)]
+        )
+        losses.sum().backward()
+        return losses.detach()
+
+
 class TorchFuncRunner:
     """PyTorch's ensembling recipe: ``stack_module_state`` + ``functional_call`` + ``vmap``.
 
@@ -325,13 +353,13 @@ class CompiledRunner(PhalanxRunner):
 def default_contenders(
     optimizer: OptimizerFactory | None = None, *, compile_backend: str = "inductor"
 ) -> list[Contender]:
-    """loop (the reference, first), loop+fused, torch.func, every phalanx backend, phalanx
-    auto, and phalanx:compiled (the captured training step).
+    """loop (the reference, first), loop+fused, loop+compile (training only), torch.func,
+    every phalanx backend, phalanx auto, and phalanx:compiled (the captured training step).
 
     Args:
         optimizer: the phalanx contenders' optimizer factory; :func:`phalanx_adam` by default.
-        compile_backend: ``torch.compile``'s backend for phalanx:compiled ("aot_eager"
-            checks the capture without generating code).
+        compile_backend: ``torch.compile``'s backend for phalanx:compiled and loop+compile
+            ("aot_eager" checks the capture without generating code).
 
     Returns:
         The contenders, the loop first.
@@ -346,6 +374,12 @@ def default_contenders(
     return [
         Contender("loop", "baseline", LoopRunner),
         Contender("loop+fused", "baseline", functools.partial(LoopRunner, fused=True)),
+        Contender(
+            "loop+compile",
+            "baseline",
+            functools.partial(CompiledLoopRunner, compile_backend=compile_backend),
+            train_only=True,
+        ),
         Contender("torch.func", "baseline", TorchFuncRunner),
         *(phalanx_contender(b) for b in (*BACKENDS, "auto")),
         Contender("phalanx:compiled", "phalanx", compiled, train_only=True),

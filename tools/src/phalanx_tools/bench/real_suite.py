@@ -29,7 +29,7 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -435,7 +435,7 @@ def _float_inputs(batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
     return Batch(tuple(args), batch.in_dims, batch.target, batch.target_dim), leaves
 
 
-def _loop_forward(members: list[nn.Module], model: RealModel, batch: Batch):
+def _loop_forward(members: Sequence[Callable[..., Any]], model: RealModel, batch: Batch):
     outs = [m(*batch.member_args(i)) for i, m in enumerate(members)]
     losses = torch.stack([model.loss(o, batch.member_target(i)) for i, o in enumerate(outs)])
     return pytree.tree_map(lambda *leaves: torch.stack(leaves), *outs), losses
@@ -606,21 +606,54 @@ def _grad_problems(got: dict[str, torch.Tensor | None], loop32: list[nn.Module],
 # ------------------------------------------------------------------------------- the timing
 
 #: The contenders of :func:`time_model`, in the table's order.
-CONTENDERS = ("loop", "loop fused-Adam", "torch.func", "phalanx")
+CONTENDERS = ("loop", "loop fused-Adam", "loop+compile", "torch.func", "phalanx", "compile_step")
+#: Contenders whose step keeps no ``.grad``: checked on their losses alone.
+_WHOLE_STEP = ("compile_step",)
 
 
 class _Step:
     """One contender's training step: forward, per-member losses, backward, Adam step."""
 
-    def __init__(self, kind: str, members: list[nn.Module], model: RealModel, batch: Batch):
+    def __init__(
+        self,
+        kind: str,
+        members: list[nn.Module],
+        model: RealModel,
+        batch: Batch,
+        compile_backend: str = "inductor",
+    ):
         self.kind, self.model, self.batch = kind, model, batch
         members = [copy.deepcopy(m) for m in members]
         self.stack: phalanx.Stack | None = None
         self.opt: torch.optim.Optimizer
-        if kind in ("loop", "loop fused-Adam"):
+        self.compiled: Any = None
+        if kind in ("loop", "loop fused-Adam", "loop+compile"):
             self.members = nn.ModuleList(members)
-            fused = True if kind == "loop fused-Adam" else None
+            fused = True if kind != "loop" else None
             self.opt = torch.optim.Adam(self.members.parameters(), lr=LR, fused=fused)
+            # loop+compile: what a user after speed writes, each member torch.compile'd (one
+            # graph, compiled once, serves every member of one architecture) with fused Adam
+            self.calls = (
+                [torch.compile(m, backend=compile_backend) for m in members]
+                if kind == "loop+compile"
+                else members
+            )
+        elif kind == "compile_step":
+            from phalanx_tools.bench.contenders import phalanx_adam
+
+            self.stack = phalanx.stack(members, backend="auto")
+            self.opt = phalanx_adam()[0](self.stack.parameters(), lr=LR)
+            self.compiled = phalanx.compile_step(
+                self.stack, model.loss, self.opt, in_dims=batch.in_dims,
+                target_in_dims=batch.target_dim, backend=compile_backend,
+            )  # fmt: skip
+            start = {k: v.clone() for k, v in self.stack.state_dict().items()}
+            while self.compiled.choice is None:  # warm up until it chose captured or eager
+                self.compiled(batch.args, batch.target)
+            with torch.no_grad():  # then back to the start, as every other contender
+                for k, v in self.stack.state_dict().items():
+                    v.copy_(start[k])
+                self.opt.state.clear()
         elif kind == "torch.func":
             self.params, self.buffers = torch.func.stack_module_state(members)
             self.base = copy.deepcopy(members[0]).to("meta")
@@ -633,8 +666,10 @@ class _Step:
 
     def losses(self) -> torch.Tensor:
         """Zero the gradients, forward, backward; the (N,) losses."""
-        self.opt.zero_grad(set_to_none=True)
         b = self.batch
+        if self.compiled is not None:  # the whole step: forward, backward and the update
+            return self.compiled(b.args, b.target)
+        self.opt.zero_grad(set_to_none=True)
         if self.stack is not None:
             losses = _stack_forward(self.stack, self.model, b)[1]
         elif self.kind == "torch.func":
@@ -648,11 +683,13 @@ class _Step:
                 self.params, self.buffers, b.target, *b.args
             )
         else:
-            losses = _loop_forward(list(self.members), self.model, b)[1]
+            losses = _loop_forward(self.calls, self.model, b)[1]
         losses.sum().backward()
         return losses.detach()
 
     def grads(self) -> dict[str, torch.Tensor]:
+        if self.compiled is not None:
+            return {}
         if self.stack is not None:
             return {k: v.grad for k, v in _stack_state(self.stack, "params").items()
                     if v.grad is not None}  # fmt: skip
@@ -663,7 +700,8 @@ class _Step:
 
     def __call__(self) -> None:
         self.losses()
-        self.opt.step()
+        if self.compiled is None:
+            self.opt.step()
 
 
 @dataclass
@@ -688,6 +726,18 @@ class ModelTiming:
     iqr_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     gflop: float | None = None
     outside: float | None = None  # share of phalanx's step spent outside the batched kernels
+    params: int = 0  # trainable parameters of all N members
+    compile_choice: str | None = None  # what compile_step chose: "captured" or "eager"
+
+    def ceiling_s(self, gemm_gflops: float, bandwidth_gbs: float) -> float | None:
+        """The loop's kernels at the machine's measured limits: the step's GEMM and convolution
+        FLOPs at the GEMM rate plus the optimizer's traffic (Adam reads parameter, gradient
+        and both moments and writes three of them: 28 bytes per float32 parameter) at the copy
+        bandwidth. Elementwise activations, norms and launches are left out, so no contender
+        doing the members' arithmetic can be faster; None where the step is not mostly GEMMs."""
+        if self.gflop is None:
+            return None
+        return self.gflop / gemm_gflops + 28 * self.params / (bandwidth_gbs * 1e9)
 
     def speedup(self, baseline: str) -> float | None:
         """The baseline's median time over phalanx's: above 1, phalanx is faster."""
@@ -754,7 +804,9 @@ def _agree(got: Any, expected: Any) -> str | None:
     return None
 
 
-def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> ModelTiming:
+def time_model(
+    model: RealModel, n: int, settings: Any, *, seed: int = 0, compile_backend: str = "inductor"
+) -> ModelTiming:
     """Checks, then times, a training step of N members: phalanx (auto) against the baselines.
 
     Every contender starts from the same members and runs on the same batch. Before timing,
@@ -769,6 +821,8 @@ def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> Mod
         n: the number of members.
         settings: rounds and budget, e.g. ``phalanx_tools.bench.suite.QUICK`` or ``FULL``.
         seed: seeds weights and data.
+        compile_backend: ``torch.compile``'s backend for loop+compile and compile_step
+            ("aot_eager" captures without generating code: quick, for tests).
 
     Returns:
         The row: auto's backend, each contender's status and median time, the step's GFLOP.
@@ -780,23 +834,26 @@ def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> Mod
     batch = make_batch(model, n, model.mode, batch=model.batch, seed=seed)
     row = ModelTiming(model.name, model.source, model.mode, n, model.batch)
     row.gflop = step_gflop(model, members[0], batch, n)
+    row.params = n * sum(p.numel() for p in members[0].parameters() if p.requires_grad)
     steps: dict[str, _Step] = {}
     expected: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
     for kind in CONTENDERS:
         try:
             with warnings.catch_warnings(), fixed_noise(model.noisy):
                 warnings.simplefilter("ignore")
-                step = _Step(kind, members, model, batch)
+                step = _Step(kind, members, model, batch, compile_backend)
                 got = step.losses(), {k: g.clone() for k, g in step.grads().items()}
         except Exception as e:
             row.status[kind] = f"n/a: {reason_of(e)}"
             continue
         if expected is None:
             expected = got
-        problem = _agree(got, expected)
+        problem = _agree(got[0], expected[0]) if kind in _WHOLE_STEP else _agree(got, expected)
         row.status[kind] = f"WRONG: {problem}" if problem else "ok"
         if not problem:
             steps[kind] = step
+        if step.compiled is not None:
+            row.compile_choice = step.compiled.choice
     if "phalanx" in steps and steps["phalanx"].stack is not None:
         row.backend = steps["phalanx"].stack.backend
     s = settings
@@ -823,8 +880,11 @@ def time_model(model: RealModel, n: int, settings: Any, *, seed: int = 0) -> Mod
 # ---------------------------------------------------------------------------- the command
 
 
-def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
-    """The real-model table: auto's backend, times, speed-ups and shares of the GEMM peak."""
+def format_table(
+    rows: list[ModelTiming], gemm_gflops: float, bandwidth_gbs: float | None = None
+) -> str:
+    """The real-model table: auto's backend, times, speed-ups, shares of the GEMM peak and
+    the ceiling (``ModelTiming.ceiling_s``; with ``bandwidth_gbs``)."""
     from phalanx_tools.bench.report import fmt_time, text_table
 
     def ratio(x: float | None) -> str:
@@ -833,13 +893,24 @@ def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
     def share(x: float | None) -> str:
         return "n/a" if x is None else f"{100 * x:.0f}%"
 
-    headers = ["model", "input", "auto ran", "loop", "loop fused-Adam", "torch.func",
-               "phalanx", "vs loop", "vs fused-Adam loop", "vs torch.func", "loop % peak",
-               "phalanx % peak", "phalanx outside kernels"]  # fmt: skip
+    headers = ["model", "input", "auto ran", "loop", "loop fused-Adam", "loop+compile",
+               "torch.func", "phalanx", "compile_step", "vs loop", "vs fused-Adam loop",
+               "vs loop+compile", "vs torch.func", "compile_step vs fused-Adam loop",
+               "loop % peak", "phalanx % peak", "phalanx outside kernels", "ceiling",
+               "phalanx / ceiling"]  # fmt: skip
     cells = []
     for r in rows:
         times = [fmt_time(r.median_s.get(k)) if r.status.get(k) == "ok" else
                  r.status.get(k, "-").split(":")[0] for k in CONTENDERS]  # fmt: skip
+        if r.compile_choice and r.status.get("compile_step") == "ok":
+            times[CONTENDERS.index("compile_step")] += f" ({r.compile_choice})"
+        ceiling = None if bandwidth_gbs is None else r.ceiling_s(gemm_gflops, bandwidth_gbs)
+        over = r.median_s.get("phalanx")
+        step_vs = (
+            r.median_s["loop fused-Adam"] / r.median_s["compile_step"]
+            if "compile_step" in r.median_s and "loop fused-Adam" in r.median_s
+            else None
+        )
         cells.append(
             [
                 r.name,
@@ -848,10 +919,14 @@ def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
                 *times,
                 ratio(r.speedup("loop")),
                 ratio(r.speedup("loop fused-Adam")),
+                ratio(r.speedup("loop+compile")),
                 ratio(r.speedup("torch.func")),
+                ratio(step_vs),
                 share(r.share_of_peak("loop", gemm_gflops)),
                 share(r.share_of_peak("phalanx", gemm_gflops)),
                 share(r.outside),
+                "n/a" if ceiling is None else fmt_time(ceiling),
+                "n/a" if ceiling is None or over is None else f"{over / ceiling:.1f}x",
             ]
         )
     geo = [r.speedup("loop fused-Adam") for r in rows]
@@ -863,6 +938,12 @@ def format_table(rows: list[ModelTiming], gemm_gflops: float) -> str:
         f"slowest: {ratio(min(known, default=None))}; fast path (fused) chosen for "
         f"{sum(r.backend == 'fused' for r in rows)} of {len(rows)}"
     )
+    compiled = [s for s in (r.speedup("loop+compile") for r in rows) if s is not None]
+    if compiled:
+        geo_c = math.exp(sum(map(math.log, compiled)) / len(compiled))
+        lines.append(
+            f"geometric mean vs the loop+compile: {ratio(geo_c)} over {len(compiled)} models"
+        )
     for r in rows:
         for k in CONTENDERS:
             if r.status.get(k, "ok") != "ok":
@@ -902,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             rows.append(time_model(catalogue[name], args.members, QUICK if args.quick else FULL))
             print(f"  {name}: done", flush=True)
-    print(format_table(rows, machine.gemm_gflops))
+    print(format_table(rows, machine.gemm_gflops, machine.bandwidth_gbs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine.to_dict(), "rows": [asdict(r) for r in rows]}, f,

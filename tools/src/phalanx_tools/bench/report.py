@@ -18,7 +18,8 @@ CONVENTIONS = (
     "measured GEMM peak, bytes / measured copy bandwidth); x floor = time / floor. "
     "Speed-ups: the loop's (or torch.func's) median time over this contender's; above 1 is "
     "faster. 'best phalanx' is the fastest phalanx contender that passed the check, auto "
-    "aside. loop+fused: the loop with torch.optim.Adam(fused=True). compile: seconds spent "
+    "aside. loop+fused: the loop with torch.optim.Adam(fused=True); loop+compile: that loop "
+    "with each member torch.compile'd (training only). compile: seconds spent "
     "tracing and compiling the captured step (phalanx:compiled), which times itself against "
     "the eager step and keeps the faster (its note says which). "
     "Forward runs under torch.no_grad() in eval mode; the training step in train mode."
@@ -29,8 +30,9 @@ DETAIL_HEADERS = [
     "peak mem", "compile", "vs loop", "vs torch.func", "note",
 ]  # fmt: skip
 SUMMARY_HEADERS = [
-    "workload", "phase", "loop", "loop+fused", "torch.func", "best phalanx", "vs loop",
-    "vs loop+fused", "vs torch.func", "auto", "vs loop", "vs torch.func",
+    "workload", "phase", "loop", "loop+fused", "loop+compile", "torch.func", "best phalanx",
+    "vs loop", "vs loop+fused", "vs loop+compile", "vs torch.func", "auto", "vs loop",
+    "vs torch.func",
 ]  # fmt: skip
 
 
@@ -87,16 +89,19 @@ def _detail(r: Result, row: Row, *, width: int | None) -> list[str]:
 
 
 def _summary(r: Result) -> list[str]:
-    loop, fused, tf, auto, best = (
+    loop, fused, compiled, tf, auto, best = (
         r.row("loop"),
         r.row("loop+fused"),
+        r.row("loop+compile"),
         r.row("torch.func"),
         r.row("phalanx:auto"),
         r.best_phalanx(),
     )
-    vs_fused = None
-    if best and best.median_s and fused is not None and fused.median_s:
-        vs_fused = fused.median_s / best.median_s
+
+    def best_over(baseline: Row | None) -> float | None:
+        if best and best.median_s and baseline is not None and baseline.median_s:
+            return baseline.median_s / best.median_s
+        return None
 
     def time_of(row: Row | None) -> str:
         if row is None:
@@ -111,10 +116,12 @@ def _summary(r: Result) -> list[str]:
         r.phase,
         time_of(loop),
         time_of(fused),
+        time_of(compiled),
         time_of(tf),
         f"{time_of(best)} ({best.name.split(':')[1]})" if best else "none passed",
         _fmt(best.vs_loop if best else None, ".2f", "x"),
-        _fmt(vs_fused, ".2f", "x"),
+        _fmt(best_over(fused), ".2f", "x"),
+        _fmt(best_over(compiled), ".2f", "x"),
         _fmt(best.vs_torch_func if best else None, ".2f", "x"),
         auto_name,
         _fmt(auto.vs_loop if auto else None, ".2f", "x"),
