@@ -698,3 +698,36 @@ def test_hyperparameters_as_lists_or_arrays_mean_per_member_values(kind: str) ->
         phalanx.optim.SGD(make_params(torch.float32), lr=[0.1, 0.2, 0.3])
     with pytest.raises(TypeError, match=r"lr must be a number or one value per member"):
         phalanx.optim.SGD(make_params(torch.float32), lr=[0.1, "fast", 0.3, 0.1])
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), BIT_CASES[:5], ids=lambda v: str(v))
+def test_blocks_and_sixteen_members_keep_each_members_bits(monkeypatch, cls, kwargs) -> None:
+    """The eager step runs the rule on blocks (here 64 elements: a member's rows split, and
+    several members' rows in one block) and 16 members (where torch's vectorised pow of the
+    step counts rounded bias corrections differently from torch.optim's Python pow): each
+    member is still torch.optim on that member alone, bit for bit, masks included."""
+    monkeypatch.setattr(getattr(phalanx.optim, cls), "BLOCK", 64)
+    n, shapes = 16, [(10, 13), (5,)]
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, *s, generator=g)) for s in shapes]
+    refs = [[nn.Parameter(p[i].detach().clone()) for p in params] for i in range(n)]
+    lr = torch.linspace(1e-3, 1e-1, n, dtype=torch.float64)
+    opt = getattr(phalanx.optim, cls)(params, **{**kwargs, "lr": lr})
+    ref_opts = [
+        getattr(torch.optim, cls)(r, **{**kwargs, "lr": float(lr[i])}) for i, r in enumerate(refs)
+    ]
+    for t in range(12):
+        z = [torch.randn(n, *s, generator=g) for s in shapes]
+        for p, zj in zip(params, z, strict=True):
+            p.grad = 0.5 * p.detach() + zj
+        mask = torch.arange(n) % 3 != t % 3 if t % 4 == 3 else None
+        opt.step(mask=mask)
+        for i in range(n):
+            if mask is not None and not mask[i]:
+                continue
+            for r, zj in zip(refs[i], z, strict=True):
+                r.grad = 0.5 * r.detach() + zj[i]
+            ref_opts[i].step()
+    for i in range(n):
+        for j, (p, r) in enumerate(zip(params, refs[i], strict=True)):
+            assert torch.equal(p[i], r), f"member {i} param {j}"

@@ -509,7 +509,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
 
     #: Elements of a block of the eager step: a few of the stacked tensors' blocks and the
     #: rule's temporaries fit in a core's cache, and the Python cost per block is amortised.
-    BLOCK = 1 << 17
+    BLOCK = 1 << 15
 
     def ensure_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         """``p``'s state, created (step 0, then ``init_state``) on first use."""

@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads, --quick, --json and --workloads moe,pets,kilonerf,redq",
     )
     parser.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="time one optimizer step instead (phalanx_tools.bench.optimizer): a 16-member "
+        "embedding table and W4's MLP, Adam and SGD, against torch over the loop's tensors; "
+        "with --threads, --quick and --json",
+    )
+    parser.add_argument(
         "--compile-backend",
         default="inductor",
         metavar="NAME",
@@ -182,6 +189,12 @@ def run(args: argparse.Namespace) -> int:
         if args.workloads != ",".join(WORKLOADS):  # named by the user: dynamic ones
             argv += ["--workloads", args.workloads]
         return dynamic_main(argv)
+    if args.optimizer:
+        from phalanx_tools.bench.optimizer import main as optimizer_main
+
+        argv = ["--threads", str(args.threads)] if args.threads else []
+        return optimizer_main(argv + (["--quick"] if args.quick else []) + (
+            ["--json", args.json] if args.json else []))  # fmt: skip
     if args.routed:
         from phalanx_tools.bench.routed import main as routed_main
 
