@@ -20,6 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
         ("question1_per_feature.py", r"output \(32, 400\) from 400 networks .*equals the loop"),
         ("question2_ensemble.py", r"member 3 as an ordinary module gives the stack's output"),
         ("modulelist_in_place.py", r"(?s)old checkpoint loaded .*load into the unstacked model"),
+        (
+            "hf_trainer.py",
+            r"(?s)per-member losses: ([0-9.]+ ){7}[0-9.]+\n.*holds the trained member 3's weights: True",
+        ),
+        (
+            "accelerate_loop.py",
+            r"norms before clipping: ([0-9.]+ ){3}[0-9.e+]+\neach member clipped",
+        ),
+        (
+            "mixed_precision.py",
+            r"step 1: skipped \[False, False, True, False\], scales \[4096.0, 4096.0, 2048.0, 4096.0\]",
+        ),
     ],
 )
 def test_example_runs(script, expected):

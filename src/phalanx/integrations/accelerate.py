@@ -86,7 +86,9 @@ class PhalanxAccelerator(accelerate.Accelerator):
         self.member_mask: Tensor | None = None
         # a callable giving the mask at each step (the Trainer's early stopping), or None
         self.member_mask_fn: Callable[[], Tensor | None] | None = None
-        self._torch_scaler: Any = getattr(self, "scaler", None)  # replaced by a MemberGradScaler once N is known
+        self._torch_scaler: Any = getattr(
+            self, "scaler", None
+        )  # replaced by a MemberGradScaler once N is known
         self.register_save_state_pre_hook(self._save_stacks)
         self.register_load_state_pre_hook(self._load_stacks)
 

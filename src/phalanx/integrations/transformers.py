@@ -1,0 +1,514 @@
+"""The Hugging Face Trainer with a stack: members stay independent (``phalanx[hf]``).
+
+``PhalanxTrainer`` is a ``transformers.Trainer`` for a model holding a ``phalanx.Stack`` (the
+stack itself, e.g. ``phalanx.stack([GPT2LMHeadModel(config) for _ in range(8)])``, or a module
+with one inside whose output's ``loss`` is the (N,) per-member losses). It runs on a
+``PhalanxAccelerator`` (see ``phalanx.integrations.accelerate``), so that:
+
+- ``max_grad_norm`` (1.0 by default) clips each member with its own norm;
+- ``fp16`` scales each member's loss with its own scale (``phalanx.MemberGradScaler``): a
+  member that overflows skips its own step only;
+- the logs hold ``loss/member_i`` and ``grad_norm/member_i`` (``loss`` is the members' sum,
+  what is backpropagated), evaluation ``eval_loss/member_i`` and, with ``compute_metrics``,
+  each metric per member (``eval_accuracy/member_i``), computed on member i's predictions;
+- ``MemberEarlyStopping`` stops members one by one: a stopped member's weights and optimizer
+  state are left as they are (the optimizer's step mask) while the others train on;
+- ``save_model`` and every checkpoint write one ``save_pretrained`` folder per member
+  (``member_0/``, ... which ``from_pretrained`` reads back) and the whole stack in
+  ``phalanx.safetensors`` (tied weights kept), which ``resume_from_checkpoint`` and
+  ``load_best_model_at_end`` read.
+
+What the Trainer cannot keep apart is refused when the trainer is built, naming the fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from torch import Tensor, nn
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+from transformers.trainer_callback import ExportableState, TrainerCallback
+from transformers.trainer_utils import EvalPrediction
+from transformers.utils.generic import can_return_loss, find_labels
+
+from phalanx.checkpoint._single import load, save
+from phalanx.core._stack import Stack
+from phalanx.optim import SGD, AdamW, MemberOptimizer
+
+from ._stacks import STACK_FILE, member_axis_first, num_members, save_members, stacks_in
+from .accelerate import PhalanxAccelerator
+
+__all__ = ["MemberEarlyStopping", "PhalanxTrainer"]
+
+_WHERE = "phalanx.integrations.transformers.PhalanxTrainer"
+_ADAMW = {"adamw_torch", "adamw_torch_fused"}
+
+
+class MemberEarlyStopping(TrainerCallback, ExportableState):
+    """Early stopping per member: member i stops when its own metric has not improved for
+    ``patience`` evaluations; training ends when every member has stopped.
+
+    A stopped member keeps its weights and optimizer state (the phalanx optimizer's step
+    mask), the others train on. Its state is saved in Trainer checkpoints and restored on
+    resume.
+
+    Args:
+        patience: evaluations without improvement before a member stops.
+        metric: the evaluation metric, read per member as ``f"{metric}/member_{i}"``.
+        greater_is_better: whether a larger metric is better (accuracy) or a smaller one
+            (loss, the default).
+        threshold: the least change that counts as an improvement.
+
+    Attributes:
+        stopped: one bool per member (a list).
+    """
+
+    def __init__(
+        self,
+        patience: int = 1,
+        metric: str = "eval_loss",
+        greater_is_better: bool = False,
+        threshold: float = 0.0,
+    ) -> None:
+        self.patience = patience
+        self.metric = metric
+        self.greater_is_better = greater_is_better
+        self.threshold = threshold
+        self.best: list[float | None] = []
+        self.wait: list[int] = []
+        self.stopped: list[bool] = []
+
+    def mask(self, n: int) -> Tensor:
+        """(N,) bool: the members still training."""
+        return (
+            ~torch.tensor(self.stopped, dtype=torch.bool)
+            if self.stopped
+            else torch.ones(n, dtype=torch.bool)
+        )
+
+    def on_evaluate(
+        self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any
+    ) -> None:
+        metric = self.metric if self.metric.startswith("eval_") else f"eval_{self.metric}"
+        keys = sorted(
+            (k for k in (metrics or {}) if k.startswith(f"{metric}/member_")),
+            key=lambda k: int(k.rsplit("_", 1)[1]),
+        )
+        if not keys:
+            raise ValueError(
+                f"phalanx.integrations.transformers.MemberEarlyStopping: the evaluation logged no "
+                f"{metric!r} per member ('{metric}/member_0', ...); it logged "
+                f"{sorted(metrics or {})}. Name a metric the trainer logs, e.g. 'eval_loss', "
+                f"or a key compute_metrics returns."
+            )
+        n = len(keys)
+        if not self.stopped:
+            self.best, self.wait, self.stopped = [None] * n, [0] * n, [False] * n
+        for i, key in enumerate(keys):
+            if self.stopped[i]:
+                continue
+            value = float(metrics[key])
+            best = self.best[i]
+            better = best is None or (
+                value > best + self.threshold
+                if self.greater_is_better
+                else value < best - self.threshold
+            )
+            if better:
+                self.best[i], self.wait[i] = value, 0
+            else:
+                self.wait[i] += 1
+                self.stopped[i] = self.wait[i] >= self.patience
+        if all(self.stopped):
+            control.should_training_stop = True
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "args": {
+                "patience": self.patience,
+                "metric": self.metric,
+                "greater_is_better": self.greater_is_better,
+                "threshold": self.threshold,
+            },
+            "attributes": {"best": self.best, "wait": self.wait, "stopped": self.stopped},
+        }
+
+
+class PhalanxTrainer(transformers.Trainer):
+    """``transformers.Trainer`` for a model holding a phalanx stack, members kept apart.
+
+    Takes the Trainer's arguments. ``model`` holds a ``phalanx.Stack`` whose output's
+    ``loss`` is the (N,) per-member losses (a stack of Hugging Face models given ``labels``);
+    ``optimizers=(phalanx.optim.AdamW(model.parameters(), ...), None)`` or none (then a
+    phalanx AdamW from the arguments, one per member as the Trainer's own AdamW would be).
+    See the module docstring for what it does per member.
+
+    Raises:
+        ValueError: at construction, for what would couple the members: no stack in the
+            model, a torch optimizer (no per-member step mask), an ``optim`` other than
+            AdamW or SGD, DeepSpeed, FSDP, ``label_smoothing_factor`` (the Trainer's smoother
+            averages over members), ``reduce_lr_on_plateau`` (one metric for all members),
+            several GPUs in one process (DataParallel).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: transformers.TrainingArguments | None = None,
+        *,
+        compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if model is None or not stacks_in(model):
+            raise ValueError(
+                f"{_WHERE}(): model must hold a phalanx stack (phalanx.stack([...]) or a module "
+                f"with one inside); got {type(model).__name__}. For one model use "
+                f"transformers.Trainer; model_init (hyperparameter search) is not supported."
+            )
+        self.num_members = num_members(stacks_in(model), f"{_WHERE}()")
+        if args is not None and args.label_smoothing_factor:  # the Trainer reads it at once
+            raise ValueError(
+                f"{_WHERE}(): label_smoothing_factor={args.label_smoothing_factor}: the Trainer's "
+                "smoother would average the stacked logits over all members. Compute the loss per "
+                "member in the model with phalanx.member_losses(F.cross_entropy, logits, labels, "
+                "label_smoothing=...) and return it as the output's loss."
+            )
+        self._user_metrics = compute_metrics
+        wrapped = (
+            _per_member_metrics(compute_metrics, self.num_members) if compute_metrics else None
+        )
+        super().__init__(model, args, compute_metrics=wrapped, **kwargs)
+        self._refuse_coupling()
+        if isinstance(model, Stack):  # read the members' forward, as the Trainer reads a model's
+            self._member = model.module
+            forward = inspect.signature(type(self._member).forward).parameters
+            self.model_accepts_loss_kwargs = getattr(
+                self._member,
+                "accepts_loss_kwargs",
+                any(k.kind == inspect.Parameter.VAR_KEYWORD for k in forward.values()),
+            )
+            if self.args.label_names is None:
+                self.label_names = find_labels(type(self._member))
+            self.can_return_loss = can_return_loss(type(self._member))
+            # how the Trainer counts a batch's items for a causal LM's loss, as for one member
+            mapping: dict[Any, Any] = LOSS_MAPPING
+            self._loss_shifts_labels = mapping.get(
+                getattr(self._member, "loss_type", None)
+            ) is ForCausalLMLoss and not getattr(
+                getattr(self._member, "config", None), "is_encoder_decoder", False
+            )
+        n = self.num_members
+        self._member_tr_loss = torch.zeros(n, dtype=torch.float64)
+        self._member_steps = 0  # optimizer steps since the last log
+        self._member_grad_norm: Tensor | None = None
+        self._eval_loss_sum = torch.zeros(n, dtype=torch.float64)
+        self._eval_count = 0
+        self._last_losses: Tensor | None = None
+        self._takes_use_cache = _takes_use_cache(model)
+        self.accelerator.member_mask_fn = self.member_mask
+
+    # ------------------------------------------------------------------------- set-up
+
+    def _refuse_coupling(self) -> None:
+        args = self.args
+        problems = []
+        if args.deepspeed or self.is_deepspeed_enabled:
+            problems.append(
+                "DeepSpeed runs its own clipping, loss scaling and optimizer over all parameters "
+                "as one model: train without deepspeed= (phalanx.distributed spreads members "
+                "over processes)"
+            )
+        if args.fsdp or self.is_fsdp_enabled:
+            problems.append("FSDP shards the stacked parameters as one model: train without fsdp=")
+        if _value(args.lr_scheduler_type) == "reduce_lr_on_plateau":
+            problems.append(
+                "lr_scheduler_type='reduce_lr_on_plateau' watches one metric for all members: "
+                "pass optimizers=(opt, None) and step phalanx.optim.MemberScheduler(opt, lambda o: "
+                "ReduceLROnPlateau(o, ...)) with per-member metrics from a callback"
+            )
+        if args.n_gpu > 1:
+            problems.append(
+                f"{args.n_gpu} GPUs in one process (torch DataParallel): run one process per GPU "
+                "(torchrun), or use phalanx.distributed"
+            )
+        optimizer = self.optimizer
+        if optimizer is not None and not isinstance(optimizer, MemberOptimizer):
+            problems.append(
+                f"the optimizer is a {type(optimizer).__name__}, whose step cannot leave out "
+                "stopped or overflowing members: pass optimizers=(phalanx.optim.AdamW("
+                "model.parameters(), lr=...), None)"
+            )
+        if optimizer is None and _value(args.optim) not in _ADAMW | {"sgd"}:
+            problems.append(
+                f"optim={_value(args.optim)!r} has no phalanx optimizer: use optim='adamw_torch' or "
+                "'sgd', or pass optimizers=(phalanx.optim.Adam(model.parameters(), ...), None)"
+            )
+        if problems:
+            raise ValueError(
+                f"{_WHERE}(): these settings would train the {self.num_members} members as one "
+                "model:\n  - " + "\n  - ".join(problems)
+            )
+
+    def _set_signature_columns_if_needed(self) -> None:
+        if self._signature_columns is None and isinstance(self.model, Stack):
+            forward = inspect.signature(type(self.model.module).forward)
+            columns: Any = [*forward.parameters, "label", "label_ids", *self.label_names]
+            self._signature_columns = columns
+        super()._set_signature_columns_if_needed()
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        self._accelerator_args = super()._build_accelerator_args(**kwargs)
+        return self._accelerator_args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's set-up, on a ``PhalanxAccelerator`` built with the same arguments."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator = PhalanxAccelerator(**self._accelerator_args)
+        self.gather_function = self.accelerator.gather_for_metrics
+        if self.model is not None:  # the stacks and the per-member scaler, before prepare()
+            self.accelerator._add_stacks(self.model)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The given phalanx optimizer, or a phalanx AdamW (SGD) from the arguments, with the
+        Trainer's weight-decay groups."""
+        if self.optimizer is None:
+            model = self.model if model is None else model
+            assert model is not None  # the constructor refuses a trainer without a model
+            decay = set(self.get_decay_parameter_names(model))
+            named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+            groups = [
+                {
+                    "params": [p for k, p in named if k in decay],
+                    "weight_decay": self.args.weight_decay,
+                },
+                {"params": [p for k, p in named if k not in decay], "weight_decay": 0.0},
+            ]
+            groups = [g for g in groups if g["params"]]
+            if _value(self.args.optim) == "sgd":
+                self.optimizer = SGD(groups, lr=self.args.learning_rate)
+            else:
+                self.optimizer = AdamW(
+                    groups,
+                    lr=self.args.learning_rate,
+                    betas=(self.args.adam_beta1, self.args.adam_beta2),
+                    eps=self.args.adam_epsilon,
+                )
+        return self.optimizer
+
+    def member_mask(self) -> Tensor | None:
+        """(N,) bool, the members still training (every ``MemberEarlyStopping``'s), or None."""
+        stoppers = [
+            c for c in self.callback_handler.callbacks if isinstance(c, MemberEarlyStopping)
+        ]
+        if not stoppers:
+            return None
+        mask = torch.ones(self.num_members, dtype=torch.bool)
+        for stopper in stoppers:
+            mask &= stopper.mask(self.num_members)
+        return mask.to(self.args.device)
+
+    # ---------------------------------------------------------------------- training
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The (N,) per-member losses: the output's ``loss`` (or ``compute_loss_func``'s)."""
+        inputs = dict(inputs)
+        if self._takes_use_cache and "use_cache" not in inputs:
+            inputs["use_cache"] = False  # training never reads a cache; a stack cannot hold one
+        labels = (
+            inputs.pop("labels")
+            if self.compute_loss_func is not None and "labels" in inputs
+            else None
+        )
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            inputs["num_items_in_batch"] = num_items_in_batch
+        outputs = model(**inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif isinstance(outputs, dict):
+            if "loss" not in outputs:
+                raise ValueError(
+                    f"{_WHERE}.compute_loss(): the model returned no loss, only {list(outputs)}; "
+                    f"pass labels (a column 'labels') or have the model return the (N,) losses."
+                )
+            loss = outputs["loss"]
+        else:
+            loss = outputs[0]
+        if not isinstance(loss, Tensor) or loss.shape != (self.num_members,):
+            got = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"{_WHERE}.compute_loss(): the loss must be the per-member losses, shape "
+                f"({self.num_members},), so that each member is clipped, scaled, logged and "
+                f"stopped on its own; got {got}. Return phalanx.member_losses(...) (or a stack's "
+                f"out.loss), not their sum."
+            )
+        self._last_losses = loss.detach()
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> Tensor:
+        """The Trainer's step on the (N,) losses; returns their sum (what the Trainer logs as
+        ``loss``) and keeps each member's for ``loss/member_i``."""
+        losses = super().training_step(model, inputs, num_items_in_batch)
+        self._member_tr_loss += losses.detach().double().cpu()
+        return losses.sum()
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        norms = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._member_steps += 1  # called once per optimizer step
+        if isinstance(norms, Tensor) and norms.shape == (self.num_members,):
+            self._member_grad_norm = norms.detach().double().cpu()
+            return None  # logged per member, as grad_norm/member_i
+        return norms
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds ``loss/member_i`` and ``grad_norm/member_i`` to the training logs."""
+        if "loss" in logs and not any(k.startswith("eval_") for k in logs):
+            steps = max(self._member_steps, 1)
+            for i, value in enumerate((self._member_tr_loss / steps).tolist()):
+                logs[f"loss/member_{i}"] = value
+            self._member_tr_loss.zero_()
+            self._member_steps = 0
+            if self._member_grad_norm is not None:
+                for i, value in enumerate(self._member_grad_norm.tolist()):
+                    logs[f"grad_norm/member_{i}"] = value
+        super().log(logs, start_time)
+
+    # --------------------------------------------------------------------- evaluation
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[Tensor | None, Any, Any]:
+        """The Trainer's step; keeps each member's loss and puts the member axis of the
+        predictions second, (B, N, ...), so that batches concatenate along the samples."""
+        self._last_losses = None
+        inputs = dict(inputs)
+        if self._takes_use_cache and "use_cache" not in inputs:
+            inputs["use_cache"] = False
+        loss, logits, labels = super().prediction_step(
+            model, inputs, prediction_loss_only, ignore_keys
+        )
+        if self._last_losses is not None:
+            batch = transformers.trainer_pt_utils.find_batch_size(inputs)
+            self._eval_loss_sum += self._last_losses.double().cpu() * batch
+            self._eval_count += batch
+        n = self.num_members
+        logits = _tree_map(lambda t: t.movedim(0, 1) if member_axis_first(t, n) else t, logits)
+        return loss, logits, labels
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """The Trainer's loop, plus ``{prefix}_loss/member_i``."""
+        self._eval_loss_sum.zero_()
+        self._eval_count = 0
+        output = super().evaluation_loop(
+            dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
+        metrics: Any = output.metrics
+        if self._eval_count:
+            for i, value in enumerate((self._eval_loss_sum / self._eval_count).tolist()):
+                metrics[f"{metric_key_prefix}_loss/member_{i}"] = value
+        return output
+
+    # -------------------------------------------------------------------- checkpoints
+
+    def _save(
+        self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """One ``save_pretrained`` folder per member and the stack in ``phalanx.safetensors``
+        (the Trainer's safetensors file refuses tied weights)."""
+        output_dir = str(output_dir if output_dir is not None else self.args.output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model)
+        save(os.path.join(output_dir, STACK_FILE), model)
+        save_members(model, output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
+        path = os.path.join(resume_from_checkpoint, STACK_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{_WHERE}: {resume_from_checkpoint!r} holds no {STACK_FILE}; resume from a "
+                f"checkpoint a PhalanxTrainer wrote."
+            )
+        load(path, self.accelerator.unwrap_model(model if model is not None else self.model))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is not None:
+            self._load_from_checkpoint(best)
+
+
+def _value(option: Any) -> str:
+    """A TrainingArguments enum's string ("adamw_torch"), or the string itself."""
+    return str(getattr(option, "value", option))
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    for stack in stacks_in(model):
+        config = getattr(stack.module, "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            return stack is model  # a wrapper passes only what its forward takes
+    return False
+
+
+def _tree_map(fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return type(value)(_tree_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tree_map(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+def _per_member_metrics(
+    compute_metrics: Callable[[EvalPrediction], dict[str, float]], n: int
+) -> Callable[[EvalPrediction], dict[str, float]]:
+    """``compute_metrics`` called on each member's predictions, keys ``{name}/member_i``."""
+
+    def per_member(prediction: EvalPrediction) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i in range(n):
+
+            def pick(a: Any, i: int = i) -> Any:
+                return (
+                    a[:, i]
+                    if isinstance(a, np.ndarray | Tensor) and a.ndim > 1 and a.shape[1] == n
+                    else a
+                )
+
+            own = EvalPrediction(
+                predictions=_tree_map(pick, prediction.predictions),
+                label_ids=prediction.label_ids,
+                inputs=prediction.inputs,
+            )
+            for key, value in compute_metrics(own).items():
+                out[f"{key}/member_{i}"] = value
+        return out
+
+    return per_member

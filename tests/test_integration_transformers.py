@@ -1,0 +1,226 @@
+"""phalanx.integrations.transformers.PhalanxTrainer driving the real Trainer, against each
+member trained alone by a plain transformers.Trainer with the same data and seed."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import phalanx
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from phalanx.integrations.transformers import MemberEarlyStopping, PhalanxTrainer  # noqa: E402
+
+N = 3
+CONFIG = transformers.GPT2Config(
+    vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=16,
+    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+)  # fmt: skip
+
+
+class Ids(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 40, (10,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def gpt2s():
+    out = []
+    for i in range(N):
+        torch.manual_seed(i)
+        out.append(transformers.GPT2LMHeadModel(CONFIG))
+    return out
+
+
+class Scaled(nn.Module):
+    """A model whose loss is multiplied, so that its gradient explodes: alone or stacked."""
+
+    def __init__(self, model, scale):
+        super().__init__()
+        self.model = model
+        self.register_buffer("scale", torch.as_tensor(scale))
+
+    def forward(self, input_ids, labels):
+        return {"loss": self.model(input_ids, labels=labels).loss * self.scale}
+
+
+def _args(tmp_path, **kw):
+    settings = {
+        "output_dir": str(tmp_path), "max_steps": 3, "per_device_train_batch_size": 4,
+        "report_to": [], "save_strategy": "no", "use_cpu": True, "disable_tqdm": True,
+        "logging_steps": 1, "optim": "adamw_torch", "learning_rate": 1e-2,
+    }  # fmt: skip
+    settings.update(kw)
+    return transformers.TrainingArguments(**settings)
+
+
+SCALE = [1.0, 1.0, 1e4]  # member 2's gradient explodes: the default max_grad_norm=1.0 clips it
+
+
+@pytest.mark.parametrize("form", ["wrapped_exploding", "stack_itself"])
+def test_the_trainer_with_one_member_exploding_steps_the_others_exactly_as_alone(tmp_path, form):
+    # wrapped_exploding: a module around the stack scales member 2's loss by 1e4 (the default
+    # max_grad_norm=1.0 clips it hard); stack_itself: the stack of GPT-2s is the Trainer's
+    # model, as a GPT-2 alone is (labels, num_items_in_batch, use_cache read off the members)
+    wrapped = form == "wrapped_exploding"
+    members = gpt2s()
+    alone, alone64, logged = [], [], []
+    for i, m in enumerate(members):
+        for dtype, out in ((torch.float32, alone), (torch.float64, alone64)):
+            member = copy.deepcopy(m).to(dtype)
+            model = Scaled(member, SCALE[i]) if wrapped else member
+            trainer = transformers.Trainer(model=model, args=_args(tmp_path), train_dataset=Ids())
+            trainer.train()
+            out.append(member)
+            if dtype == torch.float32:
+                logged.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    stack = phalanx.stack(members, backend="loop")
+    model = Scaled(stack, torch.tensor(SCALE)) if wrapped else stack
+    trainer = PhalanxTrainer(model=model, args=_args(tmp_path), train_dataset=Ids())
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, phalanx.optim.AdamW)
+    for i, member in enumerate(stack.unstack()):
+        pairs = zip(member.named_parameters(), alone[i].parameters(), alone64[i].parameters())
+        for (name, p), q, q64 in pairs:
+            # phalanx.clip_grad_norm_ sums squares in another order than torch's foreach norm
+            phalanx.testing.assert_equal_to_loop(p, q, q64, what=f"member {i} {name}")
+        ours = [h[f"loss/member_{i}"] for h in trainer.state.log_history if "loss" in h]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(logged[i]))
+    if wrapped:  # member 2 did explode, and members 0 and 1 stepped as alone
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        assert min(h["grad_norm/member_2"] / h["grad_norm/member_0"] for h in logs) > 1e3
+
+
+def test_checkpoints_hold_one_save_pretrained_folder_per_member_and_resume_exactly(tmp_path):
+    def run(out, steps, resume=None):
+        stack = phalanx.stack(gpt2s(), backend="loop")
+        args = _args(out, max_steps=steps, save_strategy="steps", save_steps=2, max_grad_norm=0.5)
+        trainer = PhalanxTrainer(model=stack, args=args, train_dataset=Ids())
+        trainer.train(resume_from_checkpoint=resume)
+        return stack, trainer
+
+    whole, trainer = run(tmp_path / "a", 4)  # tied weights: the Trainer's own save crashed
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    assert {"member_0", "member_1", "member_2", "phalanx.safetensors", "optimizer.pt"} <= set(
+        os.listdir(checkpoint)
+    )
+    resumed, _ = run(tmp_path / "b", 4, resume=str(checkpoint))
+    for p, q in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    trainer.save_model(str(tmp_path / "final"))
+    for i, member in enumerate(whole.unstack()):
+        back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "final" / f"member_{i}")
+        for (name, p), q in zip(member.state_dict().items(), back.state_dict().values()):
+            assert torch.equal(p, q), f"member {i} {name}"
+
+
+def test_member_early_stopping_masks_a_stopped_member_and_metrics_are_per_member(tmp_path):
+    stack = phalanx.stack(gpt2s(), backend="loop")
+    opt = phalanx.optim.AdamW(stack.parameters(), lr=[1e-3, 3.0, 1e-3])  # member 1 diverges
+
+    def accuracy(prediction):
+        logits, labels = prediction.predictions, prediction.label_ids
+        assert logits.shape[1:] == (10, 40)  # one member's (B, T, vocab)
+        return {"acc": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean())}
+
+    stopper = MemberEarlyStopping(patience=1)
+    args = _args(tmp_path, max_steps=12, eval_strategy="steps", eval_steps=2, max_grad_norm=0.0)
+    trainer = PhalanxTrainer(
+        model=stack, args=args, train_dataset=Ids(), eval_dataset=Ids(), optimizers=(opt, None),
+        compute_metrics=accuracy, callbacks=[stopper],
+    )  # fmt: skip
+    snapshots = {}
+
+    class Snapshot(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            snapshots[state.global_step] = [p[1].detach().clone() for p in stack.parameters()]
+
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    assert stopper.stopped[1] and not stopper.stopped[0] and not stopper.stopped[2]
+    evals = [h for h in trainer.state.log_history if "eval_loss/member_1" in h]
+    stop_step = next(
+        h["step"] for h in evals[1:] if h["eval_loss/member_1"] >= evals[0]["eval_loss/member_1"]
+    )
+    later = max(snapshots)
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[stop_step], snapshots[later]))
+    steps = trainer.optimizer.optimizer.state[next(iter(stack.parameters()))]["step"].tolist()
+    assert steps[1] == stop_step and steps[0] == steps[2] == later
+    # compute_metrics ran on each member's own predictions
+    x = torch.stack([Ids()[i]["input_ids"] for i in range(16)])
+    with torch.no_grad():
+        own = stack.unstack()[2](x).logits
+    assert evals[-1]["eval_acc/member_2"] == pytest.approx(
+        float((own[:, :-1].argmax(-1) == x[:, 1:]).float().mean())
+    )
+
+
+def test_fp16_loss_scaling_through_the_trainer_skips_only_the_overflowing_member(tmp_path):
+    # accelerate builds its GradScaler for fp16 on a GPU only: on the CPU, give the trainer's
+    # accelerator the per-member scaler it builds there, and inject one member's overflow
+    members = gpt2s()
+    scale = torch.tensor([1.0, float("inf"), 1.0])
+    stacked = Scaled(phalanx.stack(copy.deepcopy(members), backend="loop"), scale)
+    trainer = PhalanxTrainer(
+        model=stacked, args=_args(tmp_path, max_steps=1, max_grad_norm=0.0), train_dataset=Ids()
+    )
+    trainer.accelerator.scaler = phalanx.MemberGradScaler(N, device="cpu", init_scale=2.0**8)
+    trainer.train()
+    assert trainer.accelerator.scaler.get_scale().tolist() == [2.0**8, 2.0**7, 2.0**8]
+    after = stacked.model.unstack()
+    for i in (0, 2):
+        model = Scaled(copy.deepcopy(members[i]), 1.0)
+        transformers.Trainer(
+            model=model, args=_args(tmp_path, max_steps=1, max_grad_norm=0.0), train_dataset=Ids()
+        ).train()
+        assert all(
+            torch.equal(p, q) for p, q in zip(after[i].parameters(), model.model.parameters())
+        )
+    assert all(torch.equal(p, q) for p, q in zip(after[1].parameters(), members[1].parameters()))
+
+
+def test_what_would_couple_the_members_is_refused_naming_the_fix(tmp_path):
+    stack = phalanx.stack(gpt2s())
+    with pytest.raises(
+        ValueError, match=r"optimizer is a AdamW, whose step cannot leave out.*phalanx.optim.AdamW"
+    ):
+        PhalanxTrainer(
+            model=stack,
+            args=_args(tmp_path),
+            optimizers=(torch.optim.AdamW(stack.parameters()), None),
+        )
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1.*phalanx.member_losses"):
+        PhalanxTrainer(model=stack, args=_args(tmp_path, label_smoothing_factor=0.1))
+    with pytest.raises(ValueError, match=r"reduce_lr_on_plateau.*MemberScheduler"):
+        PhalanxTrainer(
+            model=stack,
+            args=_args(tmp_path, lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps"),
+            eval_dataset=Ids(),
+        )
+    with pytest.raises(ValueError, match=r"optim='adafactor' has no phalanx optimizer"):
+        PhalanxTrainer(model=stack, args=_args(tmp_path, optim="adafactor"))
+    with pytest.raises(ValueError, match=r"model must hold a phalanx stack.*got GPT2LMHeadModel"):
+        PhalanxTrainer(model=gpt2s()[0], args=_args(tmp_path))
+
+    class Summed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = stack
+
+        def forward(self, input_ids, labels):
+            return {"loss": self.stack(input_ids, labels=labels, use_cache=False).loss.sum()}
+
+    trainer = PhalanxTrainer(model=Summed(), args=_args(tmp_path), train_dataset=Ids())
+    with pytest.raises(
+        ValueError, match=r"loss must be the per-member losses, shape \(3,\).*got \(\)"
+    ):
+        trainer.train()
