@@ -14,6 +14,14 @@ from phalanx_tools.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def needs(*modules):
+    """Skips an integration's example where its tool is not installed (the dev extra has it)."""
+    from importlib.util import find_spec
+
+    missing = [m for m in modules if find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"not installed: {missing}")
+
+
 @pytest.mark.parametrize(
     ("script", "expected"),
     [
@@ -31,6 +39,22 @@ ROOT = Path(__file__).resolve().parents[1]
         (
             "mixed_precision.py",
             r"step 1: skipped \[False, False, True, False\], scales \[4096.0, 4096.0, 2048.0, 4096.0\]",
+        ),
+        pytest.param(
+            "lightning_ensemble.py",
+            r"(?s)members still training: \[(\d, ){7}\d\].*load_from_checkpoint: same weights and mask: True",
+            marks=needs("pytorch_lightning"),
+        ),
+        pytest.param(
+            "loggers_per_member.py",
+            r"(?s)TensorBoard runs: \['member_00', .*'member_03'\].*W&B offline runs: 4.*"
+            r"MLflow child runs: \[\('stack-member_0', '0.01'\)",
+            marks=needs("tensorboard", "wandb", "mlflow"),
+        ),
+        pytest.param(
+            "torchrl_critics.py",
+            r"(?s)TensorDictStack: \(5, 64\) \['member', None\] \(5, 64, 1\).*per-critic mean Q",
+            marks=needs("torchrl", "tensordict"),
         ),
     ],
 )

@@ -41,8 +41,9 @@ def data(n=96, seed=0):
 def trainer(**kw):
     kw.setdefault("logger", False)
     kw.setdefault("enable_checkpointing", False)
-    return pl.Trainer(accelerator="cpu", devices=1, enable_progress_bar=False,
-                      enable_model_summary=False, **kw)
+    return pl.Trainer(
+        accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False, **kw
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +123,9 @@ def test_members_match_lightning_training_each_alone():
         model = fit_stack("loop", SCALE, steps=steps)
         for i in range(N):
             alone = Alone(i)
-            trainer(max_steps=steps, gradient_clip_val=1.0).fit(alone, DataLoader(data(), batch_size=16))
+            trainer(max_steps=steps, gradient_clip_val=1.0).fit(
+                alone, DataLoader(data(), batch_size=16)
+            )
             got = phalanx.export_members(model.stack, [i])[0]
             if steps == 5:
                 for k, v in alone.net.state_dict().items():
@@ -215,8 +218,11 @@ def test_member_early_stopping_masks_the_member_and_leaves_the_others_bit_for_bi
 def test_the_trainer_stops_when_every_member_has():
     dl = DataLoader(data(), batch_size=32)
     model = Scored(worse=range(N))
-    t = trainer(max_epochs=10, callbacks=[MemberEarlyStopping("val_score", patience=1)],
-                num_sanity_val_steps=0)
+    t = trainer(
+        max_epochs=10,
+        callbacks=[MemberEarlyStopping("val_score", patience=1)],
+        num_sanity_val_steps=0,
+    )
     t.fit(model, dl, dl)
     assert not model.member_mask.any()
     assert t.current_epoch == 2  # stopped after epoch 1's check
@@ -260,7 +266,8 @@ def test_bf16_mixed_runs_members_apart():
     calm = Ensemble(scale=[1.0] * N)
     for m in (exploding, calm):
         trainer(max_steps=3, precision="bf16-mixed", gradient_clip_val=1.0).fit(
-            m, DataLoader(data(), batch_size=16))
+            m, DataLoader(data(), batch_size=16)
+        )
     assert torch.equal(exploding.stack.module[0].weight[:3], calm.stack.module[0].weight[:3])
 
 
@@ -303,7 +310,9 @@ def test_refuses_sharding_strategies(monkeypatch):
     from pytorch_lightning.strategies import FSDPStrategy
 
     t = trainer(max_steps=1)
-    monkeypatch.setattr(type(t), "strategy", property(lambda self: FSDPStrategy.__new__(FSDPStrategy)))
+    monkeypatch.setattr(
+        type(t), "strategy", property(lambda self: FSDPStrategy.__new__(FSDPStrategy))
+    )
     with pytest.raises(ValueError, match=r"FSDPStrategy shards.*strategy='ddp'"):
         check_trainer(t, Ensemble())
 

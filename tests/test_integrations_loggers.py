@@ -9,7 +9,12 @@ import time
 import pytest
 import torch
 
-from phalanx.integrations.loggers import MLflowMembers, TensorBoardMembers, WandbMembers, member_rows
+from phalanx.integrations.loggers import (
+    MLflowMembers,
+    TensorBoardMembers,
+    WandbMembers,
+    member_rows,
+)
 
 N = 4
 LRS = [1e-3, 1e-2, 1e-1, 1.0]
@@ -17,9 +22,13 @@ LOSSES = [torch.tensor([1.0, 2.0, 3.0, 4.0]) * (s + 1) for s in range(5)]
 
 
 def test_member_rows_splits_and_repeats():
-    rows = member_rows({"lr": torch.tensor(LRS), "w": 32, "wd": [0, 1, 2, 3], "t": torch.tensor(0.5)}, N, "x")
+    rows = member_rows(
+        {"lr": torch.tensor(LRS), "w": 32, "wd": [0, 1, 2, 3], "t": torch.tensor(0.5)}, N, "x"
+    )
     assert rows[2] == {"lr": pytest.approx(0.1), "w": 32, "wd": 2, "t": 0.5}
-    with pytest.raises(ValueError, match=r"'lr' has shape \(3,\); expected one value per member \(4,\)"):
+    with pytest.raises(
+        ValueError, match=r"'lr' has shape \(3,\); expected one value per member \(4,\)"
+    ):
         member_rows({"lr": torch.ones(3)}, N, "x")
     with pytest.raises(ValueError, match=r"'lr' has 2 values; expected 4"):
         member_rows({"lr": [1, 2]}, N, "x")
@@ -90,7 +99,9 @@ def test_wandb_offline_grouped_runs(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    log = WandbMembers(N, group="sweep-0", hparams={"lr": LRS}, project="phalanx-test", dir=str(tmp_path))
+    log = WandbMembers(
+        N, group="sweep-0", hparams={"lr": LRS}, project="phalanx-test", dir=str(tmp_path)
+    )
     assert [r.group for r in log.runs] == ["sweep-0"] * N
     assert [r.config["lr"] for r in log.runs] == LRS
     assert all(r.offline for r in log.runs)
@@ -121,10 +132,14 @@ def test_mlflow_child_runs_logged_in_batches(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
     uri = f"file:{tmp_path / 'mlruns'}"
-    log = MLflowMembers(N, "sweep", hparams={"lr": LRS, "width": 16}, tracking_uri=uri, flush_every=2)
+    log = MLflowMembers(
+        N, "sweep", hparams={"lr": LRS, "width": 16}, tracking_uri=uri, flush_every=2
+    )
     calls = []
     real = log.client.log_batch
-    monkeypatch.setattr(log.client, "log_batch", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(
+        log.client, "log_batch", lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+    )
     for step, loss in enumerate(LOSSES):
         log.log({"train/loss": loss, "lr": torch.tensor(LRS)}, step=step)
     assert len(calls) == 2 * N  # flushed after steps 1 and 3, one call per member each
@@ -142,6 +157,8 @@ def test_mlflow_child_runs_logged_in_batches(tmp_path, monkeypatch):
         assert run.data.tags["mlflow.parentRunId"] == log.parent_id
         assert run.data.params == {"lr": str(LRS[i]), "width": "16", "member": str(i)}
         history = client.get_metric_history(run_id, "train/loss")
-        assert sorted((m.step, m.value) for m in history) == [(s, float(x[i])) for s, x in enumerate(LOSSES)]
+        assert sorted((m.step, m.value) for m in history) == [
+            (s, float(x[i])) for s, x in enumerate(LOSSES)
+        ]
         assert run.data.metrics["final_loss"] == float(LOSSES[-1][i])
         assert run.info.status == "FINISHED"

@@ -12,12 +12,12 @@ import phalanx
 
 pytest.importorskip("tensordict")
 pytest.importorskip("torchrl")
-from tensordict import TensorDict  # noqa: E402
-from tensordict.nn import NormalParamExtractor, TensorDictModule  # noqa: E402
-from torchrl.modules import ProbabilisticActor, TanhNormal  # noqa: E402
-from torchrl.objectives import SACLoss  # noqa: E402
+from tensordict import TensorDict
+from tensordict.nn import NormalParamExtractor, TensorDictModule
+from torchrl.modules import ProbabilisticActor, TanhNormal
+from torchrl.objectives import SACLoss
 
-from phalanx.integrations.torchrl import TensorDictStack, loss_members, loss_stack  # noqa: E402
+from phalanx.integrations.torchrl import TensorDictStack, loss_members, loss_stack
 
 N, B = 5, 8
 
@@ -43,7 +43,7 @@ def test_tensordict_stack_declares_the_member_dim():
     assert out.batch_size == (N, B) and out.names == ["member", None]
     assert torch.equal(out["q"], critics(td["obs_act"]))
     assert out["obs_act"].stride(0) == 0  # the shared input is expanded, not copied
-    assert td.batch_size == (B,) and "q" not in td.keys()
+    assert td.batch_size == (B,) and "q" not in td
     # a [N, B] TensorDict with a "member" dim gives member i its own row
     x = torch.randn(N, B, 6)
     own = module(TensorDict({"obs_act": x}, batch_size=[N, B], names=["member", None]))
@@ -60,7 +60,7 @@ def test_tensordict_stack_errors_name_the_fix():
     wrong = TensorDict({"obs_act": torch.randn(3, B, 6)}, batch_size=[3, B], names=["member", None])
     with pytest.raises(ValueError, match=r"'member' dim has 3 entries but the stack has 5"):
         TensorDictStack(critics, ["obs_act"], ["q"])(wrong)
-    with pytest.raises(TypeError, match="expected a phalanx.Stack"):
+    with pytest.raises(TypeError, match=r"expected a phalanx\.Stack"):
         TensorDictStack(critic(), ["obs_act"], ["q"])
 
 
@@ -68,7 +68,8 @@ def sac(critics):
     actor_net = nn.Sequential(nn.Linear(4, 4), NormalParamExtractor())
     actor = ProbabilisticActor(
         TensorDictModule(actor_net, in_keys=["observation"], out_keys=["loc", "scale"]),
-        in_keys=["loc", "scale"], distribution_class=TanhNormal,
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
     )
     members = loss_members(critics, ["observation", "action"], ["state_action_value"])
     with warnings.catch_warnings():
@@ -78,14 +79,17 @@ def sac(critics):
 
 def batch(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return TensorDict({
-        "observation": torch.randn(B, 4, generator=g),
-        "action": torch.rand(B, 2, generator=g) * 2 - 1,
-        ("next", "observation"): torch.randn(B, 4, generator=g),
-        ("next", "reward"): torch.randn(B, 1, generator=g),
-        ("next", "done"): torch.zeros(B, 1, dtype=torch.bool),
-        ("next", "terminated"): torch.zeros(B, 1, dtype=torch.bool),
-    }, [B])
+    return TensorDict(
+        {
+            "observation": torch.randn(B, 4, generator=g),
+            "action": torch.rand(B, 2, generator=g) * 2 - 1,
+            ("next", "observation"): torch.randn(B, 4, generator=g),
+            ("next", "reward"): torch.randn(B, 1, generator=g),
+            ("next", "done"): torch.zeros(B, 1, dtype=torch.bool),
+            ("next", "terminated"): torch.zeros(B, 1, dtype=torch.bool),
+        },
+        [B],
+    )
 
 
 def test_sac_loss_trains_the_stacks_tensors_with_per_member_learning_rates():
@@ -115,13 +119,15 @@ def test_sac_loss_trains_the_stacks_tensors_with_per_member_learning_rates():
             torch.optim.SGD([ref], lr=lrs[i]).step()
             assert torch.equal(p[i], ref), f"member {i} {n}"
     # the loss itself computes with the stepped tensors: member 4 (lr 0) is where it was
-    assert torch.equal(loss.qvalue_network_params["module", "net", "0", "weight"][4],
-                       before["module.net.0.weight"][0][4])
+    assert torch.equal(
+        loss.qvalue_network_params["module", "net", "0", "weight"][4],
+        before["module.net.0.weight"][0][4],
+    )
 
 
 def test_loss_stack_refuses_a_network_without_members():
     loss = sac(phalanx.stack(Critic, num_members=N, seed=0))
-    with pytest.raises(TypeError, match="no member dim.*num_qvalue_nets=N"):
+    with pytest.raises(TypeError, match=r"no member dim.*num_qvalue_nets=N"):
         loss_stack(loss, "actor_network")
     with pytest.raises(TypeError, match="no TensorDictModule 'value_network'"):
         loss_stack(loss, "value_network")

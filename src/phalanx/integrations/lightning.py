@@ -72,7 +72,7 @@ __all__ = ["MemberCheckpoint", "MemberEarlyStopping", "StackModule", "check_trai
 _CKPT_KEY = "phalanx"
 
 
-def stacks(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def stacks(module: nn.Module) -> Iterator[tuple[str, Stack | StackedModuleList]]:
     """The stacks inside `module` (outermost only), with their attribute paths."""
     inner: list[str] = []
     for name, m in module.named_modules():
@@ -248,7 +248,7 @@ class StackModule(pl.LightningModule):
                 f"{trainer_val!r}) and clip_gradients(gradient_clip_val={gradient_clip_val!r}) "
                 f"differ; set only one of them."
             )
-        algorithm = (gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm")
+        algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
         algorithm = str(getattr(algorithm, "value", algorithm)).lower()
         if gradient_clip_val <= 0:
             return
@@ -351,7 +351,11 @@ class _PerMember(pl.Callback):
 
     @staticmethod
     def skip(trainer: pl.Trainer) -> bool:
-        return trainer.state.fn != "fit" or trainer.sanity_checking or bool(trainer.fast_dev_run)
+        return (
+            trainer.state.fn != "fit"
+            or trainer.sanity_checking
+            or bool(getattr(trainer, "fast_dev_run", False))
+        )
 
 
 class MemberEarlyStopping(_PerMember):
@@ -469,7 +473,11 @@ class MemberCheckpoint(_PerMember):
     """
 
     def __init__(
-        self, dirpath: str | os.PathLike[str], monitor: str, *, mode: str = "min",
+        self,
+        dirpath: str | os.PathLike[str],
+        monitor: str,
+        *,
+        mode: str = "min",
         min_delta: float = 0.0,
     ) -> None:
         super().__init__(monitor, mode, min_delta)
@@ -501,17 +509,25 @@ class MemberCheckpoint(_PerMember):
             for name, states in parts:
                 prefix = f"{name}." if len(found) > 1 else ""
                 state.update({prefix + k: v.contiguous() for k, v in states[j].items()})
-            meta = {"member": str(i), "epoch": str(trainer.current_epoch),
-                    self.monitor: repr(float(scores[i]))}
+            meta = {
+                "member": str(i),
+                "epoch": str(trainer.current_epoch),
+                self.monitor: repr(float(scores[i])),
+            }
             tmp = self.path(i) + ".tmp"
             save_file(state, tmp, metadata=meta)
             os.replace(tmp, self.path(i))
         self.best = torch.where(better, scores, self.best)
         self.best_epoch = torch.where(better, trainer.current_epoch, self.best_epoch)
         summary = [
-            {"member": i, "file": os.path.basename(self.path(i)), "epoch": int(e),
-             self.monitor: float(b)}
-            for i, (e, b) in enumerate(zip(self.best_epoch, self.best)) if e >= 0
+            {
+                "member": i,
+                "file": os.path.basename(self.path(i)),
+                "epoch": int(e),
+                self.monitor: float(b),
+            }
+            for i, (e, b) in enumerate(zip(self.best_epoch, self.best))
+            if e >= 0
         ]
         with open(os.path.join(self.dirpath, "members.json"), "w") as f:
             json.dump(summary, f, indent=1)

@@ -52,13 +52,13 @@ def member_rows(values: Mapping[str, Values], num_members: int, where: str) -> l
     """
     names = list(values)
     tensors = [v for v in values.values() if isinstance(v, Tensor)]
-    flat = [t.detach().reshape(-1).double() for t in tensors]
-    host = iter(torch.cat(flat).cpu().tolist() if flat else [])
+    pieces = [t.detach().reshape(-1).double() for t in tensors]
+    host = iter(torch.cat(pieces).cpu().tolist() if pieces else [])
     rows: list[dict[str, Any]] = [{} for _ in range(num_members)]
     for name in names:
         v = values[name]
         if isinstance(v, Tensor):
-            flat = [next(host) for _ in range(v.numel())]
+            flat: list[Any] = [next(host) for _ in range(v.numel())]
             if v.dim() == 0:
                 flat = flat * num_members
             elif v.shape != (num_members,):
@@ -66,7 +66,7 @@ def member_rows(values: Mapping[str, Values], num_members: int, where: str) -> l
                     f"{where}: {name!r} has shape {tuple(v.shape)}; expected one value per member "
                     f"({num_members},) or a single value."
                 )
-            per = flat
+            per: list[Any] = flat
         elif isinstance(v, Sequence) and not isinstance(v, str):
             if len(v) != num_members:
                 raise ValueError(
@@ -104,8 +104,11 @@ class TensorBoardMembers:
     """
 
     def __init__(
-        self, log_dir: str | os.PathLike[str], num_members: int,
-        hparams: Mapping[str, Values] | None = None, **writer_kwargs: Any,
+        self,
+        log_dir: str | os.PathLike[str],
+        num_members: int,
+        hparams: Mapping[str, Values] | None = None,
+        **writer_kwargs: Any,
     ) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -156,8 +159,13 @@ class WandbMembers:
     """
 
     def __init__(
-        self, num_members: int, group: str, hparams: Mapping[str, Values] | None = None,
-        *, mode: str = "offline", **init_kwargs: Any,
+        self,
+        num_members: int,
+        group: str,
+        hparams: Mapping[str, Values] | None = None,
+        *,
+        mode: str = "offline",
+        **init_kwargs: Any,
     ) -> None:
         try:
             import wandb
@@ -166,8 +174,14 @@ class WandbMembers:
         self.num_members = num_members
         rows = member_rows(hparams or {}, num_members, "WandbMembers(hparams=)")
         self.runs = [
-            wandb.init(name=f"{group}-member_{i}", group=group, config={**row, "member": i},
-                       mode=mode, reinit="create_new", **init_kwargs)  # type: ignore[arg-type]
+            wandb.init(
+                name=f"{group}-member_{i}",
+                group=group,
+                config={**row, "member": i},
+                mode=mode,  # type: ignore[arg-type]
+                reinit="create_new",
+                **init_kwargs,
+            )
             for i, row in enumerate(rows)
         ]
 
@@ -211,8 +225,14 @@ class MLflowMembers:
     MAX_BATCH = 1000
 
     def __init__(
-        self, num_members: int, experiment: str, hparams: Mapping[str, Values] | None = None,
-        *, tracking_uri: str | None = None, run_name: str = "stack", flush_every: int = 50,
+        self,
+        num_members: int,
+        experiment: str,
+        hparams: Mapping[str, Values] | None = None,
+        *,
+        tracking_uri: str | None = None,
+        run_name: str = "stack",
+        flush_every: int = 50,
     ) -> None:
         try:
             from mlflow.entities import Param
@@ -233,7 +253,8 @@ class MLflowMembers:
         self.run_ids = []
         for i, row in enumerate(rows):
             run = self.client.create_run(
-                exp, run_name=f"{run_name}-member_{i}",
+                exp,
+                run_name=f"{run_name}-member_{i}",
                 tags={"mlflow.parentRunId": self.parent_id, "member": str(i)},
             )
             params = [Param(k, str(v)) for k, v in {**row, "member": i}.items()]
@@ -263,7 +284,9 @@ class MLflowMembers:
                 self.client.log_batch(run_id, metrics=pending[at : at + self.MAX_BATCH])
             pending.clear()
 
-    def close(self, final_metrics: Mapping[str, Values] | None = None, status: str = "FINISHED") -> None:
+    def close(
+        self, final_metrics: Mapping[str, Values] | None = None, status: str = "FINISHED"
+    ) -> None:
         """Sends what is kept and `final_metrics` (at the last step), then ends the runs."""
         if final_metrics:
             self.log(final_metrics, step=self._last_step)

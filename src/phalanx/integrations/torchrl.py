@@ -61,9 +61,7 @@ class TensorDictStack(TensorDictModuleBase):
         and the inputs (expanded, not copied, when shared).
     """
 
-    def __init__(
-        self, stack: Stack, in_keys: Sequence[Any], out_keys: Sequence[Any]
-    ) -> None:
+    def __init__(self, stack: Stack, in_keys: Sequence[Any], out_keys: Sequence[Any]) -> None:
         super().__init__()
         if not isinstance(stack, Stack):
             raise TypeError(
@@ -105,7 +103,9 @@ class TensorDictStack(TensorDictModuleBase):
         return result
 
 
-def loss_members(stack: Stack, in_keys: Sequence[Any], out_keys: Sequence[Any]) -> list[TensorDictModule]:
+def loss_members(
+    stack: Stack, in_keys: Sequence[Any], out_keys: Sequence[Any]
+) -> list[TensorDictModule]:
     """The stack's N members as TensorDict modules, the list TorchRL's ensemble losses take.
 
     Pass it as ``qvalue_network=`` with ``num_qvalue_nets=N`` (SACLoss, REDQLoss, TD3Loss,
@@ -118,7 +118,9 @@ def loss_members(stack: Stack, in_keys: Sequence[Any], out_keys: Sequence[Any]) 
     Returns:
         N ``TensorDictModule``s, member i's a copy of the stack's member i.
     """
-    return [TensorDictModule(m, in_keys=list(in_keys), out_keys=list(out_keys)) for m in stack.unstack()]
+    return [
+        TensorDictModule(m, in_keys=list(in_keys), out_keys=list(out_keys)) for m in stack.unstack()
+    ]
 
 
 def loss_stack(loss: nn.Module, network: str = "qvalue_network", *, backend: str = "auto") -> Stack:
