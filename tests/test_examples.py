@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
         ("question1_per_feature.py", r"output \(32, 400\) from 400 networks .*equals the loop"),
         ("question2_ensemble.py", r"member 3 as an ordinary module gives the stack's output"),
         ("modulelist_in_place.py", r"(?s)old checkpoint loaded .*load into the unstacked model"),
+        (
+            "optuna_search.py",
+            r"24 trials in [2-9] stacks \(by width\): \d+ COMPLETE, [1-9]\d* PRUNED, 0 FAIL\n"
+            r"best trial \d+: validation loss 0\.\d+",
+        ),
     ],
 )
 def test_example_runs(script, expected):
