@@ -2,8 +2,9 @@
 `phalanx.integrations.optuna.optimize` (all trials asked at once, one stack), side by side in
 one process on identical data, seeds and sampler.
 
-Each trial: an MLP 64-H-10 (LeakyReLU) trained with AdamW for E epochs of batch 32; the trial
-suggests lr and weight decay (per-member hyperparameters in the stack). The sampler is Optuna's
+Each trial: an MLP 64-H-10 (LeakyReLU) trained with SGD with momentum (`make demo`'s optimizer;
+`--optimizer adamw` for AdamW) for E epochs of batch 32; the trial
+suggests lr, weight decay and momentum (per-member hyperparameters in the stack). The sampler is Optuna's
 RandomSampler with one seed, so both runs see the same trials; the script prints both wall
 times, their ratio, and how far apart the two runs' values are (float rounding).
 
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     parser.add_argument("--repeats", type=int, default=2, help="alternating timed runs of each")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
@@ -42,16 +44,24 @@ def main() -> None:
     seed = 0
 
     def model(trial: optuna.Trial) -> nn.Module:
-        trial.suggest_float("lr", 1e-4, 1e-1, log=True)
-        trial.suggest_float("weight_decay", 1e-6, 1e-1, log=True)
+        trial.suggest_float("lr", 1e-3, 0.3, log=True)
+        trial.suggest_float("weight_decay", 1e-6, 1e-2, log=True)
+        if args.optimizer == "sgd":
+            trial.suggest_float("momentum", 0.0, 0.95)
         h = args.hidden
         return nn.Sequential(nn.Linear(64, h), nn.LeakyReLU(), nn.Linear(h, 10))
 
     def train(group: po.TrialGroup) -> torch.Tensor:
         p = group.params
-        opt = phalanx.optim.AdamW(
-            group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"]
-        )
+        if args.optimizer == "sgd":
+            opt = phalanx.optim.SGD(
+                group.stack.parameters(), lr=p["lr"], momentum=p["momentum"],
+                weight_decay=p["weight_decay"],
+            )  # fmt: skip
+        else:
+            opt = phalanx.optim.AdamW(
+                group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"]
+            )
         loader = group.loader(
             data.x_train, data.y_train, batch_size=args.batch_size, drop_last=True
         )
@@ -61,17 +71,23 @@ def main() -> None:
                 losses = phalanx.member_losses(F.cross_entropy, out, yb, in_dims=(0, 0))
                 opt.zero_grad()
                 losses.sum().backward()
-                opt.step(mask=group.live)
+                opt.step(mask=group.mask)
             with torch.no_grad():
                 val = phalanx.metrics.loss(F.cross_entropy, group.stack(data.x_val), data.y_val)
             group.report(val, epoch)
         return val
 
     def objective(trial: optuna.Trial) -> float:
-        """Optuna's own loop: one nn.Module and torch.optim.AdamW per trial."""
+        """Optuna's own loop: one nn.Module and one torch.optim optimizer per trial."""
         net = po.build_model(model, trial, seed)
         p = trial.params
-        opt = torch.optim.AdamW(net.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+        if args.optimizer == "sgd":
+            opt = torch.optim.SGD(
+                net.parameters(), lr=p["lr"], momentum=p["momentum"],
+                weight_decay=p["weight_decay"],
+            )  # fmt: skip
+        else:
+            opt = torch.optim.AdamW(net.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
         loader = phalanx.data.MemberLoader(
             data.x_train, data.y_train, num_members=1, batch_size=args.batch_size,
             drop_last=True, seed=seed, first_member=trial.number,
@@ -116,6 +132,7 @@ def main() -> None:
         "epochs": args.epochs,
         "hidden": args.hidden,
         "batch_size": args.batch_size,
+        "optimizer": args.optimizer,
         "optuna_trial_by_trial_s": min(times["optuna"]),
         "phalanx_one_stack_s": min(times["phalanx"]),
         "speedup": best,
@@ -126,7 +143,7 @@ def main() -> None:
     }
     print(
         f"{args.trials} trials, {args.epochs} epochs of MLP 64-{args.hidden}-10 on digits, "
-        f"batch {args.batch_size}, one thread (best of {args.repeats} alternating runs):\n"
+        f"batch {args.batch_size}, {args.optimizer}, one thread (best of {args.repeats} alternating runs):\n"
         f"  Optuna trial by trial (nn.Module + torch.optim): {figures['optuna_trial_by_trial_s']:.2f} s\n"
         f"  phalanx.integrations.optuna (one stack):         {figures['phalanx_one_stack_s']:.2f} s\n"
         f"  speed-up {best:.1f}x; same trials: {same_params}; "

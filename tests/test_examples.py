@@ -56,6 +56,11 @@ def needs(*modules):
             r"(?s)TensorDictStack: \(5, 64\) \['member', None\] \(5, 64, 1\).*per-critic mean Q",
             marks=needs("torchrl", "tensordict"),
         ),
+        (
+            "optuna_search.py",
+            r"24 trials in [2-9] stacks \(by width\): \d+ COMPLETE, [1-9]\d* PRUNED, 0 FAIL\n"
+            r"best trial \d+: validation loss 0\.\d+",
+        ),
     ],
 )
 def test_example_runs(script, expected):

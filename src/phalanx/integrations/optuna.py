@@ -111,6 +111,12 @@ class TrialGroup:
         return len(self.trials)
 
     @property
+    def mask(self) -> Tensor | None:
+        """The optimizer step's `mask=`: None while every member is live (the unmasked
+        step), else `live`."""
+        return None if bool(self.live.all()) else self.live.clone()
+
+    @property
     def numbers(self) -> list[int]:
         """The trials' numbers, in member order."""
         return [t.number for t in self.trials]
