@@ -58,23 +58,79 @@ def test_the_wheel_holds_only_the_library(tmp_path):
     assert all(n.startswith(("phalanx/", "phalanx-")) for n in names), names
     assert not any("_bench" in n or "_demo" in n or "zoo" in n for n in names), names
     assert "phalanx/testing.py" in names
+    assert "phalanx/py.typed" in names  # PEP 561: the annotations reach users' type checkers
+
+
+# torch's private attributes read on objects other than the ``torch`` module itself: a
+# module's slot and hook dicts, a tensor's internals, DTensor's parts.
+_TORCH_PRIVATE_ATTRIBUTES = {
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+    "_version", "_base", "_cdata", "_is_view", "_typed_storage", "_local_tensor", "_spec",
+}  # fmt: skip
 
 
 def _private_torch_uses(path: Path) -> list[str]:
-    """torch names starting with an underscore used in ``path``'s code (not its strings)."""
+    """torch names starting with an underscore used in ``path``'s code (not its strings):
+    through ``torch`` itself, through a name bound to a part of torch (``_aten =
+    torch.ops.aten``, ``import torch.nn.functional as F``, ``from torch import nn``), and
+    torch's private attributes of modules and tensors (``mod._parameters``, ``t._version``)."""
+    tree = ast.parse(path.read_text())
+    torch_names = {"torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            torch_names |= {a.asname for a in node.names if a.asname and a.name.startswith("torch")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+            torch_names |= {a.asname or a.name for a in node.names}
+    for node in ast.walk(tree):  # names bound to torch.<...> (one level of aliasing is enough)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, base = node.targets[0], node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            named = isinstance(target, ast.Name) and isinstance(base, ast.Name)
+            if named and base.id in torch_names:
+                torch_names.add(target.id)
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
             private = [a.name for a in node.names if a.name.startswith("_")]
             if any(part.startswith("_") for part in node.module.split(".")) or private:
                 found.append(f"{path.name}:{node.lineno} from {node.module} import ...")
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            if node.attr.startswith("__"):
+                continue
             base = node.value
             while isinstance(base, ast.Attribute):
                 base = base.value
-            if isinstance(base, ast.Name) and base.id == "torch" and not node.attr.startswith("__"):
-                found.append(f"{path.name}:{node.lineno} torch...{node.attr}")
+            if isinstance(base, ast.Name) and base.id in torch_names:
+                found.append(f"{path.name}:{node.lineno} {base.id}...{node.attr}")
+            elif node.attr in _TORCH_PRIVATE_ATTRIBUTES:
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
     return found
+
+
+def test_the_seam_check_sees_aliases_and_private_attributes(tmp_path):
+    """The check below finds what it was blind to: an alias of a torch namespace, a module's
+    slot dict, a tensor's version counter."""
+    code = tmp_path / "leak.py"
+    code.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "_aten = torch.ops.aten\n"
+        "op = _aten._unsafe_view.default\n"
+        "hooks = nn.modules.module._global_forward_hooks\n"
+        "def f(mod, t):\n"
+        "    return mod._parameters, t._version\n"
+    )
+    found = sorted(f.split(" ", 1)[1] for f in _private_torch_uses(code))
+    assert found == [
+        "._parameters",
+        "._version",
+        "_aten..._unsafe_view",
+        "nn..._global_forward_hooks",
+    ]
 
 
 def test_private_torch_apis_go_through_the_one_seam():

@@ -25,7 +25,7 @@ from conftest import (
 BACKENDS = ["loop", "vmap", "fused", "auto"]
 
 # Known gaps: strict xfails, so that a gap that closes (or opens elsewhere) is noticed. None
-# today: the fused backend runs the member's own view/cat/index code on the folded batch.
+# today: every backend runs the member's own forward under vmap or member by member.
 GAPS: dict[tuple[str, str], pytest.MarkDecorator] = {}
 
 CASES = [

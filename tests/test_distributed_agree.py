@@ -97,3 +97,32 @@ def test_ranks_that_disagree_are_refused_on_every_rank_and_the_previous_checkpoi
         assert torch.equal(stack.state_dict()[key], value), key
     assert sorted(p.name for p in (tmp_path / "node0").iterdir()) == []  # marker removed
     assert not (tmp_path / "node1").exists()
+
+
+def _different_calls(tmp: str) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    stack, shard = pdist.shard(_factory, num_members=4, seed=0)
+    out: dict = {}
+    try:
+        if rank == 0:
+            pdist.save(f"{tmp}/ckpt", stack)
+        else:  # rank 1 re-runs shard() with other members while rank 0 saves
+            pdist.shard(lambda: _member(16), num_members=4, seed=1)
+        out["error"] = "no error"
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["after"] = shard.gather(torch.full((2,), float(rank))).tolist()  # still in step
+    return out
+
+
+def test_ranks_in_different_phalanx_calls_raise_one_error_naming_each_call(tmp_path):
+    per_rank = pdist.launch(_different_calls, 2, str(tmp_path), timeout=TIMEOUT)
+    for rank, out in enumerate(per_rank):
+        error = out["error"]
+        assert error.startswith("DistributedError: "), (rank, error)
+        assert "the ranks are not making the same phalanx call" in error, (rank, error)
+        assert "phalanx.distributed.save(): the save's plan on ranks [0]" in error, (rank, error)
+        assert "phalanx.distributed.shard(): the members' description on ranks [1]" in error
+        assert out["after"] == [0.0, 0.0, 1.0, 1.0]

@@ -413,8 +413,12 @@ class Configured(nn.Module):
 
 def test_config_objects_that_differ_are_refused():
     # A Hugging Face PretrainedConfig is such an object: compared field by field, not by type.
-    with pytest.raises(ValueError, match=r"member 1 the root module has config="):
+    with pytest.raises(
+        ValueError, match=r"member 1 the root module has config.pad=1 where member 0 has 0"
+    ):
         phalanx.stack([Configured(0), Configured(1)])
-    with pytest.raises(ValueError, match=r"member 2 the root module has config="):
+    with pytest.raises(
+        ValueError, match=r"member 2 the root module has config.scale=3.0 where member 0 has 2.0"
+    ):
         phalanx.stack([Configured(0, 2.0), Configured(0, 2.0), Configured(0, 3.0)])
     phalanx.stack([Configured(0, 2.0), Configured(0, 2.0)])  # equal configs stack

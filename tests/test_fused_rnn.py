@@ -8,7 +8,7 @@ penalty). The criterion is float rounding: no further from a float64 run of the 
 a small factor over the float32 loop's own distance from it, plus a few ulps.
 
 torch.func has no batching rule for these layers; the fused backend's rule runs torch's own
-kernel member by member inside the vmapped forward (``_rules._recurrent``), and these tests
+kernel member by member inside the vmapped forward (``rules._recurrent``), and these tests
 check that every argument layout of ``torch.lstm`` / ``gru`` / ``rnn_*`` reaches it intact.
 """
 
@@ -234,11 +234,11 @@ def test_dropout_between_layers_draws_per_member():
 
 @pytest.mark.parametrize("mode", ["GRU", "RNN_TANH", "RNN_RELU"])
 def test_gru_and_rnn_run_as_one_recurrence_for_all_members(mode, monkeypatch):
-    from phalanx.backends import _recurrence
+    from phalanx.backends.rules import _recurrent
 
     taken = []
-    recurrence = _recurrence._recurrence
-    monkeypatch.setattr(_recurrence, "_recurrence", lambda *a: taken.append(1) or recurrence(*a))
+    recurrence = _recurrent._recurrence
+    monkeypatch.setattr(_recurrent, "_recurrence", lambda *a: taken.append(1) or recurrence(*a))
     check(mode, dict(num_layers=2, batch_first=True, bidirectional=True), per_member=True,
           states=True, penalty=True)  # fmt: skip
     assert taken, "the batched recurrence did not run"

@@ -3,6 +3,7 @@ run one by one; the warning for an undeclared keyword that looks per-member; cac
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -140,6 +141,48 @@ def test_gpt2_use_cache_is_refused_up_front_naming_use_cache_false():
     with pytest.raises(ValueError, match=r"use_cache=True.*Pass use_cache=False to the call"):
         stack(ids, labels=ids)
     assert phalanx.member_losses(None, stack(ids, labels=ids, use_cache=False)).shape == (2,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_call_time_use_cache_true_is_refused_though_the_config_says_false(backend):
+    # it ran and returned one DynamicCache of vmap BatchedTensors that failed later
+    tf = pytest.importorskip("transformers")
+    config = tf.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    config.use_cache = False
+    torch.manual_seed(0)
+    stack = phalanx.stack([tf.GPT2LMHeadModel(config) for _ in range(2)], backend=backend)
+    ids = torch.randint(0, 50, (2, 6))
+    with pytest.raises(ValueError, match=r"the call passes use_cache=True.*Pass use_cache=False"):
+        stack(ids, use_cache=True)
+    assert stack(ids, use_cache=False).past_key_values is None
+    assert stack(ids).past_key_values is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plain_bert_encoder_runs_equal_to_its_members(backend):
+    # an encoder never returns a cache (its forward sets use_cache=False when not a decoder),
+    # though its config says use_cache=True: it was refused on every backend
+    tf = pytest.importorskip("transformers")
+    config = tf.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    assert config.use_cache is True and config.is_decoder is False
+    torch.manual_seed(0)
+    members = [tf.BertModel(config) for _ in range(2)]
+    ids = torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        expected = [m(ids).last_hidden_state for m in members]
+        stack = phalanx.stack(copy.deepcopy(members), backend=backend)
+        out = stack(ids)
+    assert out.past_key_values is None
+    for i in range(2):
+        assert_close(out.last_hidden_state[i], expected[i])
 
 
 def test_save_pretrained_of_the_stacked_module_is_refused_with_the_fix(tmp_path):

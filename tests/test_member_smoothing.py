@@ -60,3 +60,32 @@ def test_per_member_label_smoothing_errors_name_the_problem():
         ValueError, match=r"supported for loss_fn=torch\.nn\.functional\.cross_entropy"
     ):
         phalanx.member_losses(F.nll_loss, out, y, label_smoothing=EPS)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "smoothing"),
+    [(F.cross_entropy, 0.1), (F.cross_entropy, EPS), (F.cross_entropy, 0.0), (F.nll_loss, None)],
+)
+def test_class_weights_with_per_member_targets_equal_each_members_own_loss(loss_fn, smoothing):
+    # weight= with label_smoothing and (N, B) targets raised torch's raw "vmap: Attempted to
+    # vmap over `mask` in torch.masked_select"
+    kwargs = {} if smoothing is None else {"label_smoothing": smoothing}
+    torch.manual_seed(0)
+    out = torch.randn(N, B, C, requires_grad=True)
+    target = torch.randint(0, C, (N, B))
+    target[2, 1] = -100  # ignored: counts in neither the sum nor the weights' sum
+    weight = torch.rand(C) + 0.5
+
+    def loop(o, w, member):
+        eps = {"label_smoothing": smoothing[member]} if isinstance(smoothing, list) else kwargs
+        return loss_fn(o[member], target[member], weight=w, **eps)
+
+    losses = phalanx.member_losses(loss_fn, out, target, in_dims=(0, 0), weight=weight, **kwargs)
+    grad = torch.autograd.grad(losses.sum(), out)[0]
+    out64 = out.detach().double().requires_grad_()
+    for i in range(N):
+        own = loop(out, weight, i)
+        own64 = loop(out64, weight.double(), i)
+        phalanx.testing.assert_equal_to_loop(losses[i], own, own64, what=f"member {i} loss")
+        g, g64 = (torch.autograd.grad(v, o)[0][i] for v, o in ((own, out), (own64, out64)))
+        phalanx.testing.assert_equal_to_loop(grad[i], g, g64, what=f"member {i} gradient")

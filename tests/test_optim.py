@@ -493,44 +493,66 @@ def test_member_bits_do_not_depend_on_n_masks_or_kernel(cls, kwargs, shared_lr, 
                     assert torch.equal(p[i], r), f"N={n} mask at {mask_at}: member {i} param {j}"
 
 
-@pytest.mark.parametrize("cls", ["Adam", "AdamW"])
-def test_fused_true_takes_torchs_fused_kernel_and_matches_torch_to_rounding(monkeypatch, cls):
-    """Opt-in speed: one lr and equal step counts take torch's fused kernel (to rounding);
-    a mask makes the counts differ, after which the exact path runs. Off by default."""
-    from phalanx.optim import _adam
+FUSED_CASES = [
+    ("Adam", {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}),
+    ("Adam", {"lr": 1e-2, "amsgrad": True, "maximize": True}),
+    ("AdamW", {"lr": 1e-2, "weight_decay": 0.1}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    ("SGD", {"lr": 0.1}),
+]
 
-    calls = []
-    original = _adam.Adam._fused_update
-    monkeypatch.setattr(
-        _adam.Adam, "_fused_update", lambda self, *a: calls.append(1) or original(self, *a)
-    )
-    torch.manual_seed(0)
-    n = 3
-    params = [nn.Parameter(torch.randn(n, 4, 5)), nn.Parameter(torch.randn(n, 5))]
-    refs = [[nn.Parameter(p[i].detach().clone()) for p in params] for i in range(n)]
-    kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
-    opt = getattr(phalanx.optim, cls)(params, **kwargs, fused=True)
-    ref_opts = [getattr(torch.optim, cls)(r, **kwargs) for r in refs]
-    for step in range(6):
-        grads = [torch.randn_like(p) for p in params]
-        mask = torch.tensor([True, step < 3 or step % 2 == 0, True])
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step(mask=mask if step >= 3 else None)
-        for i, (r, o) in enumerate(zip(refs, ref_opts)):
-            if not mask[i]:
-                continue
-            for q, g in zip(r, grads):
-                q.grad = g[i].clone()
-            o.step()
-    assert len(calls) == 4  # from step 4 on member 1 is a step behind
-    for i in range(n):
-        for p, q in zip(params, refs[i]):
-            assert_close(p[i], q, msg=f"member {i}")
-    default = getattr(phalanx.optim, cls)([nn.Parameter(torch.zeros(n, 2))], lr=1e-2)
-    default.param_groups[0]["params"][0].grad = torch.ones(n, 2)
-    default.step()
-    assert len(calls) == 4  # not by default
+
+@pytest.mark.parametrize(("cls", "kwargs"), FUSED_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("member_lr", [False, True], ids=["shared_lr", "member_lr"])
+def test_fused_true_is_torchs_fused_kernel_on_each_member_alone_bit_for_bit(
+    cls, kwargs, member_lr
+) -> None:
+    """fused=True promises torch.optim's fused=True on member i alone, bit for bit, whatever
+    N, masks on other members and per-member rates (members that share every value share a
+    kernel call; each member's view is its own tensor to the kernel, with its own vector
+    body and tail). Sizes are no multiple of a vector, so the tail is exercised."""
+    shapes = [(16, 6), (16,), (3, 16), (7,)]
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(8, *s, generator=g) for s in shapes]
+    for n in (1, 3, 5):
+        params = [nn.Parameter(b[:n].clone()) for b in base]
+        rates = [kwargs["lr"] * (1 + i % 2) if member_lr else kwargs["lr"] for i in range(n)]
+        ours = {**kwargs, "lr": torch.tensor(rates, dtype=torch.float64)} if member_lr else kwargs
+        opt = getattr(phalanx.optim, cls)(params, **ours, fused=True)
+        refs = [[nn.Parameter(b[i].clone()) for b in base] for i in range(n)]
+        ref_opts = [
+            getattr(torch.optim, cls)(r, **{**kwargs, "lr": rates[i]}, fused=True)
+            for i, r in enumerate(refs)
+        ]
+        noise = torch.Generator().manual_seed(1)
+        for t in range(6):
+            z = [torch.randn(8, *s, generator=noise) for s in shapes]
+            for p, zj in zip(params, z, strict=True):
+                p.grad = 0.5 * p.detach() + zj[:n]
+            mask = torch.arange(n) != t % n if t >= 3 else None  # member t % n is a step behind
+            opt.step(mask=mask)
+            for i in range(n):
+                if mask is not None and not mask[i]:
+                    continue
+                for r, zj in zip(refs[i], z, strict=True):
+                    r.grad = 0.5 * r.detach() + zj[i]
+                ref_opts[i].step()
+        for i in range(n):
+            for j, (p, r) in enumerate(zip(params, refs[i], strict=True)):
+                assert torch.equal(p[i], r), f"{cls} N={n}: member {i} param {j}"
+
+
+def test_fused_true_on_a_strided_parameter_warns_and_runs_the_default_arithmetic() -> None:
+    w = nn.Parameter(torch.randn(4, 3, 2).transpose(1, 2))  # members' views not contiguous
+    ref = nn.Parameter(w.detach().clone())
+    opt = phalanx.optim.Adam([w], lr=1e-2, fused=True)
+    ref_opt = phalanx.optim.Adam([ref], lr=1e-2)
+    w.grad, ref.grad = torch.ones_like(w), torch.ones_like(w)
+    with pytest.warns(UserWarning, match=r"Adam\(fused=True\): .* not contiguous.*single-tensor"):
+        opt.step()
+    ref_opt.step()
+    assert torch.equal(w, ref)
 
 
 # ---------------------------------------------------------------------------- member surgery

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import phalanx
-from phalanx.routed import _routed
+from phalanx.routed import _segments
 
 BACKENDS = ["loop", "vmap", "fused", "auto"]
 
@@ -285,8 +285,8 @@ def test_every_arch_and_backend_with_top2(arch, backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_both_segment_kernels_match_the_loop(monkeypatch, grouped_rows, dtype):
     """grouped_mm (float32, few rows per member) and one GEMM per segment (the others)."""
-    monkeypatch.setattr(_routed, "GROUPED_ROWS", grouped_rows)
-    monkeypatch.setattr(_routed, "GROUPED_SEGMENTS", 1)
+    monkeypatch.setattr(_segments, "GROUPED_ROWS", grouped_rows)
+    monkeypatch.setattr(_segments, "GROUPED_SEGMENTS", 1)
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(6)]
     stack = phalanx.stack(copy.deepcopy(models)).to(dtype)
@@ -578,7 +578,7 @@ def test_routed_bench_runs_checks_and_writes_json(tmp_path, capsys):
 def test_no_grad_calls_match_the_loop(monkeypatch, arch, grouped):
     """Under no_grad a Linear's activation runs inside its segment loop, in place."""
     if grouped:
-        monkeypatch.setattr(_routed, "GROUPED_SEGMENTS", 1)
+        monkeypatch.setattr(_segments, "GROUPED_SEGMENTS", 1)
     models, stack = build(arch, 4, "auto")
     gen = torch.Generator().manual_seed(3)
     args = inputs(arch, 30, gen)

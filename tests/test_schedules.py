@@ -223,3 +223,30 @@ def test_member_scheduler_of_one_member_and_its_errors():
         step_lr.step(1.0)
     with pytest.raises(TypeError, match=r"MemberScheduler\(\): expected a phalanx optimizer"):
         phalanx.optim.MemberScheduler(torch.optim.SGD([nn.Parameter(torch.zeros(2))]), S.StepLR)
+
+
+def test_reduce_lr_on_plateau_takes_one_min_lr_per_member_as_documented():
+    # it raised torch's "expected 1 min_lrs, got 3"; two param groups: member-major per group
+    min_lrs = [0.05, 0.02, 0.001]
+    ws = [nn.Parameter(torch.randn(N, 5)), nn.Parameter(torch.randn(N, 2))]
+    opt = phalanx.optim.SGD([{"params": [ws[0]]}, {"params": [ws[1]], "lr": 0.2}], lr=0.1)
+    group_min = [*min_lrs, *(m / 10 for m in min_lrs)]
+    sched = phalanx.optim.MemberScheduler(
+        opt, lambda o: S.ReduceLROnPlateau(o, factor=0.5, patience=0, min_lr=group_min)
+    )
+    refs = [[nn.Parameter(w[i].detach().clone()) for w in ws] for i in range(N)]
+    ref_opts = [
+        torch.optim.SGD([{"params": [r[0]]}, {"params": [r[1]], "lr": 0.2}], lr=0.1) for r in refs
+    ]
+    ref_scheds = [
+        S.ReduceLROnPlateau(o, factor=0.5, patience=0, min_lr=[min_lrs[i], min_lrs[i] / 10])
+        for i, o in enumerate(ref_opts)
+    ]
+    for t in range(8):
+        metric = torch.tensor([1.0 + t, 1.0 / (t + 1), 2.0 + t])  # members 0 and 2 plateau
+        sched.step(metric)
+        for i in range(N):
+            ref_scheds[i].step(float(metric[i]))
+    for g in range(2):
+        assert sched.get_last_lr()[g].tolist() == [o.param_groups[g]["lr"] for o in ref_opts]
+    assert sched.get_last_lr()[0].tolist()[::2] == [min_lrs[0], min_lrs[2]]  # floors reached

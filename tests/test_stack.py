@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -377,3 +378,25 @@ def test_settings_outside_tensors_must_agree():
         r"inplace=False\), member 0 has Dropout\(p=0.5",
     ):
         phalanx.stack([a, b])
+
+
+def test_members_whose_configs_differ_are_refused_naming_each_field_and_both_values():
+    # the message showed two configs cut to '{"activation_function":...' and no field
+    tf = pytest.importorskip("transformers")
+
+    def gpt2(**kw):
+        return tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=16, **kw)
+        )
+
+    a, b = gpt2(layer_norm_epsilon=1e-5), gpt2(layer_norm_epsilon=1e-3, scale_attn_weights=False)
+    with pytest.raises(ValueError) as info:
+        phalanx.stack([a, b])
+    message = str(info.value)
+    assert re.search(
+        r"member 1 the root module has config\.layer_norm_epsilon=0\.001 where member 0 has "
+        r"1e-05; config\.scale_attn_weights=False where member 0 has True \(the same object, "
+        r"held by \d+ more submodules, 'transformer', \.\.\.\)",
+        message,
+    ), message
+    assert message.count("config.layer_norm_epsilon") == 1  # one config, named once

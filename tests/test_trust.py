@@ -142,17 +142,18 @@ def test_an_input_scaled_in_place_is_scaled_once(backend):
 
 
 class ScalesNormalisesBranches(nn.Module):
-    """Writes into its input and its buffers, draws random numbers, then refuses under vmap."""
+    """Writes into its input, its buffers and its weights, then refuses under vmap."""
 
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.BatchNorm1d(3)
-        self.drop = nn.Dropout(0.5)
         self.fc = nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x /= 255.0
-        h = self.fc(self.drop(self.norm(x)))
+        with torch.no_grad():
+            self.fc.weight.mul_(0.5)
+        h = self.fc(self.norm(x))
         return h if h.sum() > 0 else -h
 
 
@@ -163,18 +164,72 @@ def test_auto_undoes_what_a_refused_attempt_wrote_before_the_loop_runs():
     frames = torch.rand(4, 3) * 255
     x = frames.clone()
     stack = phalanx.stack(copy.deepcopy(members))
-    torch.manual_seed(7)
     with pytest.warns(UserWarning, match="backend 'auto' runs 'loop' instead"):
         out = stack(x)
-    after = torch.rand(3)
-    torch.manual_seed(7)
     expected = torch.stack([m(frames.clone()) for m in reference])
-    assert torch.equal(after, torch.rand(3)), "the refused attempt moved the random stream"
     assert_close(out, expected)
     assert_close(x, frames / 255.0)
     for i, m in enumerate(reference):
         assert_close(stack.module.norm.running_mean[i], m.norm.running_mean)
         assert int(stack.module.norm.num_batches_tracked[i]) == 1
+        assert torch.equal(stack.module.fc.weight[i], m.fc.weight), f"member {i}'s weight"
+
+
+class DropsThenBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc(x))
+        return h if h.sum() > 0 else -h
+
+
+def test_auto_never_puts_the_random_stream_back():
+    # Another thread may draw meanwhile: putting the stream back would replay its numbers.
+    # The refused attempt's draws are spent; the loop draws the next ones.
+    torch.manual_seed(0)
+    members = [DropsThenBranches() for _ in range(3)]
+    x = torch.randn(64, 3)
+    ends = {}
+    for backend in ("loop", "auto"):
+        stack = phalanx.stack(copy.deepcopy(members), backend=backend).train()
+        torch.manual_seed(7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = stack(x)
+        ends[backend] = torch.rand(8)
+        dropped = out == 0
+        assert dropped.any() and (~dropped).any(), f"{backend}: a dropout mask was drawn"
+        assert not torch.equal(dropped[0], dropped[1]), f"{backend}: each member its own mask"
+    assert not torch.equal(ends["loop"], ends["auto"]), "auto put the random stream back"
+
+
+def test_another_threads_random_stream_is_not_replayed_by_auto():
+    torch.manual_seed(0)
+    members = [DropsThenBranches() for _ in range(4)]
+    x = torch.randn(4000, 3)
+    draws: list[float] = []
+    stop = threading.Event()
+
+    def other() -> None:
+        while not stop.is_set():
+            draws.append(torch.rand(1).item())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        for _ in range(5):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                phalanx.stack(copy.deepcopy(members)).train()(x)  # each: attempt, hand-over
+    finally:
+        stop.set()
+        thread.join()
+    windows = [tuple(draws[i : i + 4]) for i in range(len(draws) - 4)]
+    assert len(windows) > 100, "the other thread drew meanwhile"
+    assert len(set(windows)) == len(windows), "the other thread's draws were replayed"
 
 
 def test_a_rollout_through_the_stack_backpropagates_on_every_backend():

@@ -12,6 +12,7 @@ from phalanx.core._stack import Stack
 from phalanx.step._api import CompiledStep, compile_step
 from phalanx.train._clip import clip_grad_norm_, clip_grad_value_
 from phalanx.train._losses import member_losses
+from phalanx.train._scaler import MemberGradScaler
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "BackendRefusal",
     "CheckpointError",
     "CompiledStep",
+    "MemberGradScaler",
     "MemberView",
     "Stack",
     "StackedModuleList",

@@ -122,6 +122,7 @@ foreach_neg = torch._foreach_neg
 foreach_sqrt = torch._foreach_sqrt
 fused_adam_ = torch._fused_adam_
 fused_adamw_ = torch._fused_adamw_
+fused_sgd_ = torch._fused_sgd_
 
 
 # --------------------------------------------------------------------------- the captured step
@@ -293,3 +294,19 @@ def unwrapped_member_first(t: Any) -> torch.Tensor | None:
         return None
     n = interpreter.batch_size()  # type: ignore[attr-defined]
     return predispatch._remove_batch_dim(t, interpreter.level(), n, 0)
+
+
+def seed_token() -> tuple[Any, ...]:
+    """Something that changes whenever the global generators are reseeded.
+
+    ``torch.initial_seed()`` changes when ``torch.manual_seed(k)`` sets another seed; a seed
+    equal to the one in force shows in torch's queue of lazy CUDA seeds instead: while CUDA
+    is not initialised, each ``torch.manual_seed`` queues a new callback
+    (``torch.cuda._lazy_seed_tracker``). With CUDA initialised, the current device's initial
+    seed is read instead (a reseed to the same seed is then not seen).
+    """
+    cuda = torch.cuda
+    if cuda.is_initialized():
+        return (torch.initial_seed(), cuda.initial_seed())
+    tracker = getattr(cuda, "_lazy_seed_tracker", None)
+    return (torch.initial_seed(), getattr(tracker, "manual_seed_all_cb", None))

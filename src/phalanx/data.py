@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from phalanx._members import member_index, pairs
 
-__all__ = ["MemberLoader"]
+__all__ = ["MemberDataLoader", "MemberLoader"]
 
 _MASK32 = 0xFFFFFFFF
 _STREAM_ORDER = 0x5EED0001
@@ -327,3 +327,346 @@ class MemberLoader:
             device = self._members.device
             self._members = torch.as_tensor(state_dict["streams"], device=device).long()
         self._draw_resample()
+
+
+# ------------------------------------------------------------------ DataLoader-based pipeline
+
+_STREAM_AUGMENT = 0x5EED0003
+
+
+def _augment_seed(seed: int, stream: int, epoch: int, position: int) -> int:
+    """The seed of one sample's augmentation: member stream, its epoch, position in it."""
+    return _hash_ints(seed, _STREAM_AUGMENT, stream, epoch, position)
+
+
+def _sizes(batch_size: Any, n: int, where: str) -> list[int]:
+    sizes = [batch_size] * n if isinstance(batch_size, int) else list(batch_size)
+    if len(sizes) != n or any(
+        isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes
+    ):
+        raise ValueError(
+            f"{where}: batch_size must be a positive int or one positive int per member "
+            f"({n}); got {batch_size!r}."
+        )
+    return sizes
+
+
+class _Items(Dataset[Any]):
+    """Reads one (member, sample, augmentation seed) key: the sample, augmented if asked."""
+
+    def __init__(self, dataset: Any, transform: Any) -> None:
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int, int]) -> tuple[int, Any]:
+        member, index, seed = key
+        item = self.dataset[index]
+        if self.transform is not None:
+            item = self.transform(item, torch.Generator().manual_seed(seed))
+        return member, item
+
+
+def _pad(batch: Tensor, size: int) -> Tensor:
+    if batch.shape[0] == size:
+        return batch
+    pad = batch.new_zeros((size - batch.shape[0], *batch.shape[1:]))
+    return torch.cat([batch, pad])
+
+
+class _Collate:
+    """Collates (member, item) pairs into (N, B_max, ...) tensors, padded with zeros, and
+    the (N, B_max) weights 1 / b_i of member i's real samples (0 on padding)."""
+
+    def __init__(self, num_members: int, width: int, collate: Any, weights: bool) -> None:
+        self.num_members, self.width, self.collate, self.weights = (
+            num_members,
+            width,
+            collate,
+            weights,
+        )
+
+    def __call__(self, pairs: list[tuple[int, Any]]) -> tuple[Tensor, ...]:
+        per_member: list[list[Any]] = [[] for _ in range(self.num_members)]
+        for member, item in pairs:
+            per_member[member].append(item)
+        parts = []
+        for items in per_member:
+            collated = self.collate(items)
+            parts.append((collated,) if isinstance(collated, Tensor) else tuple(collated))
+        width = max(len(items) for items in per_member) if not self.weights else self.width
+        out = [torch.stack([_pad(part[k], width) for part in parts]) for k in range(len(parts[0]))]
+        if self.weights:
+            counts = torch.tensor([len(items) for items in per_member])
+            real = torch.arange(width)[None, :] < counts[:, None]
+            out.append(real / counts.clamp(min=1)[:, None])
+        return tuple(out)
+
+
+class MemberDataLoader:
+    """Per-member minibatches read through `torch.utils.data.DataLoader`.
+
+    The pipeline of `MemberLoader` for data that is read lazily or augmented: each member
+    walks the data set in its own order (or its own bootstrap resample), exactly the order
+    `MemberLoader` gives it for the same seed, and each sample can be augmented by
+    `transform(item, generator)` with a generator seeded from (seed, member stream, epoch,
+    position): every member its own reproducible random crops and flips, the same with any
+    number of workers, and resumable mid-epoch. Items are read by the DataLoader's workers
+    (`num_workers`, `pin_memory`, `prefetch_factor`...), collated with `collate_fn`
+    (default `default_collate`) per member and stacked to `(N, B, ...)`.
+
+    A per-member batch size (`batch_size=[b_0, ..., b_{N-1}]`) gives member i batches of
+    b_i samples, padded with zeros to `B = max(b)`; each batch then ends with `weights`,
+    (N, B): 1 / b_i on member i's real samples and 0 on padding, so
+    `(per_sample_loss * weights).sum(1)` is each member's own mean. Member i's k-th batch is
+    the k-th batch a one-member loader with batch size b_i gives it: an epoch of this loader is
+    the `max_i ceil(n / b_i)` steps of the member with the most, and members with bigger
+    batches go on into their next epochs.
+
+    An `IterableDataset` (streaming) is read once per epoch in its own order by every member
+    (no shuffle, no bootstrap, one batch size); each member still augments with its own
+    stream. Resuming mid-epoch re-reads the stream up to the saved position (the stream must
+    give the same samples each epoch, and with workers shard itself by
+    `torch.utils.data.get_worker_info()`).
+
+    Args:
+        dataset: a map-style `Dataset` (with `__len__`) or an `IterableDataset`.
+        num_members: N.
+        batch_size: samples per member per batch: one int, or one per member.
+        shuffle, bootstrap, drop_last, seed, generator, first_member: as for `MemberLoader`.
+        transform: `transform(item, generator) -> item`, run on each sample a member reads
+            (in the workers), with that sample's own `torch.Generator`.
+        collate_fn: collates one member's items (default `default_collate`).
+        **dataloader_kwargs: passed to `torch.utils.data.DataLoader` (`num_workers`,
+            `pin_memory`, `prefetch_factor`, `multiprocessing_context`, ...).
+
+    Yields:
+        Tuples of (N, B, ...) tensors, one per field of the items, and with per-member batch
+        sizes the (N, B) weights last.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> data = TensorDataset(torch.randn(100, 3), torch.randint(0, 2, (100,)))
+        >>> flip = lambda item, g: (item[0] * (1 - 2 * torch.randint(0, 2, (), generator=g)), item[1])
+        >>> loader = MemberDataLoader(data, num_members=4, batch_size=[8, 16, 16, 32],
+        ...                           transform=flip, seed=0)
+        >>> xb, yb, w = next(iter(loader))
+        >>> xb.shape, w.sum(1).tolist(), len(loader)
+        (torch.Size([4, 32, 3]), [1.0, 1.0, 1.0, 1.0], 13)
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        num_members: int,
+        batch_size: int | list[int] | tuple[int, ...],
+        shuffle: bool = True,
+        bootstrap: bool = False,
+        drop_last: bool = False,
+        transform: Any = None,
+        collate_fn: Any = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        first_member: int = 0,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        where = "phalanx.data.MemberDataLoader()"
+        if isinstance(num_members, bool) or not isinstance(num_members, int) or num_members < 1:
+            raise ValueError(f"{where}: num_members must be a positive int; got {num_members!r}.")
+        for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn", "drop_last"):
+            if bad in dataloader_kwargs:
+                raise TypeError(
+                    f"{where}: {bad}= is this loader's own argument, not a DataLoader's."
+                )
+        self.streaming = isinstance(dataset, torch.utils.data.IterableDataset)
+        self.sizes = _sizes(batch_size, num_members, where)
+        self.per_member_sizes = not isinstance(batch_size, int)
+        if self.streaming and (bootstrap or self.per_member_sizes):
+            raise ValueError(
+                f"{where}: a streaming IterableDataset is read in its own order by every "
+                "member: bootstrap=True and per-member batch sizes need a map-style Dataset "
+                "(pass bootstrap=False and one int batch_size, or index the data)."
+            )
+        self.dataset = dataset
+        self.num_members = num_members
+        self.batch_size = batch_size
+        self.shuffle = shuffle and not self.streaming
+        self.bootstrap = bootstrap
+        self.drop_last = drop_last
+        self.transform = transform
+        self.collate_fn = collate_fn or default_collate
+        self.first_member = first_member
+        self.dataloader_kwargs = dataloader_kwargs
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), generator=generator))
+        self.seed = int(seed)
+        self.epoch = 0
+        self.batch = 0
+        self._members = torch.arange(first_member, first_member + num_members)
+        if not self.streaming:
+            self.num_samples = len(dataset)
+            if self.num_samples == 0:
+                raise ValueError(f"{where}: the data set holds no samples.")
+            if drop_last and max(self.sizes) > self.num_samples:
+                raise ValueError(
+                    f"{where}: drop_last=True with a batch size of {max(self.sizes)} larger "
+                    f"than the {self.num_samples} samples gives no batches."
+                )
+            # The orders are MemberLoader's: one over a dummy tensor of n samples.
+            self._orders = MemberLoader(
+                torch.empty(self.num_samples, 0),
+                num_members=num_members,
+                batch_size=1,
+                shuffle=shuffle,
+                bootstrap=bootstrap,
+                seed=self.seed,
+                first_member=first_member,
+            )
+
+    def _member_len(self, b: int) -> int:
+        return self.num_samples // b if self.drop_last else math.ceil(self.num_samples / b)
+
+    def __len__(self) -> int:
+        """Steps per epoch: those of the member with the most batches per epoch."""
+        if self.streaming:
+            return (
+                len(self.dataset) // self.sizes[0]
+                if self.drop_last
+                else math.ceil(len(self.dataset) / self.sizes[0])
+            )
+        return max(self._member_len(b) for b in self.sizes)
+
+    def _steps(self, epoch: int, start: int) -> Iterator[list[tuple[int, int, int]]]:
+        """The keys of each step of `epoch` from batch `start` on (map-style data)."""
+        steps = len(self)
+        cache: dict[int, Tensor] = {}
+        streams = self._members.tolist()
+        for step in range(start, steps):
+            keys = []
+            for i, b in enumerate(self.sizes):
+                e, j = divmod(epoch * steps + step, self._member_len(b))
+                if e not in cache:
+                    cache = {
+                        e: self._orders.order(e),
+                        **{k: v for k, v in cache.items() if k > e - 2},
+                    }
+                idx = cache[e][i, j * b : (j + 1) * b].tolist()
+                keys += [
+                    (
+                        i,
+                        s,
+                        _augment_seed(self.seed, streams[i], e, j * b + p) if self.transform else 0,
+                    )
+                    for p, s in enumerate(idx)
+                ]
+            yield keys
+
+    def _loader(self, batches: Any) -> Any:
+        from torch.utils.data import DataLoader
+
+        collate = _Collate(
+            self.num_members, max(self.sizes), self.collate_fn, self.per_member_sizes
+        )
+        return DataLoader(
+            _Items(self.dataset, self.transform),
+            batch_sampler=batches,
+            collate_fn=collate,
+            **self.dataloader_kwargs,
+        )
+
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
+        """Yields the rest of the current epoch, then moves to the next one."""
+        if self.batch >= len(self):
+            self.epoch, self.batch = self.epoch + 1, 0
+        if self.streaming:
+            yield from self._stream()
+            return
+        for batch in self._loader(list(self._steps(self.epoch, self.batch))):
+            self.batch += 1
+            yield batch
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    def _stream(self) -> Iterator[tuple[Tensor, ...]]:
+        from torch.utils.data import DataLoader
+
+        reader = DataLoader(self.dataset, batch_size=None, **self.dataloader_kwargs)
+        b, streams, skip = self.sizes[0], self._members.tolist(), self.batch * self.sizes[0]
+        collate = _Collate(self.num_members, b, self.collate_fn, False)
+        chunk: list[Any] = []
+        position = 0
+        for item in reader:
+            position += 1
+            if position <= skip:
+                continue
+            chunk.append(item)
+            if len(chunk) == b:
+                yield self._stream_batch(chunk, position - b, streams, collate)
+                chunk = []
+        if chunk and not self.drop_last:
+            yield self._stream_batch(chunk, position - len(chunk), streams, collate)
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    def _stream_batch(
+        self, chunk: list[Any], first: int, streams: list[int], collate: _Collate
+    ) -> tuple[Tensor, ...]:
+        pairs = []
+        for i, stream in enumerate(streams):
+            for p, item in enumerate(chunk):
+                if self.transform is not None:
+                    seed = _augment_seed(self.seed, stream, self.epoch, first + p)
+                    item = self.transform(item, torch.Generator().manual_seed(seed))
+                pairs.append((i, item))
+        self.batch += 1
+        return collate(pairs)
+
+    @property
+    def streams(self) -> Tensor:
+        """(N,) int64: the global member index whose data stream each member reads."""
+        return self._members.clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the data: seed, epoch, batches yielded this epoch, and streams."""
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "num_members": self.num_members,
+            "batch_sizes": list(self.sizes),
+            "first_member": self.first_member,
+            "streams": self._members.tolist(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resumes at the position saved by `state_dict`: the next batch is the one due then.
+
+        Raises:
+            ValueError: the saved loader had another number of members, batch sizes or first
+                member.
+        """
+        for key, mine in (
+            ("num_members", self.num_members),
+            ("batch_sizes", list(self.sizes)),
+            ("first_member", self.first_member),
+        ):
+            if key in state_dict and list(np_list(state_dict[key])) != list(np_list(mine)):
+                raise ValueError(
+                    f"phalanx.data.MemberDataLoader.load_state_dict(): {key} is {mine} in this "
+                    f"loader but {state_dict[key]} in the saved state; build the loader as it "
+                    "was built when saved."
+                )
+        self.seed = int(state_dict["seed"])
+        self.epoch = int(state_dict["epoch"])
+        self.batch = int(state_dict["batch"])
+        self._members = torch.as_tensor(state_dict["streams"]).long()
+        if not self.streaming:
+            self._orders.seed = self.seed
+            self._orders.set_streams(list(range(self.num_members)), self._members)
+
+
+def np_list(value: Any) -> list[Any]:
+    """A saved value as a flat list (ints and lists of ints read back as lists)."""
+    if isinstance(value, Tensor):
+        return value.reshape(-1).tolist()
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -63,7 +63,11 @@ class StackView:
         template: member 0's architecture on the ``meta`` device (ties kept).
         cache: one dictionary per backend name, for what a backend keeps between calls.
         lock: held for the duration of each call: backends run one module tree.
+        generators: the members' own ``torch.Generator`` attributes, one set per member
+            (``_random.MemberGenerators``), or None where the member holds none.
     """
+
+    generators: Any = None
 
     def __init__(
         self,
@@ -113,6 +117,10 @@ def get_backend(name: str) -> Backend:
     a ``torch.compile`` trace, which would trace the modules' import-time code too.
     """
     if not _loaded:
+        from phalanx.backends._guard import Guarded
+
         for key, module in _MODULES.items():
-            _loaded[key] = importlib.import_module(module, __name__).BACKEND
+            backend = importlib.import_module(module, __name__).BACKEND
+            # What one vmapped call needs beyond the member's forward (``_guard``).
+            _loaded[key] = Guarded(backend) if key in ("fused", "vmap") else backend
     return _loaded[name]

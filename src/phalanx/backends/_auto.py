@@ -2,10 +2,12 @@
 
 Both backends are exact by construction, so nothing needs to be timed or compared: ``auto``
 runs ``fused`` on the real call, and only if that fails does the loop run the same call. The
-call then runs once more, so what the failed attempt did is undone first: the random streams
-are put back, and so are the buffers and the inputs where the attempt wrote into them (on the
-first call they are saved beforehand; later, where something was written that cannot be put
-back, ``auto`` raises instead of running the member twice). The loop's own error is the
+call then runs once more, so what the failed attempt did is undone first: the parameters, the
+buffers and the inputs where the attempt wrote into them (on the first call they are saved
+beforehand; later, where something was written that cannot be put back, ``auto`` raises
+instead of running the member twice). The random streams are never put back: another thread
+may be drawing from them meanwhile, and would draw the same numbers twice. The draws the
+attempt made are spent, as any other code's would be; the loop draws the next ones. The loop's own error is the
 member's error and is raised as is; otherwise fused is dropped, with one warning naming the
 reason and the backend ``auto`` runs instead, for the context it failed in (grad mode, and
 whether a ``torch.func`` transform is around the stack: a refusal under the user's
@@ -34,6 +36,8 @@ def _reason(e: BaseException) -> str:
 
 SNAPSHOT_BYTES = 8 << 20
 """Buffers and inputs up to this size are saved before every call, larger ones on the first."""
+PARAMETER_SNAPSHOT_BYTES = 256 << 20
+"""The parameters are saved before the first call when they total at most this size."""
 
 
 class _Undo:
@@ -42,25 +46,47 @@ class _Undo:
     Writes inside ``torch.func.vmap`` do not always move a tensor's version counter (a
     BatchNorm's running statistics, updated by a batching rule, do not), so what may be
     written is saved outright: the buffers and the inputs, on the first call whatever their
-    size, on later calls when they total at most ``SNAPSHOT_BYTES``.
+    size, on later calls when they total at most ``SNAPSHOT_BYTES``. The parameters (a
+    forward that clips or renormalises its own weights in place) are saved on the first call
+    when they total at most ``PARAMETER_SNAPSHOT_BYTES``; otherwise their version counters say
+    whether the attempt wrote them (an in-place write of a parameter under vmap moves its
+    counter), and ``auto`` raises rather than run such a write twice.
     """
 
     def __init__(self, view: StackView, args: tuple, kwargs: dict, first: bool) -> None:
-        _, buffers = view.state()
+        params, buffers = view.state()
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self.tensors = [*buffers.values(), *inputs]
         size = sum(t.numel() * t.element_size() for t in self.tensors)
         self.saved: list[torch.Tensor] | None = None
-        if first or size <= SNAPSHOT_BYTES:
-            with torch.no_grad():
+        self.params = list(params.items())
+        self.saved_params: list[torch.Tensor] | None = None
+        self.versions = [compat.version(p) for _, p in self.params]
+        with torch.no_grad():
+            if first or size <= SNAPSHOT_BYTES:
                 self.saved = [t.clone() for t in self.tensors]
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+            weights = sum(p.numel() * p.element_size() for _, p in self.params)
+            if first and weights <= PARAMETER_SNAPSHOT_BYTES:
+                self.saved_params = [p.clone() for _, p in self.params]
 
     def undo(self, failure: BaseException) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda:
-            torch.cuda.set_rng_state_all(self.cuda)
+        written = [
+            name for (name, p), v in zip(self.params, self.versions) if compat.version(p) != v
+        ]
+        if written and self.saved_params is None:
+            raise RuntimeError(
+                f"Stack.forward(): backend 'auto' cannot hand this call over to the loop: "
+                f"backend 'fused' failed ({_reason(failure)}) after the member's forward wrote "
+                f"into its parameter {written[0]!r} in place, which was not saved on this "
+                f"call (parameters are saved on the first call, up to "
+                f"{PARAMETER_SNAPSHOT_BYTES >> 20} MB). Nothing else ran. Pass "
+                f"backend='loop' to phalanx.stack() for this model."
+            ) from failure
+        if self.saved_params is not None:
+            with torch.no_grad():
+                for (_, p), saved in zip(self.params, self.saved_params or []):
+                    if not torch.equal(p, saved):
+                        p.copy_(saved)
         if self.saved is None:
             raise RuntimeError(
                 f"Stack.forward(): backend 'auto' cannot hand this call over to the loop: "

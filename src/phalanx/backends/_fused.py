@@ -3,7 +3,7 @@
 Exact by construction: the forward runs under ``torch.func.vmap`` over the members
 (``_vmap.vmapped``), so whatever it does across its batch is per member, and a member's data
 turned into a Python value raises where it happens; the layers that hold weights are routed
-to batching rules of phalanx's own (``_rules.SPEED``), each computing every member exactly as
+to batching rules of phalanx's own (``rules.SPEED``), each computing every member exactly as
 the layer alone would, errors included. Nothing is checked against a reference at run time,
 so there is no first-call check, no per-shape cost and nothing a check could miss.
 
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.backends._fused_mlp import run_mlp
-from phalanx.backends._rules import SPEED
 from phalanx.backends._vmap import vmapped
+from phalanx.backends.rules import SPEED
 
 if TYPE_CHECKING:
     from phalanx.backends import StackView

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,12 +47,68 @@ def _same_or_raise(values: list[Any], where: str) -> Any:
     return values[0]
 
 
+class _Rows(torch.autograd.Function):
+    """The N rows of one stacked parameter, each a tensor of its own that a member may write.
+
+    ``unbind`` would give views that autograd forbids writing in place (they come from one
+    function returning several views), and a view of any kind shares its version counter with
+    the other members' rows, so member 1 clipping its weight would invalidate what member 0
+    saved for backward. Each row here shares the stacked tensor's memory (a write lands in
+    the stacked parameter, as the member's write lands in its own) with a version counter of
+    its own; backward stacks the N gradients in one node, as ``unbind``'s does.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(row.data for row in stacked.unbind(0))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:
+        return torch.stack(grads)
+
+
+def _rows(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Member i's parameters at ``[i]``: writable rows where autograd records the forward,
+    ``unbind`` views otherwise (no graph, or inside a torch.func transform)."""
+    if not torch.is_grad_enabled() or compat.transforms_active() or compat.forward_ad_active():
+        return {k: v.unbind(0) for k, v in params.items()}
+    return {k: _Rows.apply(v) if v.requires_grad else v.unbind(0) for k, v in params.items()}
+
+
+def _written_rows(row: torch.Tensor) -> bool:
+    return isinstance(row.grad_fn, _Rows._backward_cls)
+
+
+def _check_writes(
+    i: int,
+    params: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    versions: dict[str, int],
+) -> None:
+    """After member i ran: a parameter it wrote in place is announced to autograd through the
+    stacked tensor; one written with grad enabled raises, as it does on the member alone."""
+    for name, v in versions.items():
+        row = state[name]
+        if compat.version(row) == v:
+            continue
+        if _written_rows(row):
+            torch.autograd.graph.increment_version(params[name])
+            continue
+        raise RuntimeError(
+            f"Stack.forward(): member {i}'s forward wrote into its parameter {name!r} in place "
+            f"with grad enabled: a leaf Variable that requires grad is being used in an "
+            f"in-place operation (the member alone raises so too). Write it under "
+            f"torch.no_grad()."
+        )
+
+
 class LoopBackend:
     """Runs ``functional_call`` once per member on views ``tensor[i]`` of the stacked tensors.
 
     Gradients flow into the stacked parameters through the views; in-place buffer updates
-    (BatchNorm running statistics) land in the stacked buffers. This is the specification that
-    every other backend is tested against.
+    (BatchNorm running statistics) and in-place writes of a member's own weights
+    (``Embedding(max_norm=...)``, ``weight.clamp_()`` under ``no_grad``) land in the stacked
+    tensors. This is the specification that every other backend is tested against.
     """
 
     name = "loop"
@@ -65,9 +122,10 @@ class LoopBackend:
         kw_dims: frozenset[str] = frozenset(),
     ) -> Any:
         params, buffers = view.state()
-        # unbind gives all N views in one autograd node, so backward builds one stacked grad
-        # instead of N zero-padded ones.
-        param_views = {k: v.unbind(0) for k, v in params.items()}
+        # One autograd node per stacked parameter gives all N rows, so backward builds one
+        # stacked grad instead of N zero-padded ones.
+        param_views = _rows(params)
+        tracked = {k for k, rows in param_views.items() if rows and _written_rows(rows[0])}
         attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
         shared = [
             (k, a, compat.version(a))
@@ -90,7 +148,10 @@ class LoopBackend:
                     before = {k: a.clone() for k, a, _ in shared}
             member_kw = member_kwargs(kwargs, kw_dims, i)
             call = lambda: functional_call(view.module, state, member_args, member_kw)  # noqa: B023, E731
+            if view.generators is not None:  # member i draws from its own generators
+                call = partial(view.generators.run, i, call)
             # A checkpointed region in the member's forward recomputes as member i.
+            versions = {k: compat.version(state[k]) for k in tracked}
             outputs.append(
                 recompute.run(
                     i,
@@ -99,6 +160,7 @@ class LoopBackend:
                     lambda: attributes.run(i, view.module, call),  # noqa: B023
                 )
             )
+            _check_writes(i, params, state, versions)
             if i == 0 and shared:
                 originals = {k: before[k] for k, a, v in shared if compat.version(a) != v}
                 del before

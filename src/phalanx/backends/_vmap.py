@@ -9,8 +9,8 @@ and the backend refuses with torch's reason. Parameters and buffers are mapped o
 per-member inputs too; shared inputs and keyword arguments are broadcast. Random operations
 draw independently for each member (``randomness="different"``).
 
-``vmap`` uses torch.func's own rules except where they are not exact (``_rules.CORRECTNESS``:
-convolutions, embeddings). ``fused`` adds phalanx's batched layers (``_rules.SPEED``) and runs
+``vmap`` uses torch.func's own rules except where they are not exact (``rules.CORRECTNESS``:
+convolutions, embeddings). ``fused`` adds phalanx's batched layers (``rules.SPEED``) and runs
 a plain ``Sequential`` MLP as one autograd node (``_fused_mlp``). The stack's own module is
 called on every call, so hooks, attributes and modes changed at any time are seen.
 """
@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call, vmap
 
+from phalanx import _torch_compat as compat
 from phalanx._torch_compat import pytree
 from phalanx.backends import BackendRefusal, _recompute
-from phalanx.backends._export_rules import EXPORT
-from phalanx.backends._rules import CORRECTNESS, BatchedOps, Rule
-from phalanx.backends._state import hooked, put_back, snapshot, stored_tensors
+from phalanx.backends._keywords import member_kwargs
+from phalanx.backends._state import hooked, put_back, snapshot, stored_tensors, written
+from phalanx.backends.rules import CORRECTNESS, EXPORT, BatchedOps, Route, deferred
 
 if TYPE_CHECKING:
     from phalanx.backends import StackView
@@ -37,7 +38,7 @@ def vmapped(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     in_dims: tuple[int | None, ...],
-    rules: dict[Any, Rule],
+    rules: dict[Any, Route],
     name: str,
     kw_dims: frozenset[str] = frozenset(),
 ) -> Any:
@@ -73,30 +74,25 @@ def vmapped(
         out = functional_call(view.module, (params, buffers), member_args, member_kwargs)
         leaves, spec = pytree.tree_flatten(out)
         layout["spec"] = spec
-        layout["leaves"] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
+        layout["leaves"] = [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
         return tuple(t for t in leaves if isinstance(t, torch.Tensor))
 
+    failure: BaseException | None = None
     try:
-        with BatchedOps(rules), _recompute.seen(_recompute.refuse_under_vmap):
+        with BatchedOps(rules), _recompute.seen(_recompute.refuse_under_vmap), deferred():
             tensors = vmap(member, in_dims=(0, 0, 0, *in_dims), randomness="different")(
                 params, buffers, per_member_kwargs, *args
             )
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
-        # What torch.func says (a missing batching rule, a member's data turned into a
-        # Python value, an in-place write of batched data into a shared tensor): the loop
-        # runs the member's code as written. Refuse, naming torch's reason.
-        text = str(e).strip().splitlines()
-        why = f"{type(e).__name__}: {text[0] if text else ''}"
-        if _recompute.is_checkpoint_failure(e):
-            why = _recompute.WHY_VMAP
-        if any(k in why for k in ("data-dependent", ".item()", "tolist", "Python value")):
-            why = (
-                "the member's forward turns its data into a Python value (a branch on a "
-                "tensor, .item(), int(), tolist()), which one call for all members cannot "
-                f"decide member by member (torch.func says: {why})"
-            )
         put_back(stored_tensors(before))
-        _refuse(name, why, e)
+        failure = e
+    if failure is not None:
+        # Outside the except block: a member's own error is raised as the loop raises it,
+        # not as one that happened while handling torch.func's.
+        own = members_own_error(view, args, kwargs, in_dims, kw_dims)
+        if own is not None:
+            raise own
+        _refuse(name, _why(failure), failure)
     stored = stored_tensors(before)
     if stored:
         put_back(stored)
@@ -107,8 +103,94 @@ def vmapped(
             f"(state kept between calls), which one vmapped call cannot keep per member",
         )
     it = iter(tensors)
-    leaves = [next(it) if leaf is None else leaf for leaf in layout["leaves"]]
+    leaves = [next(it) if leaf is _TENSOR else leaf for leaf in layout["leaves"]]
     return pytree.tree_unflatten(leaves, layout["spec"])
+
+
+_TENSOR = object()
+"""Marks where a tensor output goes among the non-tensor ones (None included)."""
+
+
+def _why(e: BaseException) -> str:
+    """torch.func's reason for a failure that the members alone do not raise."""
+    text = str(e).strip().splitlines()
+    why = f"{type(e).__name__}: {text[0] if text else ''}"
+    if _recompute.is_checkpoint_failure(e):
+        why = _recompute.WHY_VMAP
+    if any(k in why for k in ("data-dependent", ".item()", "tolist", "Python value")):
+        why = (
+            "the member's forward turns its data into a Python value (a branch on a "
+            "tensor, .item(), int(), tolist()), which one call for all members cannot "
+            f"decide member by member (torch.func says: {why})"
+        )
+    return why
+
+
+def members_own_error(
+    view: StackView,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_dims: tuple[int | None, ...],
+    kw_dims: frozenset[str],
+) -> BaseException | None:
+    """The error a member raises alone on this call (the loop's error), or None.
+
+    Called where the vmapped call failed, to tell a member's own error (a batch of one in
+    BatchNorm, a wrong feature size, a dtype) from what torch.func cannot batch. Each member
+    runs alone on copies of its tensors and inputs, with the random streams and the modules'
+    attributes put back afterwards: nothing the stack or the caller holds is changed. The
+    error is returned as the member raised it, with a note naming the member and the
+    submodule it came from. None while a trace runs (no values to run on).
+    """
+    if compat.tracing():
+        return None
+    params, buffers = view.state()
+    paths = {id(m): p for p, m in view.module.named_modules()}
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        c = t.detach().clone()
+        return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c
+
+    with torch.random.fork_rng(devices=devices):
+        for i in range(view.num_members):
+            state = {k: copy(v[i]) for k, v in params.items()}
+            state.update({k: copy(v[i]) for k, v in buffers.items()})
+            member_args = pytree.tree_map(
+                copy, tuple(a[i] if d == 0 else a for a, d in zip(args, in_dims))
+            )
+            member_kw = pytree.tree_map(copy, member_kwargs(kwargs, kw_dims, i))
+            before = snapshot(view.module)
+            try:
+                functional_call(view.module, state, member_args, member_kw)
+            except Exception as e:
+                e.add_note(
+                    f"(raised by member {i}'s own forward{_where(e, paths)}, as "
+                    f"backend='loop' raises it)"
+                )
+                return e
+            finally:
+                put_back(list(written(before)))
+    return None
+
+
+def _where(e: BaseException, paths: dict[int, str]) -> str:
+    """`` in submodule 'enc.0' (Linear(...))``: the innermost of the member's modules whose
+    code the traceback passes through."""
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in paths:
+            found = owner
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    path = paths[id(found)]
+    extra = found.extra_repr()
+    return f" in {repr(path) if path else 'the root module'} ({type(found).__name__}({extra}))"
 
 
 @torch.compiler.disable

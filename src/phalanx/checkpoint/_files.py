@@ -115,6 +115,19 @@ def checksum(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def tensors_digest(text: str, tensors: dict[str, Tensor]) -> str:
+    """The SHA-256 (hex) of ``text`` and of ``tensors``' names, dtypes, shapes and bytes,
+    in name order: what a file's data must still be when it is read back."""
+    digest = hashlib.sha256(text.encode())
+    for key in sorted(tensors):
+        t = tensors[key]
+        digest.update(f"\0{key}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        if t.numel():
+            flat = t.detach().cpu().contiguous().reshape(-1)
+            digest.update(flat.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
 def save_atomic(
     tensors: dict[str, Tensor], path: Path, metadata: dict[str, str], *, lock: bool = False
 ) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from phalanx.checkpoint._files import read_safetensors, save_atomic
+from phalanx.checkpoint._files import read_safetensors, save_atomic, tensors_digest
 from phalanx.checkpoint._fit import (
     CheckpointError,
     check_part,
@@ -38,6 +38,8 @@ from phalanx.optim import LBFGS
 __all__ = ["CheckpointError", "export_members", "load", "read", "restore", "save"]
 
 _FORMAT = "phalanx.checkpoint/1"
+DIGEST = "phalanx.sha256"
+"""The metadata key of the SHA-256 of the metadata and tensors (``_files.tensors_digest``)."""
 _PARTS = ("optimizer", "scheduler", "loader")
 
 
@@ -183,7 +185,9 @@ def save(
                 t = t.clone()
             seen.add(t.untyped_storage().data_ptr())
         tensors[key] = t
-    metadata = {"phalanx": json.dumps(meta)}
+    text = json.dumps(meta)
+    # Checked on load: a flipped bit anywhere in the data or the metadata is refused.
+    metadata = {"phalanx": text, DIGEST: tensors_digest(text, tensors)}
     save_atomic(tensors, Path(os.path.abspath(os.fspath(path))), metadata, lock=True)
 
 
@@ -231,6 +235,13 @@ def read(
         raise CheckpointError(
             f"{where}: '{path}' is not a phalanx checkpoint (no 'phalanx' metadata); "
             "write checkpoints with phalanx.save()."
+        )
+    recorded = metadata.get(DIGEST)  # files saved before checksums have none
+    if recorded is not None and recorded != tensors_digest(raw, tensors):
+        raise CheckpointError(
+            f"{where}: '{path}' is corrupt: its contents do not match the SHA-256 recorded "
+            f"when it was saved (damaged on disk or in a copy: a flipped bit, a partial "
+            f"transfer). Load an intact copy of it."
         )
     meta = parse_meta(raw, where, path)
     if meta.get("format") != _FORMAT:

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from phalanx._module_tree import meta_copy
+from phalanx.backends._random import copy_generators, generator_slots
 from phalanx.core._stack import Stack
-from phalanx.core._validate import architecture_differences, behaviour_differences, tie_differences
+from phalanx.core._validate import (
+    architecture_differences,
+    behaviour_differences,
+    check_materialised,
+    tie_differences,
+)
 
 __all__ = ["build_members", "call_factory", "stack_from_factory"]
 
@@ -57,6 +63,7 @@ def _build_one(factory: Factory, i: int, seed: int | None, where: str) -> nn.Mod
             f"{where}: the factory returned a {type(member).__name__} for member {i}; it must "
             f"return one nn.Module, a new one on each call."
         )
+    check_materialised([member], where, first_index=i)
     on_meta = [n for n, t in (*member.named_parameters(), *member.named_buffers()) if t.is_meta]
     if on_meta:
         raise ValueError(
@@ -97,6 +104,9 @@ def build_members(
             for name, b in first.named_buffers()
         }
     diffs: list[str] = []
+    slots = generator_slots(first)
+    generators: list[list[torch.Generator]] = []
+    memo: dict[int, Any] = {}  # a generator the factory gives several members stays one
     member: nn.Module | None = first
     del first  # row 0 is copied below, then member 0 is dropped like the others
     for row, i in enumerate(indices):
@@ -119,6 +129,8 @@ def build_members(
                 t[row].copy_(member.get_parameter(name))
             for name, t in buffers.items():
                 t[row].copy_(member.get_buffer(name))
+        if slots:  # member i draws from its own generators (backends/_random.py)
+            generators += copy_generators([member], slots, where, memo, first_index=i)
         member = None  # drop it before building the next: one member alive at a time
     if diffs:
         raise ValueError(
@@ -128,7 +140,9 @@ def build_members(
             + "\nThe factory must build one architecture for every index (the same module "
             "types, parameter and buffer names, shapes, dtypes and train/eval mode)."
         )
-    return Stack.from_stacked(reference, params, buffers, len(indices), backend=backend)
+    return Stack.from_stacked(
+        reference, params, buffers, len(indices), backend=backend, generators=generators or None
+    )
 
 
 def stack_from_factory(

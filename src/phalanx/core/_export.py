@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from phalanx._errors import summary
 from phalanx._warnings import warn
 from phalanx.core._stack import Stack
 
@@ -64,8 +65,7 @@ def export(
     try:
         return _export(stack, args, kwargs, dynamic_shapes, strict)
     except Exception as e:  # the batched trace failed: the loop is exact for any member
-        text = str(e).strip().splitlines()
-        reason = f"{type(e).__name__}: {text[0] if text else ''}"
+        reason = summary(e)
     requested = stack.requested_backend
     with stack.using_backend("loop"):  # what auto had learnt stays learnt
         program = _export(stack, args, kwargs, dynamic_shapes, strict)

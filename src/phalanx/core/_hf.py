@@ -25,25 +25,47 @@ def _takes_use_cache(module: nn.Module) -> bool:
     return _TAKES_USE_CACHE[kind]
 
 
+def _encoder_only(config: Any) -> bool:
+    """True for a config of an encoder (BERT, RoBERTa, ... with ``is_decoder=False``), whose
+    forward sets ``use_cache=False`` itself whatever it is given. Decoders' configs (GPT-2,
+    Llama) have no ``is_decoder`` field; encoder-decoders set ``is_encoder_decoder``."""
+    return getattr(config, "is_decoder", None) is False and not getattr(
+        config, "is_encoder_decoder", False
+    )
+
+
 def check_call(module: nn.Module, kwargs: dict[str, Any]) -> None:
     """Refuses a call that would make each member return its own key/value cache.
 
-    A Hugging Face decoder whose config says ``use_cache=True`` (GPT-2's, T5's and BART's
-    default) returns a ``DynamicCache`` per member: Python objects holding each member's keys
+    A Hugging Face decoder asked for a cache, by its config (``use_cache=True``, GPT-2's, T5's
+    and BART's default) or by the call (``use_cache=True`` passed, which overrides the
+    config), returns a ``DynamicCache`` per member: Python objects holding each member's keys
     and values, which no backend can stack (phalanx has no stacked KV cache, so no cached
-    generation either).
+    generation either). An encoder (BERT: ``config.is_decoder=False``) never returns one.
     """
     config = module.__dict__.get("config")  # a plain attribute on Hugging Face models
-    if config is None or getattr(config, "use_cache", None) is not True:
+    if config is None or not _takes_use_cache(module):
         return
-    if kwargs.get("use_cache") is False or not _takes_use_cache(module):
+    asked = kwargs.get("use_cache")
+    use_cache = getattr(config, "use_cache", None) if asked is None else asked
+    if use_cache is not True or _encoder_only(config):
         return
+    if asked is True:
+        why = "the call passes use_cache=True"
+        fix = "Pass use_cache=False (or leave it out: the members' config says False)"
+        if getattr(config, "use_cache", None) is True:
+            fix = "Pass use_cache=False to the call"
+    else:
+        why = "their config has use_cache=True"
+        fix = (
+            "Pass use_cache=False to the call, e.g. stack(input_ids, labels=labels, "
+            "use_cache=False), or set member.config.use_cache = False on the members before "
+            "stacking"
+        )
     raise ValueError(
-        f"Stack.forward(): the members are {type(module).__name__} models whose config has "
-        f"use_cache=True, so each would return its own key/value cache, which cannot be "
-        f"stacked (phalanx has no stacked KV cache, hence no cached generation). Pass "
-        f"use_cache=False to the call, e.g. stack(input_ids, labels=labels, use_cache=False), "
-        f"or set member.config.use_cache = False on the members before stacking."
+        f"Stack.forward(): the members are {type(module).__name__} models (decoders) and {why}, "
+        f"so each would return its own key/value cache, which cannot be stacked (phalanx has "
+        f"no stacked KV cache, hence no cached generation). {fix}."
     )
 
 

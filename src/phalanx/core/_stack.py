@@ -11,14 +11,20 @@ import torch
 from torch import nn
 
 from phalanx import _torch_compat as compat
-from phalanx._module_tree import copy_modes, meta_copy
+from phalanx._module_tree import copy_modes, meta_copy, unshare_submodules
 from phalanx.backends import CHOICES, StackView, get_backend
 from phalanx.backends._keywords import KwInDims, keyword_dims
+from phalanx.backends._random import MemberGenerators, copy_generators, generator_slots
 from phalanx.core._hf import check_call, guard_stacked
 from phalanx.core._input_warnings import check_inputs, record_outputs
 from phalanx.core._memory import reuse_freed_memory
 from phalanx.core._memory_format import to_member_format
-from phalanx.core._validate import architecture_differences, as_module_list, check_same_architecture
+from phalanx.core._validate import (
+    architecture_differences,
+    as_module_list,
+    check_materialised,
+    check_same_architecture,
+)
 from phalanx.core._widths import Padding, mask_gradients, pad_members
 from phalanx.routed import _routed
 
@@ -77,6 +83,7 @@ class Stack(nn.Module):
         super().__init__()
         where = "phalanx.stack()"
         members = as_module_list(models, where)
+        check_materialised(members, where)
         if pad_widths:
             _check_backend(backend, where)
             member, params, buffers, padding = pad_members(members)
@@ -93,7 +100,9 @@ class Stack(nn.Module):
                 name: torch.stack([m.get_buffer(name) for m in members])
                 for name, _ in members[0].named_buffers()
             }
-        self._setup(members[0], params, buffers, len(members), backend)
+        slots = generator_slots(members[0])
+        generators = copy_generators(members, slots, where) if slots else None
+        self._setup(members[0], params, buffers, len(members), backend, generators=generators)
 
     @classmethod
     def from_stacked(
@@ -105,6 +114,7 @@ class Stack(nn.Module):
         *,
         backend: str = "auto",
         padding: Padding | None = None,
+        generators: list[list[torch.Generator]] | None = None,
     ) -> Stack:
         """A stack over tensors that are already stacked, ``(N, *shape)`` each, without copies.
 
@@ -114,11 +124,19 @@ class Stack(nn.Module):
         stack's tensors as they are. ``phalanx.stack``'s factory form and
         ``phalanx.population.keep_members`` build their stacks with it. ``padding``: the
         members' own shapes where the tensors are padded to the widest (:attr:`padding`).
+        Where the member holds
+        ``torch.Generator`` attributes, ``generators[i]`` are member i's, in the order of
+        :attr:`generator_slots` (each is used as it is, not copied); without them every member
+        starts from a copy of ``member``'s.
         """
         _check_backend(backend, "phalanx.stack()")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(member, params, buffers, num_members, backend, padding)
+        slots = generator_slots(member)
+        if generators is None and slots:
+            where = "Stack.from_stacked()"
+            generators = [copy_generators([member], slots, where)[0] for _ in range(num_members)]
+        self._setup(member, params, buffers, num_members, backend, padding, generators)
         return self
 
     def _setup(
@@ -129,12 +147,16 @@ class Stack(nn.Module):
         num_members: int,
         backend: str,
         padding: Padding | None = None,
+        generators: list[list[torch.Generator]] | None = None,
     ) -> None:
         self.num_members = num_members
         self._padding = padding
         template = meta_copy(member)
         object.__setattr__(self, "_template", template)
         self.module = copy.deepcopy(template)  # deepcopy keeps member 0's train/eval modes
+        # A submodule used at several places: one object per place, its tensors tied
+        # (functional_call would leave a shared one holding a member's tensors).
+        unshare_submodules(self.module)
         _swap_in(self.module, params, buffers)
         guard_stacked(self.module)  # a Hugging Face model's save_pretrained would write (N, ...)
         self.training = self.module.training
@@ -150,6 +172,9 @@ class Stack(nn.Module):
                 self.stacked_state if padding is None else self._masked_state,
             ),
         )
+        if generators is not None:  # each member draws from its own (backends/_random.py)
+            slots = generator_slots(template)
+            self._view.generators = MemberGenerators(self.module, slots, generators)
         self._set_backend(backend)
         cpu = [t for t in [*params.values(), *buffers.values()] if t.device.type == "cpu"]
         if cpu:  # gradients of this size would be mapped and faulted in afresh every step
@@ -281,6 +306,19 @@ class Stack(nn.Module):
     def template(self) -> nn.Module:
         """Member 0's architecture on the ``meta`` device: module types, settings, modes."""
         return self._template
+
+    @property
+    def generator_slots(self) -> list[tuple[str, str]]:
+        """Where the member holds ``torch.Generator`` attributes, (submodule path, name); the
+        stack keeps one set per member (see README, "What a member's randomness is")."""
+        gens = self._view.generators
+        return list(gens.slots) if gens is not None else []
+
+    def member_generators(self, i: int) -> list[torch.Generator]:
+        """Member i's own generators, in the order of :attr:`generator_slots` (the objects
+        the loop draws from, not copies)."""
+        gens = self._view.generators
+        return list(gens.per_member[i]) if gens is not None else []
 
     @property
     def requested_backend(self) -> str:
@@ -601,6 +639,11 @@ class Stack(nn.Module):
                 {k: self._row(v, k, i).clone() for k, v in buffers.items()},
             )
         copy_modes(self.module, member)
+        gens = self._view.generators
+        if gens is not None:  # member i's own generators, at their current state
+            memo: dict[int, Any] = {}
+            for (path, key), g in zip(gens.slots, gens.per_member[i]):
+                vars(member.get_submodule(path))[key] = copy.deepcopy(g, memo)
         return member
 
     def copy_to(self, models: Sequence[nn.Module] | nn.ModuleList) -> None:

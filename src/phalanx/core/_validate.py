@@ -264,6 +264,8 @@ def behaviour_differences(
     registered = frozenset(
         id(t) for m in (reference, other) for t in [*m.parameters(), *m.buffers()]
     )
+    # (id of member 0's value, id of the member's) -> (its message's index, other holders)
+    shared: dict[tuple[int, int], tuple[int, list[str]]] = {}
     for path, ref in reference.named_modules(remove_duplicate=False):
         oth = oth_modules.get(path)
         if oth is None or _kind(oth) is not _kind(ref):
@@ -283,16 +285,30 @@ def behaviour_differences(
         )
         for key in sorted(keys - _MODULE_INTERNALS):
             a, b = ref.__dict__.get(key), oth.__dict__.get(key)
+            pair = (id(a), id(b))
+            if pair in shared:  # one config object held by every layer: reported once
+                shared[pair][1].append(path)
+                continue
             if derived and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
                 continue
             if key not in oth.__dict__ or key not in ref.__dict__:
                 has, lacks = (ref_name, who) if key in ref.__dict__ else (who, ref_name)
                 diffs.append(f"{where}: {has} has an attribute {key!r} that {lacks} lacks")
-            elif not _same_value(ref.__dict__[key], oth.__dict__[key], registered):
-                diffs.append(
-                    f"{who} {where} has {key}={_show(oth.__dict__[key])}, {ref_name} has "
-                    f"{key}={_show(ref.__dict__[key])}"
-                )
+            elif not _same_value(a, b, registered):
+                fields = _fields_that_differ(a, b, key, registered)
+                if fields:  # an object of settings (a config): name the fields that differ
+                    text = "; ".join(
+                        f"{field}={_show(vb)} where {ref_name} has {_show(va)}"
+                        for field, va, vb in fields[:_FIELDS_SHOWN]
+                    )
+                    if len(fields) > _FIELDS_SHOWN:
+                        text += f" (and {len(fields) - _FIELDS_SHOWN} more fields)"
+                    shared[pair] = (len(diffs), [])
+                    diffs.append(f"{who} {where} has {text}")
+                else:
+                    diffs.append(
+                        f"{who} {where} has {key}={_show(b)}, {ref_name} has {key}={_show(a)}"
+                    )
         ref_hooks, oth_hooks = compat.module_hooks(ref), compat.module_hooks(oth)
         for hooks in compat.HOOK_DICTS:
             a = [_hook_identity(h) for h in ref_hooks[hooks].values()]
@@ -304,7 +320,42 @@ def behaviour_differences(
                     + (" that differ" if len(a) == len(b) else "")
                     + "; register the same hooks on every member"
                 )
+    for at, others in shared.values():
+        if others:
+            diffs[at] += (
+                f" (the same object, held by {len(others)} more submodules, {others[0]!r}, ...)"
+            )
     return diffs
+
+
+_FIELDS_SHOWN = 8
+
+
+def _fields_that_differ(
+    a: Any, b: Any, name: str, registered: frozenset[int], depth: int = 0
+) -> list[tuple[str, Any, Any]]:
+    """``(path, member 0's value, the member's)`` of each plain field that differs between two
+    objects of settings (a Hugging Face config, a dataclass, a dict); empty for other values."""
+    fa = a if isinstance(a, dict) else getattr(a, "__dict__", None)
+    fb = b if isinstance(b, dict) else getattr(b, "__dict__", None)
+    if (
+        depth > _DEPTH
+        or not isinstance(fa, dict)
+        or not isinstance(fb, dict)
+        or type(a) is not type(b)
+        or isinstance(a, nn.Module)
+    ):
+        return []
+    out: list[tuple[str, Any, Any]] = []
+    missing = "<missing>"
+    for key in sorted(fa.keys() | fb.keys(), key=str):
+        va, vb = fa.get(key, missing), fb.get(key, missing)
+        if _same_value(va, vb, registered):
+            continue
+        path = f"{name}.{key}" if not isinstance(a, dict) else f"{name}[{key!r}]"
+        deeper = _fields_that_differ(va, vb, path, registered, depth + 1)
+        out += deeper or [(path, va, vb)]
+    return out
 
 
 def _show(value: Any) -> str:
@@ -377,3 +428,21 @@ def check_same_architecture(members: Sequence[nn.Module], where: str) -> None:
                 else ""
             )
         )
+
+
+def check_materialised(members: Sequence[nn.Module], where: str, first_index: int = 0) -> None:
+    """Refuses a member whose lazy module (``nn.LazyLinear``, ``LazyConv2d``) has not run yet:
+    its parameters have no shape to stack."""
+    for i, m in enumerate(members, start=first_index):
+        lazy = [
+            name
+            for name, t in [*m.named_parameters(), *m.named_buffers()]
+            if torch.nn.parameter.is_lazy(t)
+        ]
+        if lazy:
+            raise ValueError(
+                f"{where}: member {i}'s {lazy[0]!r} is not initialised yet (a lazy module such "
+                f"as nn.LazyLinear takes its shape from its first input), so it has no shape to "
+                f"stack. Run one forward on each member first, e.g. "
+                f"`for m in models: m(x[:1])`, then stack them."
+            )

@@ -15,19 +15,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.distributed._errors import DistributedError
 from phalanx.distributed._mesh import Shard, collective
 
 __all__ = ["describe_members", "differences", "exchange"]
 
 
 def exchange(obj: Any, shard: Shard, where: str, what: str) -> list[Any]:
-    """Every rank's ``obj``, by global rank; ``[obj]`` in a plain process."""
+    """Every rank's ``obj``, by global rank; ``[obj]`` in a plain process.
+
+    Each rank's row says which call it comes from (``where`` and ``what``): ranks that are
+    in different phalanx calls (one re-running ``shard`` while the others ``save``) all
+    raise one :class:`DistributedError` naming each rank's call, instead of reading one
+    call's row as another's.
+    """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
+    call = f"{where}: {what}"
     table: list[Any] = [None] * dist.get_world_size()
     with collective(where, shard, f"all_gather of {what}"):
-        dist.all_gather_object(table, obj)
-    return table
+        dist.all_gather_object(table, {"call": call, "value": obj})
+    calls = [row.get("call") if isinstance(row, dict) else repr(row) for row in table]
+    if any(c != call for c in calls):
+        raise DistributedError(
+            f"{where}: the ranks are not making the same phalanx call: {_by_value(calls)}. "
+            f"Every rank must call the same phalanx.distributed functions in the same order "
+            f"(a rank that re-runs phalanx.distributed.shard() or skips a save falls out of "
+            f"step with the others)."
+        )
+    return [row["value"] for row in table]
 
 
 def describe_members(module: nn.Module) -> dict[str, str]:

@@ -41,7 +41,15 @@ from phalanx.distributed._agree import describe_members, exchange
 from phalanx.distributed._mesh import Shard, layout
 from phalanx.distributed._parts import PARTS, encode_part, localize_loader
 from phalanx.distributed._shard import _shards, shard_of
-from phalanx.distributed._sources import FORMAT, INDEX, STACK, VERSION, Sharded, SingleFile
+from phalanx.distributed._sources import (
+    FORMAT,
+    INDEX,
+    STACK,
+    SUPERSEDED,
+    VERSION,
+    Sharded,
+    SingleFile,
+)
 from phalanx.distributed._transaction import (
     file_name,
     generation_name,
@@ -200,6 +208,10 @@ def save(
     _health.note_checkpoint(f"{directory} generation {generation}")
 
 
+_LOAD_ATTEMPTS = 5
+"""How often a load reads the newest generation again when saves keep replacing it."""
+
+
 def _check_stack(stack: Stack, shard: Shard, where: str) -> None:
     if len(stack) != shard.num_local:
         raise ValueError(
@@ -271,28 +283,43 @@ def load(
     """
     where = "phalanx.distributed.load()"
     location = Path(path)
-    source: Sharded | SingleFile = (
-        SingleFile(location, where) if location.is_file() else Sharded(location)
-    )
-    n = source.num_members
-    if shard is None:
-        known = _shards.get(stack)
-        shard = known if known is not None else layout(n)
-    if shard.num_members != n:
-        raise CheckpointError(
-            f"{where}: the checkpoint {location} holds {n} members but this run has "
-            f"{shard.num_members}; build the stack with num_members={n}."
+    for _ in range(_LOAD_ATTEMPTS):
+        source: Sharded | SingleFile = (
+            SingleFile(location, where) if location.is_file() else Sharded(location)
         )
-    _check_stack(stack, shard, where)
-    own = stack.state_dict()
-    missing, unexpected = sorted(set(own) - source.stack_keys), sorted(source.stack_keys - set(own))
-    if missing or unexpected:
+        n = source.num_members
+        if shard is None:
+            known = _shards.get(stack)
+            shard = known if known is not None else layout(n)
+        if shard.num_members != n:
+            raise CheckpointError(
+                f"{where}: the checkpoint {location} holds {n} members but this run has "
+                f"{shard.num_members}; build the stack with num_members={n}."
+            )
+        _check_stack(stack, shard, where)
+        own = stack.state_dict()
+        missing = sorted(set(own) - source.stack_keys)
+        unexpected = sorted(source.stack_keys - set(own))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{where}: the checkpoint's members have other parameters and buffers than the "
+                f"stack's: missing from the checkpoint {missing}, not in the stack "
+                f"{unexpected}. Build the members with the architecture that was saved."
+            )
+        problem = source.select(shard.global_indices)
+        generations = {row for row in exchange(source.generation, shard, where, "the generation")}
+        if problem is None and len(generations) > 1:  # a save committed between two reads
+            problem = f"the ranks read generations {sorted(generations)}: one {SUPERSEDED}"
+        problem = _agree(problem, shard, where)
+        if problem is None or SUPERSEDED not in problem:
+            break
+        # A save committed a new generation (and removed this one) while this load read it:
+        # every rank learnt it from the same exchange and reads the new one.
+    else:
         raise CheckpointError(
-            f"{where}: the checkpoint's members have other parameters and buffers than the "
-            f"stack's: missing from the checkpoint {missing}, not in the stack {unexpected}. "
-            f"Build the members with the architecture that was saved."
+            f"{where}: the checkpoint {location} was replaced by a newer save each of the "
+            f"{_LOAD_ATTEMPTS} times this load read it ({problem}); load while saves pause."
         )
-    problem = _agree(source.select(shard.global_indices), shard, where)
     if problem is not None:
         raise CheckpointError(
             f"{where}: the checkpoint {location} is damaged: {problem}. A killed save never "

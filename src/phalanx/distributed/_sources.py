@@ -7,6 +7,7 @@ by ``phalanx.save`` through :class:`SingleFile`. Both give a block of members' r
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -16,8 +17,9 @@ import torch
 from safetensors import safe_open
 
 from phalanx._torch_compat import pytree
-from phalanx.checkpoint._files import checksum
+from phalanx.checkpoint._files import checksum, tensors_digest
 from phalanx.checkpoint._fit import CheckpointError, decode, parse_meta
+from phalanx.checkpoint._single import DIGEST
 from phalanx.distributed._parts import MEMBER, REPLICA
 
 __all__ = ["FORMAT", "INDEX", "VERSION", "Sharded", "SingleFile", "read_index"]
@@ -114,16 +116,40 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     return index
 
 
+SUPERSEDED = "was committed by a newer save while this load read it"
+"""In the problem a load reports when a save removed the generation it was reading."""
+
+
+def _gone(directory: Path, file: Path) -> str:
+    """Why ``file`` is not there: a newer save committed meanwhile (and removed the
+    generation this load read), or the file was lost."""
+    try:
+        now = json.loads((directory / INDEX).read_text())["shards"][0]["file"].split("/")[0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        now = None
+    if now is not None and now != file.parent.name:
+        return (
+            f"{file} is gone: generation {now!r} {SUPERSEDED} (the previous one is removed "
+            f"once the new one is whole); load again to read the new one"
+        )
+    return f"{file} is missing"
+
+
 def _verify(directory: Path, entry: dict[str, Any], full: bool) -> str | None:
     """Why the file ``entry`` names is not the one the index committed, or None."""
     file = directory / entry["file"]
+    try:
+        size = file.stat().st_size
+        if size != entry["size"]:
+            return (
+                f"{file} has {size} bytes, the index says {entry['size']} (truncated or replaced)"
+            )
+        if full and checksum(file)[1] != entry["sha256"]:
+            return f"{file} does not match the SHA-256 the index recorded (corrupt or replaced)"
+    except FileNotFoundError:  # a save that committed meanwhile removed it
+        return _gone(directory, file)
     if not file.is_file():
-        return f"{file} is missing"
-    size = file.stat().st_size
-    if size != entry["size"]:
-        return f"{file} has {size} bytes, the index says {entry['size']} (truncated or replaced)"
-    if full and checksum(file)[1] != entry["sha256"]:
-        return f"{file} does not match the SHA-256 the index recorded (corrupt or replaced)"
+        return f"{file} is not a file"
     return None
 
 
@@ -138,6 +164,7 @@ class Sharded:
         self.optimizer_type = (self.index.get("optimizer") or {}).get("type")
         self._files: list[tuple[range, Any]] = []
         self._block = range(0)
+        self.generation: str | None = self.index["shards"][0]["file"].split("/")[0]
 
     def select(self, block: range) -> str | None:
         """Opens the files holding ``block``'s members; why one is not as committed, or None.
@@ -153,8 +180,11 @@ class Sharded:
             if overlaps:
                 file = self.directory / entry["file"]
                 try:
+                    # Open, a file stays readable whatever a later save removes.
                     self._files.append((stored, safe_open(str(file), framework="pt")))
                 except Exception as e:  # safetensors' own error type
+                    if not file.exists():
+                        return _gone(self.directory, file)
                     return f"{file} is not a readable safetensors file ({e})"
         self._block = block
         return None
@@ -252,6 +282,16 @@ class SingleFile:
         self.optimizer_type = types.get("optimizer") if isinstance(types, dict) else None
         self._block = range(0)
         self._where = where
+        self.generation: str | None = None
+        recorded = (self.file.metadata() or {}).get(DIGEST)  # files saved before have none
+        if recorded is not None:
+            tensors = {k: self.file.get_tensor(k) for k in self.keys}
+            if recorded != tensors_digest(raw, tensors):
+                raise CheckpointError(
+                    f"{where}: {file} is corrupt: its contents do not match the SHA-256 "
+                    f"recorded when it was saved (damaged on disk or in a copy). Load an "
+                    f"intact copy of it."
+                )
 
     def select(self, block: range) -> str | None:
         self._block = block

@@ -7,6 +7,7 @@ Every hyperparameter is a number or an (N,) tensor, steps take a per-member `mas
 from ._adam import Adam, AdamW, adam_update
 from ._base import MemberOptimizer, NonFiniteWarning
 from ._lbfgs import LBFGS
+from ._lion import Lion
 from ._schedule import MemberLambdaLR, MemberScheduler
 from ._sgd import SGD
 
@@ -15,6 +16,7 @@ __all__ = [
     "SGD",
     "Adam",
     "AdamW",
+    "Lion",
     "MemberLambdaLR",
     "MemberOptimizer",
     "MemberScheduler",

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, math_dtype, per_member
+from ._base import MemberOptimizer, per_member, powers
 
 __all__ = ["Adam", "AdamW", "adam_update"]
 
@@ -69,8 +69,8 @@ def adam_update(
         denom = exp_avg_sq.sqrt()
     # Bias corrections per member, in float64 as torch's Python floats: a member's count is
     # its own, and a parameter without a gradient in some steps has its own count, as in torch.
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
+    bias_correction1 = 1 - powers(beta1, step)
+    bias_correction2 = 1 - powers(beta2, step)
     denom = denom / per_member(bias_correction2.sqrt(), p)
     denom = denom + per_member(eps, denom)
     # lr / bias_correction1 as a tensor division: a Python float over a tensor is
@@ -102,11 +102,13 @@ class Adam(MemberOptimizer):
             warn which (see `MemberOptimizer`).
         freeze_after: with `skip_nonfinite`, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
-        fused: on the CPU, run torch's fused Adam kernel when every hyperparameter has one
-            value for all members and the step counts agree: one pass over memory instead of
-            eight (3.5x faster on W4's 8.6M parameters per tensor), but then each member
-            equals torch.optim to float rounding only, and its bits depend on the number of
-            members and on masks elsewhere. Off by default: bit for bit.
+        fused: which torch.optim each member equals bit for bit. False (the default):
+            torch.optim.Adam's default single-tensor arithmetic, run on cache-sized blocks of
+            the stacked tensors. True: torch.optim.Adam(fused=True), torch's fused kernel
+            called on the members' views ``p[i]`` (once per set of members that share every
+            hyperparameter value, masked members left out): one pass over memory, at the
+            speed of torch's fused kernel over the loop's tensors. Both hold whatever N,
+            masks and per-member hyperparameters.
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members
@@ -163,34 +165,11 @@ class Adam(MemberOptimizer):
             warn_skipped=warn_skipped,
         )
 
-    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
-        state["step"] = torch.zeros(self.num_members, dtype=math_dtype(p.device), device=p.device)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if group["amsgrad"]:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
 
-    def _update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        # The same operations, in the same order and precision, as torch.optim's
-        # single-tensor Adam, with (N, 1, ...) tensors where it has Python floats: one path
-        # for every case, shared numbers and per-member tensors alike. torch's fused Adam
-        # kernel runs only when asked for (fused=True): its vectorised body and scalar tail
-        # round differently, so a member's bits would depend on its offset in the stack
-        # (on N) and on whether another member was masked.
-        device = params[0].device
-        states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        compat.foreach_add_(steps, 1)
-        if self._fused_kernel_applies(group, steps):
-            self._fused_update(group, params, grads, steps, exp_avgs, exp_avg_sqs)
-            return
-        counts = self._shared_counts(group, steps)
-        if counts is not None:
-            self._shared_update(group, params, grads, counts, exp_avgs, exp_avg_sqs)
-            return
-        hypers = {
+    def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """``betas`` as "beta1" and "beta2"; the others by their group keys."""
+        return {
             "lr": self._lr(group, device),
             "beta1": self._values(group["betas"][0], device),
             "beta2": self._values(group["betas"][1], device),
@@ -198,134 +177,58 @@ class Adam(MemberOptimizer):
             "weight_decay": self._values(group["weight_decay"], device),
             "maximize": self._values(group["maximize"], device),
         }
-        for p, g, state in zip(params, grads, states):
-            new = adam_update(
-                p,
-                g,
-                state["step"],
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                state["max_exp_avg_sq"] if group["amsgrad"] else None,
-                **hypers,
-                decoupled=self._DECOUPLED,
-            )
-            p.copy_(new.pop("param"))
-            for key, value in new.items():
-                state[key].copy_(value)
 
-    def member_hyperparameters(
-        self, group: dict[str, Any], device: torch.device
+    def options(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {"amsgrad": bool(group["amsgrad"]), "decoupled": self._DECOUPLED}
+
+    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        return {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in keys}
+
+    @staticmethod
+    def update(
+        p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
     ) -> dict[str, Tensor]:
-        """A group's hyperparameters as (N,) tensors in the math dtype, as ``adam_update`` takes
-        them (the captured step feeds them to its graph as inputs)."""
+        """``adam_update`` on the protocol's arguments."""
+        return adam_update(
+            p,
+            g,
+            state["step"],
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["max_exp_avg_sq"] if options["amsgrad"] else None,
+            **h,
+            decoupled=options["decoupled"],
+        )
 
-        def full(value: float | Tensor) -> Tensor:
-            if isinstance(value, Tensor):
-                return value.contiguous()
-            return torch.full((self.num_members,), value, dtype=math_dtype(device), device=device)
-
-        maximize = self._values(group["maximize"], device)
-        return {
-            "lr": full(self._lr(group, device)),
-            "beta1": full(self._values(group["betas"][0], device)),
-            "beta2": full(self._values(group["betas"][1], device)),
-            "eps": full(self._values(group["eps"], device)),
-            "weight_decay": full(self._values(group["weight_decay"], device)),
-            "maximize": maximize
-            if isinstance(maximize, Tensor)
-            else torch.full((self.num_members,), bool(maximize), device=device),
-        }
-
-    def _shared_counts(self, group: dict[str, Any], steps: list[Tensor]) -> list[float] | None:
-        """Each parameter's step count when every member shares it and every hyperparameter
-        is one number, on the CPU (elsewhere reading the counts would cost a sync): then the
-        update below runs torch.optim's own operations with its own Python numbers."""
-        scalars = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-        if group["member_lr"] is not None or group["amsgrad"]:
-            return None
-        if any(isinstance(v, Tensor) for v in [*scalars, group["maximize"]]):
-            return None
-        if steps[0].device.type != "cpu":
-            return None
-        step = torch.stack(steps)  # (P, N)
-        if not bool((step == step[:, :1]).all()):
-            return None  # a masked or skipped member has its own count
-        return step[:, 0].tolist()
-
-    def _shared_update(
+    def fused_update(
         self,
         group: dict[str, Any],
+        members: list[int],
         params: list[Tensor],
         grads: list[Tensor],
-        counts: list[float],
-        exp_avgs: list[Tensor],
-        exp_avg_sqs: list[Tensor],
+        values: dict[str, Any],
     ) -> None:
-        """torch.optim's single-tensor Adam, operation for operation and number for number,
-        on whole stacked tensors (elementwise, so each member's bits are its own whatever N):
-        the general path's (N, 1, ...) hyperparameter tensors and float64 bias corrections
-        cost about 2.5x the time (W4: 33 ms against 13 ms a step) for the same bits."""
-        lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
-        eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
-        if group["maximize"]:
-            grads = list(compat.foreach_neg(grads))
-        if weight_decay != 0:
-            if self._DECOUPLED:
-                compat.foreach_mul_(params, 1 - lr * weight_decay)
-            else:
-                grads = list(compat.foreach_add(grads, params, alpha=weight_decay))
-        compat.foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        compat.foreach_mul_(exp_avg_sqs, beta2)
-        compat.foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        for p, m, v, step in zip(params, exp_avgs, exp_avg_sqs, counts):
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            step_size = lr / bias_correction1
-            denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
-            p.addcdiv_(m, denom, value=-step_size)
-
-    def _fused_kernel_applies(self, group: dict[str, Any], steps: list[Tensor]) -> bool:
-        """True when `fused=True` was asked for and torch's fused Adam kernel can run this
-        step on the CPU: one value of every hyperparameter for all members and one step count
-        per parameter (a mask or a skipped member makes the counts differ). On CUDA the check
-        would cost a synchronisation, so the exact path runs there.
-        """
-        if not self.fused:
-            return False
-        scalars = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-        if group["member_lr"] is not None or any(isinstance(v, Tensor) for v in scalars):
-            return False
-        if isinstance(group["maximize"], Tensor) or steps[0].device.type != "cpu":
-            return False
-        step = torch.stack(steps)
-        return bool((step == step[:, :1]).all())
-
-    def _fused_update(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        steps: list[Tensor],
-        exp_avgs: list[Tensor],
-        exp_avg_sqs: list[Tensor],
-    ) -> None:
-        states = [self.state[p] for p in params]
         kernel = compat.fused_adamw_ if self._DECOUPLED else compat.fused_adam_
-        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in params]
+
+        def views(tensors: list[Tensor]) -> list[Tensor]:
+            return [t[i] for t in tensors for i in members]
+
         kernel(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
-            [s[0] for s in steps],  # the members' common count, as a 0-d view
-            amsgrad=group["amsgrad"],
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            weight_decay=float(group["weight_decay"]),
-            eps=float(group["eps"]),
-            maximize=bool(group["maximize"]),
+            views(params),
+            views(grads),
+            views([s["exp_avg"] for s in states]),
+            views([s["exp_avg_sq"] for s in states]),
+            views([s["max_exp_avg_sq"] for s in states]) if group["amsgrad"] else [],
+            views([s["step"] for s in states]),
+            amsgrad=bool(group["amsgrad"]),
+            lr=float(values["lr"]),
+            beta1=float(values["beta1"]),
+            beta2=float(values["beta2"]),
+            weight_decay=float(values["weight_decay"]),
+            eps=float(values["eps"]),
+            maximize=bool(values["maximize"]),
         )
 
 

@@ -10,7 +10,7 @@ never over members.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias, overload
 
 import torch
@@ -76,6 +76,20 @@ def per_member(h: Any, like: Tensor) -> Any:
         return h
     dtype = torch.bool if h.dtype == torch.bool else like.dtype
     return h.to(device=like.device, dtype=dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+def powers(base: float | Tensor, exponent: Tensor) -> Tensor:
+    """``base ** exponent`` elementwise, (N,), rounded as Python's ``float ** float`` whatever N.
+
+    torch's vectorised ``pow`` (16 or more contiguous float64 elements) rounds some powers
+    differently from the C library's ``pow`` that Python and torch's scalar loop call: with 16
+    members, 578 of 18000 bias corrections ``0.9 ** t`` differed in the last bit. Strided
+    operands take the scalar loop, so a member's bias correction is torch.optim's.
+    """
+    strided = torch.stack([exponent, exponent], -1)[..., 0]
+    if isinstance(base, Tensor):
+        base = torch.stack([base, base], -1)[..., 0]
+    return base**strided
 
 
 def rows(values: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
@@ -217,9 +231,15 @@ def _absolute_rates(scheduler: Any) -> str | None:
 class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     """A torch optimizer over stacked parameters whose members are independent experiments.
 
-    Subclasses list their hyperparameters in `_HYPER` and implement `_init_state` and
-    `_update`; this class validates hyperparameters, keeps per-member learning rates, applies
-    step masks and skips members whose loss or gradients are not finite.
+    A subclass is one update rule behind one protocol, which the eager step and
+    ``phalanx.compile_step`` both read: ``HYPERPARAMETERS`` (the names of the per-member
+    hyperparameters its update takes), ``update_hyperparameters(group)`` (their values),
+    ``options(group)`` (the Python values it branches on), ``init_state`` and the pure,
+    elementwise ``update``; optionally ``fused_update``, torch's fused kernel for
+    ``fused=True``. It lists its group's keys with their kinds in ``_HYPER`` for validation.
+    This class validates hyperparameters, keeps per-member learning rates, applies step masks,
+    skips members whose loss or gradients are not finite, and runs the rule on cache-sized
+    blocks of the stacked tensors (see docs/ARCHITECTURE.md, "Adding an optimizer").
 
     Learning rates: `group["lr"]` is always a number, so that torch LR schedulers, which
     multiply it or `fill_` it, work unchanged. A per-member learning rate passed as an (N,)
@@ -404,6 +424,8 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
 
     def _values(self, value: Any, device: torch.device) -> float | Tensor:
         """A group's hyperparameter as a number or an (N,) tensor in the math dtype."""
+        if isinstance(value, bool):
+            return value
         if not isinstance(value, Tensor):
             return float(value)
         if value.shape not in {(), (self.num_members,)}:
@@ -422,14 +444,101 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         return self._values(group["member_lr"], device) * lr
 
     # ----------------------------------------------------------------------------------------
+    # The update-rule protocol: what a subclass defines, and what the eager step and
+    # phalanx.compile_step both read (docs/ARCHITECTURE.md, "Adding an optimizer").
+
+    #: The names of the hyperparameters ``update`` takes in ``h``, as
+    #: returns them (the captured step feeds each to its graph as an (N,) input).
+    HYPERPARAMETERS: tuple[str, ...] = ()
+
+    def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """A group's hyperparameters as ``update`` takes them, by ``HYPERPARAMETERS`` name:
+        each a Python number shared by all members or an (N,) tensor in the math dtype (bool
+        for flags). "lr" is the member's rate (``group["lr"]`` times ``member_lr``); any other
+        name is the group's entry of that name. A rule whose names differ from its group's
+        keys (Adam's "beta1" from ``betas``) overrides this."""
+        return {
+            name: self._lr(group, device) if name == "lr" else self._values(group[name], device)
+            for name in self.HYPERPARAMETERS
+        }
+
+    def options(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The Python values ``update`` branches on for this group (Adam's ``amsgrad``): the
+        captured graph is specialised on them, so they must be few and rarely change."""
+        return {}
+
+    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        """A parameter's fresh optimizer state besides "step" (which this class keeps, (N,)),
+        each tensor shaped like ``p`` (N, *shape) or (N,)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no init_state")
+
+    @staticmethod
+    def update(
+        p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
+    ) -> dict[str, Tensor]:
+        """The rule: one step of a stacked parameter, nothing written (a pure function).
+
+        Args:
+            p: (N, ...) the parameter; g: (N, ...) its gradient.
+            state: its state, "step" (N,) already counting this step.
+            h: ``update_hyperparameters(group)``: numbers or (N,) tensors, broadcast over a stacked
+                tensor with ``per_member``.
+            **options: ``options(group)``.
+
+        Returns:
+            "param" and the state entries that change (a key absent from ``state`` is added
+            to it), each shaped as its input. Elementwise: an element of the result depends
+            only on the same element of ``p``, ``g`` and the state and on its member's
+            hyperparameters, so the eager step runs it on cache-sized blocks of the stacked
+            tensors and member i's bits are torch.optim's on member i alone whatever N.
+        """
+        raise NotImplementedError
+
+    def fused_update(
+        self,
+        group: dict[str, Any],
+        members: list[int],
+        params: list[Tensor],
+        grads: list[Tensor],
+        values: dict[str, Any],
+    ) -> None:
+        """Optional (``fused=True``): torch's fused kernel on the views ``p[i]`` of
+        ``members``, which share the Python numbers ``values`` (``update_hyperparameters``'s names);
+        "step" already counts this step. Rules without a torch kernel leave it undefined."""
+        raise NotImplementedError
+
+    #: Elements of a block of the eager step: a few of the stacked tensors' blocks and the
+    #: rule's temporaries fit in a core's cache, and the Python cost per block is amortised.
+    BLOCK = 1 << 17
+
+    def ensure_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        """``p``'s state, created (step 0, then ``init_state``) on first use."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros(
+                self.num_members, dtype=math_dtype(p.device), device=p.device
+            )
+            state.update(self.init_state(group, p))
+        return state
+
+    def member_hyperparameters(
+        self, group: dict[str, Any], device: torch.device
+    ) -> dict[str, Tensor]:
+        """``update_hyperparameters`` with every value an (N,) tensor (bool for flags): the captured
+        step's graph inputs, so that a new value changes an input, not the graph."""
+        n = self.num_members
+        out = {}
+        for name, value in self.update_hyperparameters(group, device).items():
+            if isinstance(value, Tensor):
+                out[name] = value.contiguous()
+            elif isinstance(value, bool):
+                out[name] = torch.full((n,), value, device=device)
+            else:
+                out[name] = torch.full((n,), value, dtype=math_dtype(device), device=device)
+        return out
+
+    # ----------------------------------------------------------------------------------------
     # Stepping
-
-    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def _update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        """Updates `params` and their state in place, every member as if it were alone."""
-        raise NotImplementedError
 
     @torch.no_grad()
     def step(
@@ -480,24 +589,100 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             for p in params:
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{self._NAME}.step(): sparse gradients are not supported.")
-                if not self.state[p]:
-                    self._init_state(group, p, self.state[p])
+                self.ensure_state(group, p)
             grads = [p.grad for p in params]
-            if active is None:
-                self._update(group, params, grads)
-                continue
-            # Update every member with the same kernels as an unmasked step, so active members
-            # match it bit for bit, then put back the masked members' weights and state.
-            # Updates are elementwise, so a masked member's NaNs never reach the others.
-            guarded = params + [
-                t for p in params for t in self.state[p].values() if isinstance(t, Tensor)
-            ]
-            saved = [t.clone() for t in guarded]
-            self._update(group, params, grads)
-            for t, s in zip(guarded, saved, strict=True):
-                keep = active.to(t.device).view(-1, *([1] * (t.dim() - 1)))
-                torch.where(keep, t, s, out=t)
+            if getattr(self, "fused", False) and self._fused_applies(params, grads):
+                self._fused_step(group, params, grads, active)
+            else:
+                self._blocked_step(group, params, grads, active)
         return result
+
+    def _blocked_step(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        active: Tensor | None,
+    ) -> None:
+        """``update`` on blocks of ``BLOCK`` elements of each stacked tensor, written back in
+        place: no temporary larger than a block, and a masked member's block keeps its old
+        values (``torch.where`` into the state), so nothing the size of the stack is cloned."""
+        device = params[0].device
+        h = self.update_hyperparameters(group, device)
+        options = self.options(group)
+        rule = type(self).update
+        for p, g in zip(params, grads, strict=True):
+            state = self.state[p]
+            step = state["step"] + 1
+            keep = None if active is None else active.to(p.device)
+            started: dict[str, Tensor] = {}  # state entries the rule starts now (SGD's buffer)
+            for rows, flat, blocks in _blocks(p, g, state, self.BLOCK):
+                part = {k: v[blocks] for k, v in flat.items() if k not in ("param", "grad")}
+                part["step"] = step[rows]
+                hb = {k: v[rows] if isinstance(v, Tensor) else v for k, v in h.items()}
+                new = rule(flat["param"][blocks], flat["grad"][blocks], part, hb, **options)
+                for key, value in new.items():
+                    if key not in flat and key not in started:
+                        state[key] = torch.zeros_like(p)
+                        whole = flat["param"] is p
+                        started[key] = state[key] if whole else state[key].view(p.shape[0], -1)
+                    target = (flat[key] if key in flat else started[key])[blocks]
+                    if keep is None:
+                        target.copy_(value)
+                    else:
+                        m = keep[rows].view(-1, *([1] * (target.dim() - 1)))
+                        torch.where(m, value, target, out=target)
+            if keep is None:
+                state["step"].copy_(step)
+            else:
+                torch.where(keep, step, state["step"], out=state["step"])
+
+    def _fused_applies(self, params: list[Tensor], grads: list[Tensor]) -> bool:
+        """Whether torch's fused kernel can run on the members' views: each must be
+        contiguous (a member's view of a contiguous stacked tensor is). Otherwise the step
+        runs the exact single-tensor path, and says so once."""
+        tensors = [*params, *grads]
+        tensors += [t for p in params for t in self.state[p].values() if t.dim() > 1]
+        if all(t.is_contiguous() for t in tensors):
+            return True
+        if not getattr(self, "_warned_fused", False):
+            self._warned_fused = True
+            warn(
+                f"{self._NAME}(fused=True): a parameter, gradient or state tensor is not "
+                "contiguous, so torch's fused kernel cannot run on the members' views; this "
+                "step runs the default (single-tensor) arithmetic, whose bits are those of "
+                "torch.optim without fused=True."
+            )
+        return False
+
+    def _fused_step(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        active: Tensor | None,
+    ) -> None:
+        """torch's fused kernel once per set of members that share every hyperparameter
+        value, on the members' views ``p[i]``: each view is its own tensor to the kernel (its
+        own vector body and tail), so member i gets the bits of ``torch.optim`` with
+        ``fused=True`` on member i alone, whatever N, and a masked member is left out."""
+        device = params[0].device
+        h = self.update_hyperparameters(group, device)
+        n = self.num_members
+        columns = {k: v.tolist() if isinstance(v, Tensor) else [v] * n for k, v in h.items()}
+        flags = [True] * n if active is None else active.tolist()
+        steps = [self.state[p]["step"] for p in params]
+        if active is None:
+            compat.foreach_add_(steps, 1)
+        else:
+            increment = active.to(device=steps[0].device, dtype=steps[0].dtype)
+            compat.foreach_add_(steps, [increment] * len(steps))
+        sets: dict[tuple, list[int]] = {}
+        for i in range(n):
+            if flags[i]:
+                sets.setdefault(tuple(columns[k][i] for k in h), []).append(i)
+        for key, members in sets.items():
+            self.fused_update(group, members, params, grads, dict(zip(h, key)))
 
     def _isolate(
         self, mask: Tensor | None, loss: Tensor | None, device: torch.device
@@ -569,3 +754,36 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             self.last_skipped = members["last_skipped"].to(device, torch.bool)
             self.bad_steps = members["bad_steps"].to(device, torch.int64)
             self.frozen = members["frozen"].to(device, torch.bool)
+
+
+def _flat_view(t: Tensor, p: Tensor) -> Tensor | None:
+    """``t`` as (N, M) without a copy, when it is shaped like ``p``; else None."""
+    if t.shape != p.shape or p.dim() < 1:
+        return None
+    try:
+        return t.view(p.shape[0], -1)
+    except RuntimeError:  # not viewable (strided): the rule runs on the whole tensor
+        return None
+
+
+def _blocks(
+    p: Tensor, g: Tensor, state: dict[str, Any], size: int
+) -> Iterator[tuple[slice, dict[str, Tensor], tuple[slice, ...]]]:
+    """The blocks of ``update``: (member rows, the tensors by name as (N, M) views, the
+    block's index into them), ``size`` elements or so each, rows of members first."""
+    tensors = {"param": p, "grad": g, **{k: v for k, v in state.items() if k != "step"}}
+    flat = {k: _flat_view(v, p) for k, v in tensors.items()}
+    n = p.shape[0] if p.dim() else 1
+    if any(v is None for v in flat.values()) or p.numel() <= size:
+        yield slice(0, n), tensors, (slice(None),)  # one block: the tensors as they are
+        return
+    views: dict[str, Tensor] = flat  # type: ignore[assignment]
+    m = p.numel() // n
+    if m >= size:
+        for i in range(n):
+            for c in range(0, m, size):
+                yield slice(i, i + 1), views, (slice(i, i + 1), slice(c, c + size))
+    else:
+        per = max(1, size // m)
+        for r in range(0, n, per):
+            yield slice(r, r + per), views, (slice(r, r + per), slice(None))

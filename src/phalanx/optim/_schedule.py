@@ -162,16 +162,31 @@ class MemberScheduler:
         self._plateau = isinstance(self.schedulers[0], torch.optim.lr_scheduler.ReduceLROnPlateau)
         if self._plateau:
             # its state (best, bad epochs) follows one metric: one scheduler per member
+            # built once on the stand-in of every (group, member), so a min_lr given per
+            # member (a list of N) is read there, then split: member i's scheduler is that one
+            # over member i's groups with member i's min_lrs (make() on a one-member stand-in
+            # would refuse N min_lrs for its one group)
             self.shadows = [
                 _Shadow([row[i] for row in per_member], self._shadow_defaults()) for i in range(n)
             ]
-            self.schedulers = [make(s) for s in self.shadows]
+            self.schedulers = [self._plateau_of(shadow, i) for i, shadow in enumerate(self.shadows)]
         for group in optimizer.param_groups:
             if group["member_lr"] is None:  # one rate for all: from now on, one per member
                 group["member_lr"] = torch.ones(n, dtype=torch.float64)
                 dict.__setitem__(group, "lr", 1.0)
         optimizer._attach_schedule(self)
         self._write()
+
+    def _plateau_of(self, shadow: _Shadow, i: int) -> Any:
+        """Member i's ReduceLROnPlateau: the one built over every member's stand-in groups,
+        copied onto member i's stand-in with member i's min_lrs."""
+        built = self.schedulers[0]
+        n = self.optimizer.num_members
+        scheduler = copy.copy(built)
+        scheduler.optimizer = shadow
+        scheduler.min_lrs = [built.min_lrs[g * n + i] for g in range(len(shadow.param_groups))]
+        scheduler._last_lr = [float(g["lr"]) for g in shadow.param_groups]
+        return scheduler
 
     def _shadow_defaults(self) -> dict[str, Any]:
         # OneCycleLR and CyclicLR look for momentum or betas here to cycle them

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, axpy, math_dtype, rows, signed, views
+from ._base import MemberOptimizer, per_member
 
 __all__ = ["SGD"]
 
@@ -33,6 +33,10 @@ class SGD(MemberOptimizer):
             warn which (see `MemberOptimizer`).
         freeze_after: with `skip_nonfinite`, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
+        fused: which torch.optim each member equals bit for bit. False (the default):
+            torch.optim.SGD's default single-tensor arithmetic, on cache-sized blocks of the
+            stacked tensors. True: torch.optim.SGD(fused=True), torch's fused kernel on the
+            members' views ``p[i]``, once per set of members that share every value.
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(4, 3))  # 4 members
@@ -65,7 +69,9 @@ class SGD(MemberOptimizer):
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
+        fused: bool = False,
     ) -> None:
+        self.fused = bool(fused)
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -96,51 +102,95 @@ class SGD(MemberOptimizer):
                 "needs momentum > 0 and dampening = 0."
             )
 
-    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
-        state["step"] = torch.zeros(self.num_members, dtype=math_dtype(p.device), device=p.device)
+    HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+
+    def options(self, group: dict[str, Any]) -> dict[str, Any]:
         momentum = group["momentum"]
-        if isinstance(momentum, Tensor) or momentum != 0:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return {"momentum": isinstance(momentum, Tensor) or momentum != 0}
 
-    def _update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        device = params[0].device
-        steps = [self.state[p]["step"] for p in params]
-        compat.foreach_add_(steps, 1)
-        grads = signed(grads, self._values(group["maximize"], device))
-        weight_decay = self._values(group["weight_decay"], device)
-        if isinstance(weight_decay, Tensor) or weight_decay != 0:
-            grads = axpy(grads, params, views(weight_decay, params))
+    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        if not self.options(group)["momentum"]:
+            return {}
+        return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
-        momentum = self._values(group["momentum"], device)
-        if isinstance(momentum, Tensor) or momentum != 0:
-            dtype = steps[0].dtype
-            momentum = torch.as_tensor(momentum, dtype=dtype, device=device)
-            dampening = self._values(group["dampening"], device)
-            keep = 1 - torch.as_tensor(dampening, dtype=dtype, device=device)
+    @staticmethod
+    def update(
+        p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
+    ) -> dict[str, Tensor]:
+        """torch.optim.SGD's single-tensor step, with (N, 1, ...) tensors for its numbers."""
+        maximize, weight_decay, lr = h["maximize"], h["weight_decay"], h["lr"]
+        if isinstance(maximize, Tensor):
+            g = g * per_member(torch.where(maximize, -1.0, 1.0), g)  # g * -1 is exactly -g
+        elif maximize:
+            g = -g
+        if isinstance(weight_decay, Tensor):
+            g = torch.addcmul(g, p, per_member(weight_decay, p))
+        elif weight_decay != 0:  # rounded as torch's grad.add(param, alpha=weight_decay)
+            g = g.add(p, alpha=weight_decay)
+        new: dict[str, Tensor] = {}
+        if options["momentum"]:
+            step = state["step"]
+            momentum = torch.as_tensor(h["momentum"], dtype=step.dtype, device=step.device)
+            keep = 1 - torch.as_tensor(h["dampening"], dtype=step.dtype, device=step.device)
             # torch starts a buffer as a copy of the gradient (and uses the bare gradient
             # when momentum is 0): a zero buffer, decay 0 and gradient weight 1 give the same
-            # bits. fresh: (P, N), per parameter and member.
-            fresh = (torch.stack(steps) == 1) | (momentum == 0)
-            for j, p in enumerate(params):
-                if "momentum_buffer" not in self.state[p]:
-                    # momentum was 0 until now (a scheduler): the buffer starts for everyone
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                    fresh[j] = True
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            compat.foreach_mul_(bufs, rows(torch.where(fresh, 0.0, momentum), bufs))
-            compat.foreach_addcmul_(bufs, grads, rows(torch.where(fresh, 1.0, keep), bufs))
-            nesterov = self._values(group["nesterov"], device)
+            # bits. A buffer absent so far (momentum was 0 until a scheduler changed it)
+            # starts now for every member.
+            buf = state.get("momentum_buffer")
+            fresh = (step == 1) | (momentum == 0)
+            if buf is None:
+                buf, fresh = torch.zeros_like(p), torch.ones_like(fresh)
+            buf = buf * per_member(torch.where(fresh, 0.0, momentum), buf)
+            buf = torch.addcmul(buf, g, per_member(torch.where(fresh, 1.0, keep), buf))
+            new["momentum_buffer"] = buf
+            nesterov = h["nesterov"]
             if isinstance(nesterov, Tensor):
-                ahead = axpy(grads, bufs, views(momentum, bufs))
-                flags = views(nesterov, bufs)
-                grads = [torch.where(f, a, b) for f, a, b in zip(flags, ahead, bufs, strict=True)]
+                ahead = torch.addcmul(g, buf, per_member(momentum, buf))
+                g = torch.where(per_member(nesterov, buf), ahead, buf)
             elif nesterov:
-                grads = axpy(grads, bufs, views(momentum, bufs))
+                g = torch.addcmul(g, buf, per_member(momentum, buf))
             else:
-                grads = bufs
-
-        lr = self._lr(group, device)
+                g = buf
         if isinstance(lr, Tensor):
-            compat.foreach_addcmul_(params, grads, views(-lr, params))
+            new["param"] = torch.addcmul(p, g, per_member(-lr, p))
         else:
-            compat.foreach_add_(params, grads, alpha=-lr)
+            new["param"] = p.add(g, alpha=-lr)
+        return new
+
+    def fused_update(
+        self,
+        group: dict[str, Any],
+        members: list[int],
+        params: list[Tensor],
+        grads: list[Tensor],
+        values: dict[str, Any],
+    ) -> None:
+        # torch's kernel takes one is_first_step per call: a member's first step copies the
+        # gradient into its buffer. Members (and parameters) split by it.
+        momentum = float(values["momentum"])
+        calls: dict[bool, tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
+        for p, g in zip(params, grads, strict=True):
+            state = self.state[p]
+            steps = state["step"].tolist()
+            for i in members:
+                first = momentum != 0 and steps[i] == 1
+                ps, gs, bufs = calls.setdefault(first, ([], [], []))
+                ps.append(p[i])
+                gs.append(g[i])
+                if momentum != 0:
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    bufs.append(state["momentum_buffer"][i])
+        for first, (ps, gs, bufs) in calls.items():
+            compat.fused_sgd_(
+                ps,
+                gs,
+                bufs,
+                weight_decay=float(values["weight_decay"]),
+                momentum=momentum,
+                lr=float(values["lr"]),
+                dampening=float(values["dampening"]),
+                nesterov=bool(values["nesterov"]),
+                maximize=bool(values["maximize"]),
+                is_first_step=first,
+            )

@@ -150,11 +150,20 @@ def keep_members(
     params = {name: rows(p) for name, p in stack.module.named_parameters()}
     buffers = {name: rows(b) for name, b in stack.module.named_buffers()}
     # The backend the user asked for ("auto" stays "auto"), not the one auto picked: auto
-    # re-races at the new size, where another backend may be faster.
+    # chooses again for the smaller stack (its choice depends on the architecture, not N).
     backend = stack.requested_backend
     padding = stack.padding.rows(index.tolist()) if stack.padding is not None else None
+    generators = (
+        [stack.member_generators(i) for i in index.tolist()] if stack.generator_slots else None
+    )
     smaller = Stack.from_stacked(
-        stack.template, params, buffers, len(index), backend=backend, padding=padding
+        stack.template,
+        params,
+        buffers,
+        len(index),
+        backend=backend,
+        padding=padding,
+        generators=generators,
     )
     copy_modes(stack.module, smaller.module)
     smaller.training = stack.training

@@ -10,10 +10,17 @@ evaluation, guards and pytree flattening, which cost as much as W2's whole compi
 Our own input signature is the guard. On CUDA with ``mode="reduce-overhead"`` (CUDA graphs)
 it goes through ``torch.compile``, which knows which inputs are static.
 
+The update is the optimizer's own rule (``MemberOptimizer.update``, the pure function its
+eager step runs), so any phalanx optimizer is captured: Adam, AdamW, SGD, Lion and every
+rule added later.
+
 Capture does not pay everywhere (inductor's code for some shapes is slower than the eager
-kernels), so by default the step times itself: its first calls run the eager step and are
-timed, the next ones run the captured step and are timed, and it keeps the faster, saying
-which in ``CompiledStep.report`` and in the ``phalanx`` logger. Where capture is not possible
+kernels), so by default the step times itself: after the warm-up it alternates captured and
+eager steps, compares their medians and keeps the captured step unless it is slower by more
+than a margin (``decide``), saying which in ``CompiledStep.report`` and in the ``phalanx``
+logger. Alternating and medians make one slow sample (another process taking the core)
+harmless; under ``torch.distributed`` every rank's medians are exchanged and every rank
+reaches the same choice. Where capture is not possible
 (an optimizer it cannot express, a forward it cannot trace, no compiler) it runs the eager
 step and says so with a warning.
 """
@@ -22,23 +29,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from phalanx import _torch_compat as compat
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
 from phalanx.core._stack import Stack
-from phalanx.optim import Adam
 from phalanx.optim._base import MemberOptimizer
 from phalanx.step._compile import compile_graph
 from phalanx.step._graph import (
-    ADAM_HYPERS,
     OUTPUTS,
     Layout,
     Plan,
@@ -49,7 +56,7 @@ from phalanx.step._graph import (
     step_function,
     unflatten,
 )
-from phalanx.step._signature import HYPER_KEYS, NoSignature, value_key
+from phalanx.step._signature import NoSignature, value_key
 from phalanx.train._clip import clip_grad_norm_
 from phalanx.train._losses import member_losses
 
@@ -59,13 +66,19 @@ __all__ = ["CompiledStep", "compile_step"]
 
 _WHERE = "phalanx.compile_step()"
 Prefer = Literal["fastest", "captured"]
+Choice = Literal["eager", "captured"]
+
+#: Captured and eager steps timed alternately after the capture, each this many times.
+ROUNDS = 3
+#: The captured step is kept unless its median is slower than the eager one's by more.
+MARGIN = 0.05
 
 
 @dataclass
 class _Entry:
     """One input signature: its timings, its compiled graph and the choice made."""
 
-    eager_s: list[float] = field(default_factory=list)
+    eager_s: list[float] = field(default_factory=list)  # the warm-up's, then alternating
     captured_s: list[float] = field(default_factory=list)
     run: Callable[[list[Tensor]], tuple[Tensor, ...]] | None = None
     layout: Layout | None = None
@@ -117,7 +130,12 @@ class CompiledStep:
         self._eager_reasons: set[str] = set()
         self._hypers: tuple[list, list[dict[str, Tensor]]] | None = None
         self._max_norm: tuple[Any, Tensor] | None = None
-        self._modules = list(stack.modules())  # whose train/eval modes the signature reads
+        self._mode_modules = list(stack.modules())  # whose train/eval modes the signature reads
+        self._groups: dict[int, dict[str, Any]] = {}  # id(param) -> its optimizer group
+        # Injected by tests: the clock of the timings, and the exchange of every rank's
+        # medians (a list with this rank's object alone outside torch.distributed).
+        self._clock: Callable[[], float] = time.perf_counter
+        self._exchange: Callable[[Any], list[Any]] = _exchange
         self._why_not = _unsupported_optimizer(optimizer)
         if self._why_not is not None:
             self._fall_back(self._why_not)
@@ -173,6 +191,7 @@ class CompiledStep:
         if entry.run is None:
             if len(entry.eager_s) < self.warmup_steps:
                 return self._timed(entry.eager_s, self._eager, args, target, mask)
+            failure = None
             try:
                 captured = self._capture(args, target, mask)
                 entry.run, entry.layout = captured.run, captured.layout
@@ -181,18 +200,31 @@ class CompiledStep:
                 # runs, so nothing has been written when the eager step takes over.
                 loss = self._captured(entry, args, target, mask)
             except Exception as e:
+                failure = f"capturing the step failed ({_reason(e)})"
+            # Every rank captures at the same call: if one failed, all run eager.
+            failed = [f for f in self._exchange(failure) if f is not None]
+            if failed:
                 entry.run, entry.choice = None, "eager"
-                reason = _reason(e)
-                self._fall_back(f"capturing the step failed ({reason})")
-                return self._eager(args, target, mask)
+                self._fall_back(failure or f"another rank's {failed[0]}")
+                return self._eager(args, target, mask) if failure else loss
             entry.compile_s = self.compile_seconds = self._trace_s + time.perf_counter() - start
             if self.prefer == "captured":
                 self._decide(entry, "captured")
             return loss
-        loss = self._timed(entry.captured_s, self._captured, entry, args, target, mask)
-        if len(entry.captured_s) >= 3:
-            self._decide(entry, decide(entry.eager_s, entry.captured_s))
+        # Alternate captured and eager steps, ROUNDS each, then decide on the medians.
+        if len(entry.captured_s) <= len(entry.eager_s) - self.warmup_steps:
+            loss = self._timed(entry.captured_s, self._captured, entry, args, target, mask)
+        else:
+            loss = self._timed(entry.eager_s, self._eager, args, target, mask)
+        if len(entry.eager_s) - self.warmup_steps >= ROUNDS:
+            self._decide(entry, self._agreed(entry))
         return loss
+
+    def _agreed(self, entry: _Entry) -> Choice:
+        """``decide`` on the medians of every rank (the same table, so the same choice)."""
+        eager = entry.eager_s[1:]  # the first eager step settled the stack's backend
+        mine = (statistics.median(eager), statistics.median(entry.captured_s))
+        return agree(self._exchange(mine))
 
     @property
     def report(self) -> str:
@@ -201,25 +233,25 @@ class CompiledStep:
             return f"eager step: {self._why_not}"
         lines = []
         for entry in self._entries.values():
-            eager = _best(entry.eager_s)
-            captured = _best(entry.captured_s)
+            eager = _median(entry.eager_s[1:] or entry.eager_s)
+            captured = _median(entry.captured_s)
             compile_s = "-" if entry.compile_s is None else f"{entry.compile_s:.1f} s"
             lines.append(
                 f"{entry.choice or 'deciding'}: eager step {_ms(eager)}, captured step "
-                f"{_ms(captured)}, compile {compile_s}"
+                f"{_ms(captured)} (medians), compile {compile_s}"
             )
         return "; ".join(lines) or "no step run yet"
 
     def _timed(self, into: list[float], fn: Callable[..., Tensor], *args: Any) -> Tensor:
         sync = _synchronizer(self.stack)
         sync()
-        start = time.perf_counter()
+        start = self._clock()
         loss = fn(*args)
         sync()
-        into.append(time.perf_counter() - start)
+        into.append(self._clock() - start)
         return loss
 
-    def _decide(self, entry: _Entry, choice: Literal["eager", "captured"]) -> None:
+    def _decide(self, entry: _Entry, choice: Choice) -> None:
         entry.choice = choice
         self.choice = choice
         if choice == "eager":
@@ -288,16 +320,24 @@ class CompiledStep:
                 "a constant; pass tensors (or a tuple, list or dict of them) and numbers"
             )
             return None
-        modes = (*(m.training for m in self._modules), torch.is_autocast_enabled())
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        modes = (*(m.training for m in self._mode_modules), torch.is_autocast_enabled())
+        opt: Any = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
         if len(params) != len(self._params) or any(
             p is not q for p, q in zip(params, self._params, strict=False)
         ):
             self._entries.clear()
             self._params = params
+            self._groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+        # What the rule's update branches on, and the state it reads (SGD's buffer starts
+        # when its momentum does): each is part of the graph.
+        rule = (
+            *(tuple(sorted(opt.options(g).items())) for g in opt.param_groups),
+            *(tuple(opt.ensure_state(self._groups[id(p)], p)) for p in params if p.requires_grad),
+        )
         # The stack's backend is not part of it: every backend is exact, and the graph keeps
         # the one the stack ran when it was traced.
-        return (*key, mask is None, modes, self._keywords)
+        return (*key, mask is None, modes, self._keywords, rule)
 
     def _warn_eager_once(self, reason: str) -> None:
         if reason not in self._eager_reasons:
@@ -325,8 +365,10 @@ class CompiledStep:
             buffer_names=tuple(name for name, _ in stack.named_buffers()),
             in_dims=dims,
             target_dim=self.target_in_dims,
-            decoupled=getattr(type(opt), "_DECOUPLED", False),
-            amsgrad=bool(opt.param_groups[0]["amsgrad"]),
+            update=type(opt).update,
+            options=tuple(
+                opt.options(self._groups[id(p)]) if id(p) in self._groups else {} for _, p in named
+            ),
             max_norm=self.max_norm is not None,
             norm_type=self.norm_type,
             masked=mask is not None,
@@ -404,11 +446,7 @@ class CompiledStep:
             if not p.requires_grad:
                 states.append({})
                 continue
-            state = opt.state[p]
-            if not state:
-                group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-                opt._init_state(group, p, state)
-            states.append(state)
+            states.append(opt.ensure_state(self._groups[id(p)], p))
         return {
             "params": params,
             "buffers": list(buffers.values()),
@@ -435,14 +473,13 @@ class CompiledStep:
     def _hyper_tensors(self, params: list[Tensor]) -> list[dict[str, Tensor]]:
         """Per parameter, its group's hyperparameters as (N,) tensors; rebuilt on change."""
         opt: Any = self.optimizer
-        key = [value_key(group[k]) for group in opt.param_groups for k in HYPER_KEYS]
+        key = [value_key(v) for g in opt.param_groups for k, v in g.items() if k != "params"]
         if self._hypers is not None and self._hypers[0] == key:
             return self._hypers[1]
         device = params[0].device
         by_param: dict[int, dict[str, Tensor]] = {}
         for group in opt.param_groups:
             h = opt.member_hyperparameters(group, device)
-            assert set(h) == set(ADAM_HYPERS)
             for p in group["params"]:
                 by_param[id(p)] = h
         hypers = [by_param.get(id(p), {}) if p.requires_grad else {} for p in params]
@@ -450,18 +487,36 @@ class CompiledStep:
         return hypers
 
 
-def decide(eager_s: list[float], captured_s: list[float]) -> Literal["eager", "captured"]:
-    """The faster of the two, on their best timings (the first eager call is a warm-up).
+def decide(eager_s: list[float], captured_s: list[float], margin: float = MARGIN) -> Choice:
+    """The captured step unless its median is slower than the eager step's by more than
+    ``margin`` (its compilation is paid, and a near tie is noise).
 
     Args:
-        eager_s: seconds of the eager steps run so far, the first one included.
-        captured_s: seconds of the captured steps after the one that compiled.
+        eager_s: seconds of eager steps (samples, or one median per rank: see ``agree``).
+        captured_s: seconds of captured steps, likewise.
+        margin: how much slower than the eager step the captured one may be and be kept.
 
     Returns:
-        "captured" when its best time beats the eager step's best, else "eager".
+        "captured" or "eager".
     """
-    eager = eager_s[1:] or eager_s
-    return "captured" if min(captured_s) < min(eager) else "eager"
+    eager, captured = statistics.median(eager_s), statistics.median(captured_s)
+    return "captured" if captured <= eager * (1 + margin) else "eager"
+
+
+def agree(table: list[tuple[float, float]], margin: float = MARGIN) -> Choice:
+    """One choice for every rank from every rank's ``(eager, captured)`` medians: ranks step
+    together, so the slowest rank's time counts on each side. Every rank judges the same
+    table, so every rank reaches the same choice."""
+    return decide([max(e for e, _ in table)], [max(c for _, c in table)], margin)
+
+
+def _exchange(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (``all_gather_object`` on the default group); ``[obj]`` alone."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    table: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(table, obj)
+    return table
 
 
 def _clone(v: Any) -> Any:
@@ -479,8 +534,8 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def _best(times: list[float]) -> float | None:
-    return min(times) if times else None
+def _median(times: list[float]) -> float | None:
+    return statistics.median(times) if times else None
 
 
 def _ms(seconds: float | None) -> str:
@@ -507,14 +562,14 @@ def _set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
 
 def _unsupported_optimizer(optimizer: Any) -> str | None:
     """Why the captured step cannot express this optimizer's update, or None."""
-    if not isinstance(optimizer, Adam):
+    if not isinstance(optimizer, MemberOptimizer) or (
+        type(optimizer).update is MemberOptimizer.update
+    ):
         return (
-            f"the captured step implements phalanx.optim.Adam and AdamW; got "
-            f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+            f"the captured step takes a phalanx optimizer with an update rule "
+            f"(phalanx.optim.Adam and AdamW, SGD, Lion, or a MemberOptimizer defining update); "
+            f"got {type(optimizer).__module__}.{type(optimizer).__name__}"
         )
-    amsgrad = {bool(g["amsgrad"]) for g in optimizer.param_groups}
-    if len(amsgrad) > 1:
-        return "param groups that differ in amsgrad"
     return None
 
 
@@ -545,10 +600,12 @@ def compile_step(
 
     The first ``warmup_steps`` calls with a new input signature (shapes, dtypes, devices,
     in_dims, train/eval mode) run the eager step, timed; the next call traces and compiles the
-    step (the cost, in seconds, is ``step.compile_seconds``) and runs it; the three after are
-    timed too. With ``prefer="fastest"`` the step then keeps the faster of the two and says
-    which in ``step.report`` and the ``phalanx`` logger. Where capture is impossible it warns
-    and runs the eager step.
+    step (the cost, in seconds, is ``step.compile_seconds``) and runs it; the next six
+    alternate captured and eager steps, timed. With ``prefer="fastest"`` the step then keeps
+    the captured step unless its median time is more than 5% over the eager step's
+    (:func:`decide`; under ``torch.distributed`` on every rank's medians, the slowest rank
+    counting, so every rank makes the same choice) and says which in ``step.report`` and the
+    ``phalanx`` logger. Where capture is impossible it warns and runs the eager step.
 
     Args:
         stack: the :class:`phalanx.Stack` to train.
@@ -556,9 +613,11 @@ def compile_step(
             such as ``torch.nn.functional.cross_entropy`` (see :func:`phalanx.member_losses`);
             or None for the loss each member computes itself (its output's ``.loss``, e.g. a
             Hugging Face model given ``labels=``): call ``step(inputs, labels=y, ...)``.
-        optimizer: a ``phalanx.optim.Adam`` or ``AdamW`` over ``stack.parameters()``, with any
-            per-member hyperparameters, ``skip_nonfinite`` and ``freeze_after``. Other
-            optimizers run the eager step, with a warning.
+        optimizer: a phalanx optimizer (``Adam``, ``AdamW``, ``SGD``, ``Lion``, any
+            ``MemberOptimizer`` with an update rule) over ``stack.parameters()``, with any
+            per-member hyperparameters, ``skip_nonfinite`` and ``freeze_after``; its own
+            ``update`` is what the graph runs. Other optimizers run the eager step, with a
+            warning.
         in_dims: as in ``Stack.forward``: None (shared input) or 0 (per-member), one per input.
         target_in_dims: None (a target shared by every member) or 0 (per-member); "same"
             (the default) follows ``in_dims`` of a single input.
@@ -571,7 +630,8 @@ def compile_step(
             generating code (quick to build, for tests and debugging).
         mode: ``torch.compile``'s mode; None gives "reduce-overhead" (CUDA graphs) on CUDA and
             the default on CPU.
-        prefer: "fastest" (time both and keep the faster) or "captured" (always capture).
+        prefer: "fastest" (time both, alternately, and keep the captured step unless it is
+            slower) or "captured" (always capture).
         warmup_steps: eager steps before the capture, >= 1 (the first settles the stack's
             backend choice, which must be fixed before tracing).
 
@@ -589,7 +649,7 @@ def compile_step(
         >>> opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
         >>> step = phalanx.compile_step(stack, F.cross_entropy, opt, backend="eager")  # or inductor
         >>> x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
-        >>> for _ in range(7):  # 3 eager steps, the capture, 3 captured steps timed
+        >>> for _ in range(10):  # 3 eager steps, the capture, 3 captured and 3 eager alternating
         ...     losses = step(x, y)
         >>> losses.shape
         torch.Size([5])

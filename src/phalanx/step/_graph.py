@@ -2,13 +2,13 @@
 
 :func:`step_function` returns a function of the step's tensors (stacked parameters, buffers,
 optimizer state, hyperparameters, inputs, target, mask) that runs the forward pass through the
-stack, the per-member losses, the gradients, clipping, non-finite isolation and the Adam(W)
-update, and writes the results into the tensors it was given, in place. Tracing it with
+stack, the per-member losses, the gradients, clipping, non-finite isolation and the
+optimizer's update rule (its pure ``update``, the one the eager step runs), and writes the results into the tensors it was given, in place. Tracing it with
 ``make_fx`` gives one graph of aten operations, backward included; that graph is what
 ``torch.compile`` compiles (see ``_step.py``).
 
 Every operation mirrors the eager path operation for operation: ``phalanx.clip_grad_norm_``,
-``MemberOptimizer._isolate`` and ``phalanx.optim.Adam``'s foreach update with per-member
+``MemberOptimizer._isolate`` and the optimizer's own ``update`` with per-member
 hyperparameters, so that the captured step equals the eager one to float rounding. The
 hyperparameters are (N,) float64 tensors, inputs of the graph: a scheduler that changes a
 learning rate changes an input, not the graph.
@@ -25,13 +25,9 @@ from torch import Tensor
 from torch.func import functional_call
 
 from phalanx._torch_compat import pytree
-from phalanx.optim._adam import adam_update
 from phalanx.optim._base import finite_members, isolate, per_member
 from phalanx.train._clip import clip_coefficients, member_norms
 from phalanx.train._losses import member_losses
-
-#: The hyperparameters of one parameter's update, each an (N,) tensor.
-ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
 
 
 @dataclass(frozen=True)
@@ -46,8 +42,8 @@ class Plan:
         buffer_names: the stack's buffer names.
         in_dims: per positional input, None (shared) or 0 (per-member).
         target_dim: None (a target shared by every member) or 0 (per-member).
-        decoupled: AdamW's decoupled weight decay.
-        amsgrad: the AMSGrad variant.
+        update: the optimizer's rule, ``MemberOptimizer.update`` of its class (pure).
+        options: per parameter, the ``options`` of its group that ``update`` branches on.
         max_norm: clip each member's gradient norm (the value is an input tensor).
         norm_type: the p of the clipping norm.
         masked: a step mask is an input.
@@ -64,8 +60,8 @@ class Plan:
     buffer_names: tuple[str, ...]
     in_dims: tuple[int | None, ...]
     target_dim: int | None
-    decoupled: bool
-    amsgrad: bool
+    update: Callable[..., dict[str, Tensor]]
+    options: tuple[dict[str, Any], ...]
     max_norm: bool
     norm_type: float
     masked: bool
@@ -95,7 +91,8 @@ class Layout:
         num_buffers: the stack's buffers.
         state_keys: per parameter, the keys of its optimizer state in the flat list (sorted;
             empty for a frozen parameter).
-        hypers: per parameter, whether its (N,) hyperparameters ``ADAM_HYPERS`` are inputs.
+        hypers: per parameter, the names of its (N,) hyperparameters that are inputs (the
+            rule's ``HYPERPARAMETERS``; empty for a frozen parameter).
         args: per positional input, ``INPUT`` where it is a tensor (a graph input), else
             the value itself, a constant of the graph.
         target: ``(spec, leaves)``: the target's pytree structure (a tensor, or a tuple,
@@ -108,7 +105,7 @@ class Layout:
     num_params: int
     num_buffers: int
     state_keys: tuple[tuple[str, ...], ...]
-    hypers: tuple[bool, ...]
+    hypers: tuple[tuple[str, ...], ...]
     args: tuple[Any, ...]
     target: Any
     masked: bool
@@ -127,7 +124,7 @@ def layout_of(t: dict[str, Any]) -> Layout:
         num_params=len(t["params"]),
         num_buffers=len(t["buffers"]),
         state_keys=tuple(tuple(sorted(s)) for s in t["state"]),
-        hypers=tuple(bool(h) for h in t["hypers"]),
+        hypers=tuple(tuple(h) for h in t["hypers"]),
         args=tuple(constant(a) for a in t["args"]),
         target=_target_layout(t["target"]),
         masked=t["mask"] is not None,
@@ -147,9 +144,8 @@ def flatten(layout: Layout, t: dict[str, Any]) -> list[Tensor]:
     flat = [*t["params"], *t["buffers"]]
     for state, keys in zip(t["state"], layout.state_keys):
         flat += [state[k] for k in keys]
-    for h, present in zip(t["hypers"], layout.hypers):
-        if present:
-            flat += [h[k] for k in ADAM_HYPERS]
+    for h, names in zip(t["hypers"], layout.hypers):
+        flat += [h[k] for k in names]
     flat += [a for a, c in zip(t["args"], layout.args) if c is INPUT]
     leaves = pytree.tree_leaves(t["target"])
     flat += [x for x, c in zip(leaves, layout.target[1], strict=True) if c is INPUT]
@@ -171,10 +167,7 @@ def unflatten(layout: Layout, flat: list[Tensor] | tuple[Tensor, ...]) -> dict[s
 
     t: dict[str, Any] = {"params": take(layout.num_params), "buffers": take(layout.num_buffers)}
     t["state"] = [dict(zip(keys, take(len(keys)))) for keys in layout.state_keys]
-    t["hypers"] = [
-        dict(zip(ADAM_HYPERS, take(len(ADAM_HYPERS)))) if present else {}
-        for present in layout.hypers
-    ]
+    t["hypers"] = [dict(zip(names, take(len(names)))) for names in layout.hypers]
     t["args"] = [next(it) if c is INPUT else c for c in layout.args]
     spec, consts = layout.target
     t["target"] = pytree.tree_unflatten([next(it) if c is INPUT else c for c in consts], spec)
@@ -195,35 +188,27 @@ def _clip(grads: list[Tensor], max_norm: Tensor, norm_type: float, n: int) -> Te
     return total
 
 
-def _adam(
-    plan: Plan, p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Tensor]
+def _update(
+    plan: Plan, k: int, p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Tensor]
 ) -> dict[str, Tensor]:
-    """One Adam(W) update of a stacked parameter, nothing written yet: ``adam_update``
-    itself, with the (N,) hyperparameters the graph takes as inputs."""
+    """One update of stacked parameter ``k``, nothing written yet: the optimizer's own rule,
+    with the (N,) hyperparameters the graph takes as inputs and "step" counting this step."""
     step = state["step"] + 1
-    new = adam_update(
-        p,
-        g,
-        step,
-        state["exp_avg"],
-        state["exp_avg_sq"],
-        state.get("max_exp_avg_sq") if plan.amsgrad else None,
-        lr=h["lr"],
-        beta1=h["beta1"],
-        beta2=h["beta2"],
-        eps=h["eps"],
-        weight_decay=h["weight_decay"],
-        maximize=h["maximize"],
-        decoupled=plan.decoupled,
-    )
-    return {"step": step, **new}
+    new = plan.update(p, g, {**state, "step": step}, h, **plan.options[k])
+    unknown = sorted(set(new) - {"param", *state})
+    if unknown:
+        raise ValueError(
+            f"the update rule starts optimizer state {unknown} that the parameter does not "
+            f"have yet; the eager step creates it, so run one eager step first"
+        )
+    return {**new, "step": step}
 
 
 def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | None]]:
     """The step as a function of a dict of tensors, for ``make_fx``.
 
     The dict holds "params" (P stacked tensors), "buffers", "state" (per parameter, its
-    optimizer state), "hypers" (per parameter, the (N,) hyperparameters of ``ADAM_HYPERS``),
+    optimizer state), "hypers" (per parameter, its rule's (N,) hyperparameters by name),
     "args" (the inputs), "target", "mask" ((N,) bool or None), "max_norm" ((N,) or None),
     "bad_steps" and "frozen" ((N,) counters of the optimizer, or None).
 
@@ -264,7 +249,7 @@ def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | N
         with torch.no_grad():
             for (k, _), g in zip(with_grad, grads):  # the gradients after clipping
                 p, state = params[k], t["state"][k]
-                new = _adam(plan, p, g, state, t["hypers"][k])
+                new = _update(plan, k, p, g, state, t["hypers"][k])
                 targets = {"param": p, **state}
                 for key, value in new.items():
                     if active is not None:
@@ -287,19 +272,13 @@ def split_keywords(args: Any, names: tuple[str, ...]) -> tuple[tuple[Any, ...], 
 # ------------------------------------------------------------------- rewrites of the graph
 
 _aten = torch.ops.aten
-_RESHAPES = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default)
 
 
 def simplify(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Two rewrites of the traced step that leave every value as it was, measured faster.
-
-    - ``baddbmm(c, a, b)`` becomes ``c + bmm(a, b)``: on a CPU, aten's baddbmm took 1.8x
-      the time of bmm for W1's 400 products of (32, 20) and (20, 10), while the compiler
-      fuses the addition into the pointwise kernel that follows.
-    - ``clone`` to contiguous memory followed only by reshapes back to the tensor's own shape
-      becomes the tensor itself: the fused backend folds a sliced input ``(N, B, d)`` into
-      ``(N * B, d)`` and back, which copies it (1 MB on W1) for a bmm that reads it strided
-      just as fast. Skipped where anything downstream could write into it.
+    """A rewrite of the traced step that leaves every value as it was, measured faster:
+    ``baddbmm(c, a, b)`` becomes ``c + bmm(a, b)``: on a CPU, aten's baddbmm took 1.8x the
+    time of bmm for W1's 400 products of (32, 20) and (20, 10), while the compiler fuses the
+    addition into the pointwise kernel that follows.
 
     Args:
         graph: a ``make_fx`` graph (nodes carry their ``meta["val"]``); changed in place.
@@ -319,44 +298,7 @@ def simplify(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             product.meta, total.meta = {}, dict(node.meta)
             node.replace_all_uses_with(total)
             g.erase_node(node)
-        elif node.target is _aten.clone.default:
-            _drop_round_trip_copy(g, node)
     g.eliminate_dead_code()
     g.lint()
     graph.recompile()
     return graph
-
-
-def _drop_round_trip_copy(g: torch.fx.Graph, clone: torch.fx.Node) -> None:
-    source = clone.args[0]
-    fmt = clone.kwargs.get("memory_format", torch.contiguous_format)
-    if fmt not in (torch.contiguous_format, torch.preserve_format):
-        return
-    if not isinstance(source, torch.fx.Node) or "val" not in source.meta:
-        return
-    end = clone
-    while len(end.users) == 1:
-        (user,) = end.users
-        if user.op != "call_function" or user.target not in _RESHAPES:
-            break
-        end = user
-    val, src = end.meta.get("val"), source.meta["val"]
-    if end is clone or not isinstance(val, Tensor) or not isinstance(src, Tensor):
-        return
-    if val.shape != src.shape or val.dtype != src.dtype or _written(end):
-        return
-    end.replace_all_uses_with(source)
-
-
-def _written(node: torch.fx.Node) -> bool:
-    """Whether an operation downstream of ``node`` may write into its memory."""
-    for user in node.users:
-        if user.op == "output":
-            continue
-        schema = getattr(user.target, "_schema", None)
-        if schema is None or schema.is_mutable:
-            return True
-        aliases = user.target in _RESHAPES or any(r.alias_info for r in schema.returns)
-        if aliases and _written(user):
-            return True
-    return False

@@ -24,7 +24,12 @@ _ELEMENTWISE = {
 }
 # Losses over a class dimension (dim 1 of a member's (B, C, ...) output) with a mean over
 # the samples: computed on the (N * B, C, ...) flattening.
-_CLASSWISE = {F.cross_entropy: ("label_smoothing",), F.nll_loss: ()}
+# A class `weight` of shape (C,) is shared by the members; with class indices the mean is then
+# over the targets' weights, as torch's reduction="mean" divides.
+_CLASSWISE = {
+    F.cross_entropy: ("label_smoothing", "weight", "ignore_index"),
+    F.nll_loss: ("weight", "ignore_index"),
+}
 
 
 def _batched_loss(
@@ -58,10 +63,20 @@ def _batched_loss(
             per_sample = loss_fn(output.movedim(2, 1), target.movedim(2, 1), reduction="none",
                                  **kwargs)  # fmt: skip
             return per_sample.mean(dim=tuple(range(1, per_sample.dim())))
+        weight = kwargs.get("weight")
+        if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
+            return None
         per_sample = loss_fn(output.movedim(2, 1), target, reduction="none", **kwargs)
-        # reduction="mean" divides by the number of samples not equal to ignore_index (-100)
-        counted = (target != -100).sum(dim=tuple(range(1, target.dim())))
-        return per_sample.sum(dim=tuple(range(1, per_sample.dim()))) / counted
+        # reduction="mean" divides by the number of samples not equal to ignore_index, or with
+        # class weights by the sum of their targets' weights (label smoothing's term included)
+        counted = target != kwargs.get("ignore_index", -100)
+        dims = tuple(range(1, target.dim()))
+        if weight is None:
+            total = counted.sum(dim=dims)
+        else:
+            picked = weight.to(per_sample.dtype)[target.where(counted, 0)]
+            total = picked.where(counted, 0).sum(dim=dims)
+        return per_sample.sum(dim=tuple(range(1, per_sample.dim()))) / total
     return None
 
 
@@ -118,6 +133,21 @@ def member_losses(
         raise TypeError(
             f"{where}: the loss function comes first: member_losses(loss_fn, output, target); "
             f"got a {type(loss_fn).__name__} where loss_fn goes."
+        )
+    if isinstance(in_dims, list):
+        in_dims = (in_dims[0], in_dims[1]) if len(in_dims) == 2 else in_dims
+    if (
+        not isinstance(in_dims, tuple)
+        or len(in_dims) != 2
+        or any(d not in (0, None) or isinstance(d, bool) for d in in_dims)
+        or in_dims == (None, None)
+    ):
+        raise ValueError(
+            f"{where}: in_dims={in_dims!r} must say where the member axis is: 0 (dim 0 is "
+            f"the member axis) or None (shared by every member) for the output and the "
+            f"target, at least one of them 0. The stack's output carries the member axis: "
+            f"in_dims=(0, None) for a target shared by every member, (0, 0) for per-member "
+            f"targets."
         )
     if _smoothing.is_per_member(kwargs):
         return _smoothing.smoothed_losses(member_losses, loss_fn, output, target, in_dims, kwargs)

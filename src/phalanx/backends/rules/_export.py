@@ -1,4 +1,4 @@
-"""The rules that ``torch.export`` needs besides the ordinary ones (``_rules``).
+"""The rules that ``torch.export`` needs besides the ordinary ones (the other families).
 
 Under export (pre-dispatch tracing) in torch 2.13, torch.func turns a batched tensor's
 symbolic sizes into Python ints when it answers ``x.size(0)`` or batches ``view``/``reshape``:
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from phalanx import _torch_compat as compat
+from phalanx.backends.rules._registry import register
 
 
 def _shape_rule(func: Callable[..., Any]) -> Callable[[tuple, dict], Any]:
@@ -52,11 +53,8 @@ def _shape(args: tuple, kwargs: dict) -> Any:
     return args[0].shape if physical is None else physical.shape[1:]
 
 
-EXPORT: dict[Any, Callable[[tuple, dict], Any]] = {
-    torch.Tensor.size: _size,
-    torch.Tensor.shape.__get__: _shape,  # type: ignore[attr-defined]
-    torch.Tensor.view: _shape_rule(torch.Tensor.view),
-    torch.Tensor.reshape: _shape_rule(torch.Tensor.reshape),
-    torch.reshape: _shape_rule(torch.reshape),
-}
-"""Added to a vmapped call's rules while ``torch.export`` traces it."""
+register(torch.Tensor.size, _size, table="export")
+register(torch.Tensor.shape.__get__, _shape, table="export")  # type: ignore[attr-defined]
+register(torch.Tensor.view, _shape_rule(torch.Tensor.view), table="export")
+register(torch.Tensor.reshape, _shape_rule(torch.Tensor.reshape), table="export")
+register(torch.reshape, _shape_rule(torch.reshape), table="export")

@@ -1,4 +1,8 @@
-"""One recurrence for all members: nn.GRU and nn.RNN under the fused backend.
+"""Recurrent layers (``fused``): one recurrence for all members for nn.GRU and nn.RNN.
+
+torch.func has no batching rule for ``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``;
+their routes (the end of this file) run torch's own kernels member by member, or, for GRU and
+RNN on a tensor input, the recurrence below.
 
 Per layer and direction, the input projection of every timestep of every member is one
 batched GEMM ``(N, G * H, in) x (N, in, T * B)``, with the biases folded in; then each
@@ -18,11 +22,13 @@ fused LSTM on a CPU is faster than this recurrence at the zoo's sizes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from phalanx import _torch_compat as compat
+from phalanx.backends.rules._registry import Dims, Route, function, per_member, register
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 _DTYPES = (torch.float32, torch.float64)
@@ -284,9 +290,9 @@ def _recurrence(
     reverse: bool,
 ) -> tuple[torch.Tensor, ...]:
     """``(out, h_n)`` and LSTM's ``c_n``, by the fastest path that is exact here."""
-    if torch.compiler.is_compiling() or compat.transforms_active():
-        # torch.compile fuses the ordinary operations itself, and a torch.func transform
-        # cannot see through the hand-written backward.
+    if torch.compiler.is_compiling() or compat.transforms_active() or compat.forward_ad_active():
+        # torch.compile fuses the ordinary operations itself, and a torch.func transform or
+        # forward-mode AD cannot see through the hand-written backward.
         return _steps(mode, gi, h0, c0, w_hh, b_hn, reverse)
     inputs = (gi, h0, c0, w_hh, b_hn)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
@@ -372,4 +378,53 @@ def batched(
         seq = outs[0] if dirs == 1 else torch.cat(outs, 2)
     out = seq.permute(1, 3, 0, 2) if batch_first else seq.permute(1, 0, 3, 2)
     states = torch.stack(h_n).permute(1, 0, 3, 2)  # (N, L * D, B, H)
-    return (out, states), (0, 0)
+    # each member's contiguous, as torch's own outputs are
+    return (out.contiguous(), states.contiguous()), (0, 0)
+
+
+# ------------------------------------------------------------------------------- the routes
+
+
+def _recurrent(func: Callable[..., Any], pairs: bool) -> Route:
+    """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` (the tensor and the
+    PackedSequence forms), member by member with torch's own kernels: torch.func has no rule
+    for them. Their states and weights come as lists, flattened here for the Function; one
+    Function per layout (how many states and weights)."""
+    made: dict[tuple[int, int, int, int], Any] = {}
+
+    def route(args: tuple, kwargs: dict) -> Any:
+        if kwargs:
+            args = (*args, *kwargs.values())
+        first = next(i for i, a in enumerate(args) if isinstance(a, (list, tuple)))
+        at = first if pairs else first - 1  # where hx is: an LSTM's is the first list
+        hx, weights, rest = args[at], args[at + 1], args[at + 2 :]
+        states = list(hx) if pairs else [hx]
+        layout = (at, len(states), len(weights), len(rest))
+        if layout not in made:
+            k, m = layout[1], layout[2]
+
+            def call(*xs: Any) -> tuple:
+                st, ws = xs[at : at + k], xs[at + k : at + k + m]
+                out = func(*xs[:at], list(st) if pairs else st[0], list(ws), *xs[at + k + m :])
+                return tuple(out)
+
+            def rule(n: int, d: Dims, *xs: Any) -> Any:
+                if at == 1 and not pairs:  # a tensor input (not packed) and one state
+                    fast = batched(
+                        func.__name__, n, (d[0], d[1], *d[2 : 2 + m]), xs[0], xs[1],
+                        list(xs[2 : 2 + m]), tuple(xs[2 + m :]),
+                    )  # fmt: skip
+                    if fast is not None:
+                        return fast
+                return per_member(n, d, call, *xs)
+
+            made[layout] = function(f"{func.__name__}_members", call, rule)
+        return made[layout].apply(*args[:at], *states, *weights, *rest)
+
+    return route
+
+
+register(torch.lstm, _recurrent(torch.lstm, pairs=True), table="speed")
+register(torch.gru, _recurrent(torch.gru, pairs=False), table="speed")
+register(torch.rnn_tanh, _recurrent(torch.rnn_tanh, pairs=False), table="speed")
+register(torch.rnn_relu, _recurrent(torch.rnn_relu, pairs=False), table="speed")

@@ -1,0 +1,141 @@
+"""A 64-trial Optuna search on scikit-learn's digits: Optuna's trial-by-trial loop against
+`phalanx.integrations.optuna.optimize` (all trials asked at once, one stack), side by side in
+one process on identical data, seeds and sampler.
+
+Each trial: an MLP 64-H-10 (LeakyReLU) trained with AdamW for E epochs of batch 32; the trial
+suggests lr and weight decay (per-member hyperparameters in the stack). The sampler is Optuna's
+RandomSampler with one seed, so both runs see the same trials; the script prints both wall
+times, their ratio, and how far apart the two runs' values are (float rounding).
+
+    flock /tmp/bench.lock env OMP_NUM_THREADS=1 python benchmarks/optuna_search.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import optuna
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+import phalanx.integrations.optuna as po
+from phalanx_tools.demo import load_digits
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="alternating timed runs of each")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    data = load_digits(0)
+    seed = 0
+
+    def model(trial: optuna.Trial) -> nn.Module:
+        trial.suggest_float("lr", 1e-4, 1e-1, log=True)
+        trial.suggest_float("weight_decay", 1e-6, 1e-1, log=True)
+        h = args.hidden
+        return nn.Sequential(nn.Linear(64, h), nn.LeakyReLU(), nn.Linear(h, 10))
+
+    def train(group: po.TrialGroup) -> torch.Tensor:
+        p = group.params
+        opt = phalanx.optim.AdamW(
+            group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"]
+        )
+        loader = group.loader(
+            data.x_train, data.y_train, batch_size=args.batch_size, drop_last=True
+        )
+        for epoch in range(args.epochs):
+            for xb, yb in loader:
+                out = group.stack(xb, in_dims=0)
+                losses = phalanx.member_losses(F.cross_entropy, out, yb, in_dims=(0, 0))
+                opt.zero_grad()
+                losses.sum().backward()
+                opt.step(mask=group.live)
+            with torch.no_grad():
+                val = phalanx.metrics.loss(F.cross_entropy, group.stack(data.x_val), data.y_val)
+            group.report(val, epoch)
+        return val
+
+    def objective(trial: optuna.Trial) -> float:
+        """Optuna's own loop: one nn.Module and torch.optim.AdamW per trial."""
+        net = po.build_model(model, trial, seed)
+        p = trial.params
+        opt = torch.optim.AdamW(net.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+        loader = phalanx.data.MemberLoader(
+            data.x_train, data.y_train, num_members=1, batch_size=args.batch_size,
+            drop_last=True, seed=seed, first_member=trial.number,
+        )  # fmt: skip
+        for epoch in range(args.epochs):
+            for xb, yb in loader:
+                loss = F.cross_entropy(net(xb[0]), yb[0])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                val = float(F.cross_entropy(net(data.x_val), data.y_val))
+            trial.report(val, epoch)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        return val
+
+    def study() -> optuna.Study:
+        return optuna.create_study(
+            sampler=optuna.samplers.RandomSampler(seed=1), pruner=optuna.pruners.NopPruner()
+        )
+
+    times: dict[str, list[float]] = {"optuna": [], "phalanx": []}
+    results = {}
+    for _ in range(args.repeats):
+        s = study()
+        t0 = time.perf_counter()
+        s.optimize(objective, n_trials=args.trials)
+        times["optuna"].append(time.perf_counter() - t0)
+        results["optuna"] = s
+        s = study()
+        t0 = time.perf_counter()
+        po.optimize(s, model, train, n_trials=args.trials, seed=seed)
+        times["phalanx"].append(time.perf_counter() - t0)
+        results["phalanx"] = s
+    a, b = results["optuna"].trials, results["phalanx"].trials
+    same_params = [t.params for t in a] == [t.params for t in b]
+    diffs = [abs(x.value - y.value) for x, y in zip(a, b)]
+    best = min(times["optuna"]) / min(times["phalanx"])
+    figures = {
+        "trials": args.trials,
+        "epochs": args.epochs,
+        "hidden": args.hidden,
+        "batch_size": args.batch_size,
+        "optuna_trial_by_trial_s": min(times["optuna"]),
+        "phalanx_one_stack_s": min(times["phalanx"]),
+        "speedup": best,
+        "same_params": same_params,
+        "max_abs_value_diff": max(diffs),
+        "best_trial": [results["optuna"].best_trial.number, results["phalanx"].best_trial.number],
+        "best_value": [results["optuna"].best_value, results["phalanx"].best_value],
+    }
+    print(
+        f"{args.trials} trials, {args.epochs} epochs of MLP 64-{args.hidden}-10 on digits, "
+        f"batch {args.batch_size}, one thread (best of {args.repeats} alternating runs):\n"
+        f"  Optuna trial by trial (nn.Module + torch.optim): {figures['optuna_trial_by_trial_s']:.2f} s\n"
+        f"  phalanx.integrations.optuna (one stack):         {figures['phalanx_one_stack_s']:.2f} s\n"
+        f"  speed-up {best:.1f}x; same trials: {same_params}; "
+        f"max |value difference| {max(diffs):.1e}; best trial {figures['best_trial']}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

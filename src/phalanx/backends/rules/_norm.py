@@ -1,0 +1,92 @@
+"""BatchNorm (both vmap backends): every member's channels in one call whose arithmetic for a
+member does not depend on how many members there are.
+
+One call over ``(B, N * C)`` channels, torch.func's layout, rounds a member's channels
+differently depending on where they fall: the CPU kernel vectorises a 2-D input across its
+channels, and the channels past the last full vector (which ones depends on N) take a scalar
+tail that rounds differently. Here each channel of each member is one contiguous run,
+``(1, N * C, B * S)`` (S: the spatial size), which the kernel reduces and normalises channel
+by channel: the same arithmetic for member i whatever N is, so a member kept in a smaller
+stack (successive halving, PBT) continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.backends.rules._registry import Dims, batch_rule, first, member_first, per_member
+
+_BN_NAMES = (
+    "input",
+    "running_mean",
+    "running_var",
+    "weight",
+    "bias",
+    "training",
+    "momentum",
+    "eps",
+)
+_BN_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose gradient is made contiguous: the kernel's backward then gets the
+    same layout whatever N is (for one member the gradient that reaches it is a strided
+    view, which it reduces in another order)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+@batch_rule(F.batch_norm, _BN_NAMES, _BN_DEFAULTS, table="correctness")
+def _batch_norm(n: int, dims: Dims, x, mean, var, w, b, training, momentum, eps):
+    xs = first(x, dims[0], n)  # (N, B, C, *sp)
+    stats = [first(t, d, n) for t, d in zip((mean, var), dims[1:3])]  # (N, C) | None
+    written = training and any(t is not None for t in stats)
+    if (
+        xs.dim() < 3
+        # running statistics shared by the members are updated by each in turn
+        or (written and any(t is not None and d is None for t, d in zip((mean, var), dims[1:3])))
+        # they are updated in place through a flat view of them
+        or (written and any(t is not None and not t.is_contiguous() for t in stats))
+    ):
+        return per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
+    batch, c, sp = xs.shape[1], xs.shape[2], xs.shape[3:]
+    # contiguous whatever N is (for one member the reshape alone is a strided view, which the
+    # kernel reduces in another order)
+    channels = xs.movedim(2, 1).reshape(1, n * c, batch * math.prod(sp)).contiguous()
+
+    def flat(t, d):
+        return None if t is None else first(t, d, n).reshape(n * c)
+
+    y = F.batch_norm(
+        channels,
+        flat(mean, dims[1]),
+        flat(var, dims[2]),
+        flat(w, dims[3]),
+        flat(b, dims[4]),
+        training,
+        momentum,
+        eps,
+    )
+    y = _ContiguousGrad.apply(y)
+    return member_first(y.view(n, c, batch, *sp).movedim(1, 2), 0, n), 0

@@ -1,0 +1,360 @@
+"""Optuna: N trials asked at once and trained as one stack, each told its own result.
+
+`optimize(study, model, train, n_trials=...)` replaces `study.optimize(objective, ...)` for a
+search whose trials train networks. It asks a batch of trials from the study's sampler
+(`study.ask()`, any sampler), lets `model(trial)` suggest each trial's values and build its
+network under the trial's own seed, groups the trials whose networks can share a stack (one
+architecture, and equal values of the parameters named in `group_by`, e.g. the batch size),
+and calls `train(group)` once per group. `train` trains `group.stack` with the trials' values
+as per-member hyperparameters (`group.params["lr"]` is one value per member, what
+`phalanx.optim` takes), reports intermediate values with `group.report(values, step)`, which
+asks the study's pruner for every trial and returns the mask of members still running, and
+returns the final values. Every trial is then told its result: COMPLETE with its value, PRUNED
+when the pruner stopped it, FAIL when its value was not finite.
+
+A trial's network, data stream and so its result depend only on the study seed and the
+trial's number, so a trial trained in a stack of 64 gets what it gets trained alone
+(`N = 1`, or Optuna's own trial-by-trial loop with the same seeds), to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+import torch
+from optuna.trial import Trial, TrialState
+from torch import Tensor, nn
+
+from phalanx.core._build import stack as build_stack
+from phalanx.core._stack import Stack
+from phalanx.core._validate import architecture_differences
+from phalanx.data import MemberLoader
+from phalanx.optim import MemberOptimizer
+from phalanx.population import keep_members
+
+__all__ = ["TrialGroup", "build_model", "optimize", "trial_loader"]
+
+
+def build_model(model: Callable[[Trial], nn.Module], trial: Trial, seed: int) -> nn.Module:
+    """`model(trial)` run under the trial's own seed, `seed + trial.number`.
+
+    The global random state is restored afterwards. A trial-by-trial objective that builds its
+    network with this function starts from the weights the trial gets in a stack.
+
+    Raises:
+        TypeError: `model` returned something other than an `nn.Module`.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + trial.number)
+        net = model(trial)
+    if not isinstance(net, nn.Module):
+        raise TypeError(
+            "phalanx.integrations.optuna: model(trial) must suggest the trial's values and "
+            f"return its nn.Module; it returned {type(net).__name__} for trial {trial.number}."
+        )
+    return net
+
+
+def trial_loader(
+    *tensors: Tensor, trial_numbers: Sequence[int], batch_size: int, seed: int, **kwargs: Any
+) -> MemberLoader:
+    """A `MemberLoader` whose member i reads the data stream of trial `trial_numbers[i]`.
+
+    A trial's batches then depend only on `seed` and its number: the same in a stack of any
+    size and in a one-member loader `MemberLoader(..., num_members=1,
+    first_member=trial.number, seed=seed)`.
+
+    Args:
+        *tensors: the data tensors, as for `MemberLoader`.
+        trial_numbers: one Optuna trial number per member.
+        batch_size, seed, **kwargs: as for `MemberLoader`.
+    """
+    numbers = [int(k) for k in trial_numbers]
+    loader = MemberLoader(
+        *tensors, num_members=len(numbers), batch_size=batch_size, seed=seed, **kwargs
+    )
+    loader.set_streams(list(range(len(numbers))), numbers)
+    return loader
+
+
+@dataclass
+class TrialGroup:
+    """Trials that share one stack: member i is `trials[i]`.
+
+    Attributes:
+        trials: the Optuna trials, in member order.
+        stack: the N networks `model(trial)` built, stacked (members dropped by `keep_live`
+            leave it).
+        seed: the study seed; trial k's network and data depend on `seed` and k only.
+        live: (N,) bool, the members neither pruned nor failed.
+        failed: (N,) bool, the members whose reported value was not finite.
+    """
+
+    trials: list[Trial]
+    stack: Stack
+    seed: int
+    live: Tensor = field(init=False)
+    failed: Tensor = field(init=False)
+    last: list[float | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.trials)
+        self.live = torch.ones(n, dtype=torch.bool)
+        self.failed = torch.zeros(n, dtype=torch.bool)
+        self.last = [None] * n
+
+    def __len__(self) -> int:
+        return len(self.trials)
+
+    @property
+    def numbers(self) -> list[int]:
+        """The trials' numbers, in member order."""
+        return [t.number for t in self.trials]
+
+    @property
+    def params(self) -> dict[str, list[Any]]:
+        """Each suggested parameter's values, one per member: `params["lr"][i]` is trial i's.
+
+        Raises:
+            KeyError: a parameter not every trial of the group suggested (the message names
+                the trials that lack it).
+        """
+        names = dict.fromkeys(k for t in self.trials for k in t.params)
+        out: dict[str, list[Any]] = {}
+        for name in names:
+            lacking = [t.number for t in self.trials if name not in t.params]
+            if lacking:
+                raise KeyError(
+                    f"TrialGroup.params: trials {lacking} did not suggest {name!r}; suggest it "
+                    "in every trial, or name it in group_by= so those trials get their own stack."
+                )
+            out[name] = [t.params[name] for t in self.trials]
+        return out
+
+    def loader(self, *tensors: Tensor, batch_size: int, **kwargs: Any) -> MemberLoader:
+        """A `MemberLoader` in which each member reads its own trial's data stream.
+
+        See `trial_loader`; `seed` is the study seed.
+        """
+        return trial_loader(
+            *tensors, trial_numbers=self.numbers, batch_size=batch_size, seed=self.seed, **kwargs
+        )
+
+    def report(self, values: Any, step: int) -> Tensor:
+        """Reports each running member's value at `step` and asks the pruner about it.
+
+        A member whose value is not finite fails (its trial is told FAIL); one the pruner
+        stops is pruned (told PRUNED). Neither is reported again.
+
+        Args:
+            values: (N,) one intermediate value per member (a tensor or a sequence).
+            step: the step the values belong to, as for `optuna.Trial.report`.
+
+        Returns:
+            (N,) bool: `live`, the members still running; pass it as the optimizer step's
+            `mask=`, or drop the others with `keep_live`.
+
+        Raises:
+            ValueError: not one value per member.
+        """
+        flat = _values(values, len(self), "TrialGroup.report()")
+        for i, (trial, v) in enumerate(zip(self.trials, flat)):
+            if not self.live[i]:
+                continue
+            if not math.isfinite(v):
+                self.live[i], self.failed[i] = False, True
+                continue
+            self.last[i] = v
+            trial.report(v, step)
+            if trial.should_prune():
+                self.live[i] = False
+        return self.live.clone()
+
+    def keep_live(
+        self,
+        stack: Stack,
+        *,
+        optimizer: MemberOptimizer | None = None,
+        loader: MemberLoader | None = None,
+    ) -> Stack:
+        """A stack of the live members only; the group, optimizer and loader follow it.
+
+        Dropped trials keep their verdict (PRUNED or FAIL) and leave `trials`, `live`,
+        `failed` and `stack`; the rest train on exactly as before, at the cost of a smaller
+        stack (`phalanx.population.keep_members`).
+
+        Returns:
+            The smaller stack (also `self.stack`); `stack` itself when every member is live.
+
+        Raises:
+            ValueError: no member is live (check `live.any()` first).
+        """
+        index = self.live.nonzero().flatten().tolist()
+        if len(index) == len(self):
+            return stack
+        if not index:
+            raise ValueError(
+                "TrialGroup.keep_live(): no member is live; stop training this group "
+                "(`if not group.live.any(): break`)."
+            )
+        self._finish_dropped([i for i in range(len(self)) if i not in index])
+        small = keep_members(stack, index, optimizer=optimizer, loader=loader)
+        self.trials = [self.trials[i] for i in index]
+        self.last = [self.last[i] for i in index]
+        self.live = self.live[index]
+        self.failed = self.failed[index]
+        self.stack = small
+        return small
+
+    # ------------------------------------------------------------------------------ telling
+
+    def _finish_dropped(self, index: list[int]) -> None:
+        self._dropped = [*getattr(self, "_dropped", []), *(self._verdict(i) for i in index)]
+
+    def _verdict(
+        self, i: int, final: float | None = None
+    ) -> tuple[Trial, TrialState, float | None]:
+        trial = self.trials[i]
+        if self.failed[i]:
+            return trial, TrialState.FAIL, None
+        if not self.live[i]:
+            return trial, TrialState.PRUNED, None
+        if final is None or not math.isfinite(final):
+            return trial, TrialState.FAIL, None
+        return trial, TrialState.COMPLETE, final
+
+    def _tell(self, study: optuna.Study, finals: list[float] | None) -> None:
+        told = list(getattr(self, "_dropped", []))
+        told += [self._verdict(i, None if finals is None else finals[i]) for i in range(len(self))]
+        self._dropped = []
+        for trial, state, value in told:
+            if state is TrialState.COMPLETE:
+                study.tell(trial, value)
+            else:
+                study.tell(trial, state=state)
+
+
+def _values(values: Any, n: int, where: str) -> list[float]:
+    flat = (
+        values.detach().double().flatten().tolist()
+        if isinstance(values, Tensor)
+        else [float(v) for v in values]
+    )
+    if len(flat) != n:
+        raise ValueError(
+            f"{where}: expected one value per member ({n}); got {len(flat)}. Return or report "
+            "an (N,) tensor with member i's value at index i."
+        )
+    return flat
+
+
+def _group(
+    trials: list[Trial], nets: list[nn.Module], group_by: Sequence[str]
+) -> list[tuple[list[Trial], list[nn.Module]]]:
+    """Trials whose networks share one architecture and whose `group_by` values are equal."""
+    groups: list[tuple[tuple[Any, ...], list[Trial], list[nn.Module]]] = []
+    for trial, net in zip(trials, nets):
+        key = tuple(trial.params.get(name) for name in group_by)
+        for gkey, gtrials, gnets in groups:
+            if gkey == key and not architecture_differences(gnets[0], net, len(gnets)):
+                gtrials.append(trial)
+                gnets.append(net)
+                break
+        else:
+            groups.append((key, [trial], [net]))
+    return [(t, m) for _, t, m in groups]
+
+
+def optimize(
+    study: optuna.Study,
+    model: Callable[[Trial], nn.Module],
+    train: Callable[[TrialGroup], Any],
+    *,
+    n_trials: int,
+    n_members: int | None = None,
+    group_by: Sequence[str] = (),
+    seed: int = 0,
+    stack_kwargs: dict[str, Any] | None = None,
+) -> list[TrialGroup]:
+    """Runs `n_trials` more trials of `study`, `n_members` at a time, each group one stack.
+
+    Args:
+        study: any Optuna study (any sampler, pruner and storage; a study loaded from its
+            storage continues where it stopped: trial numbers, and so seeds, go on).
+        model: `model(trial)` suggests the trial's values (`trial.suggest_float(...)`) and
+            returns its network; it runs under `torch.manual_seed(seed + trial.number)`.
+        train: `train(group)` trains `group.stack` (see `TrialGroup`) and returns the final
+            value of each member, (N,); members pruned or failed on the way may hold anything.
+        n_trials: trials to run (asked in batches of `n_members`).
+        n_members: trials asked at once (default: all `n_trials`).
+        group_by: parameter names whose values cannot vary within one stack (a batch size, a
+            data choice); networks of different architectures (a width, a depth, a dropout
+            rate) get different stacks automatically.
+        seed: the study seed of the networks and the data streams.
+        stack_kwargs: passed to `phalanx.stack` (e.g. `{"backend": "vmap"}`).
+
+    Returns:
+        The trained groups, in order (each holds its trials and trained stack).
+
+    Raises:
+        ValueError: `n_trials` or `n_members` not a positive int, or `train` did not return
+            one value per member.
+        Exception: whatever `train` raised; that group's unfinished trials are told FAIL first.
+
+    Example:
+        >>> import optuna
+        >>> import phalanx.integrations.optuna as po
+        >>> X, Y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+        >>> def model(trial):
+        ...     trial.suggest_float("lr", 1e-3, 1e-1, log=True)
+        ...     return nn.Linear(4, 2)
+        >>> def train(group):
+        ...     opt = phalanx.optim.SGD(group.stack.parameters(), lr=group.params["lr"])
+        ...     for xb, yb in group.loader(X, Y, batch_size=16):
+        ...         out = group.stack(xb, in_dims=0)
+        ...         losses = phalanx.member_losses(F.cross_entropy, out, yb, in_dims=(0, 0))
+        ...         opt.zero_grad(); losses.sum().backward(); opt.step()
+        ...     return phalanx.metrics.loss(F.cross_entropy, group.stack(X), Y)
+        >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
+        >>> study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        >>> groups = po.optimize(study, model, train, n_trials=8)
+        >>> len(study.trials), len(groups), study.trials[0].state.name
+        (8, 1, 'COMPLETE')
+    """
+    where = "phalanx.integrations.optuna.optimize()"
+    batch = n_trials if n_members is None else n_members
+    for name, value in (("n_trials", n_trials), ("n_members", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive int; got {value!r}.")
+    done: list[TrialGroup] = []
+    left = n_trials
+    while left > 0:
+        trials, nets = [], []
+        for _ in range(min(batch, left)):
+            trial = study.ask()
+            trials.append(trial)
+            try:
+                nets.append(build_model(model, trial, seed))
+            except Exception:
+                for t in trials:
+                    study.tell(t, state=TrialState.FAIL)
+                raise
+        left -= len(trials)
+        groups = _group(trials, nets, group_by)
+        for k, (gtrials, gnets) in enumerate(groups):
+            try:
+                group = TrialGroup(gtrials, build_stack(gnets, **(stack_kwargs or {})), seed)
+                finals = _values(train(group), len(group), f"{where}: train(group)'s result")
+            except Exception:
+                # The trials asked and not yet told (this group's, the batch's later groups')
+                # would stay RUNNING in the storage: tell them FAIL.
+                for t in (t for g, _ in groups[k:] for t in g):
+                    study.tell(t, state=TrialState.FAIL)
+                raise
+            group._tell(study, finals)
+            done.append(group)
+    return done

@@ -1,0 +1,109 @@
+"""Ray Tune: a Tune search algorithm driven ask/tell, each batch of its configurations one stack.
+
+Tune's searchers (`ray.tune.search.Searcher`: OptunaSearch, HyperOptSearch, BayesOptSearch,
+...) are plain objects with `suggest(trial_id)` and `on_trial_complete(trial_id, result)`;
+they run without Ray's runtime (no `ray.init`, no cluster). `optimize(searcher, train, ...)`
+asks `n_members` configurations at a time, lets `train(configs)` train them as one stack and
+return one value per configuration, and tells the searcher each result (a non-finite value
+is told as an error, `on_trial_complete(..., error=True)`).
+
+Tune's schedulers (ASHA, HyperBand, PBT) and its `Trainable` are not used: they schedule
+whole Tune trials, one process each, and cannot stop or copy a member of a stack; inside a
+stack, `phalanx.population` does what they do (successive halving and PBT by member
+masks, `keep_members` and `copy_members`, exactly). docs/SEARCH.md gives the reasons.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ray.tune.search import Searcher
+
+__all__ = ["optimize"]
+
+
+def optimize(
+    searcher: Searcher,
+    train: Callable[[list[dict[str, Any]]], Any],
+    *,
+    n_trials: int,
+    n_members: int | None = None,
+    metric: str | None = None,
+    prefix: str = "phalanx",
+) -> list[tuple[str, dict[str, Any], float]]:
+    """Runs `n_trials` configurations of `searcher`, `n_members` at a time as one stack each.
+
+    Args:
+        searcher: a Tune `Searcher` with its metric, mode and search space set (its
+            constructor's `space=`, `metric=`, `mode=`, or `set_search_properties`).
+        train: `train(configs)` trains one member per configuration (e.g. `lr=[c["lr"] for
+            c in configs]`) and returns their values, (N,).
+        n_trials: configurations to run.
+        n_members: configurations asked at once (default: all `n_trials`).
+        metric: the result key the searcher optimizes (default: the searcher's own metric).
+        prefix: the Tune trial ids are `f"{prefix}_{k}"`.
+
+    Returns:
+        (trial id, configuration, value) for every configuration run, in order.
+
+    Raises:
+        ValueError: `n_trials` or `n_members` not a positive int, the searcher has no metric,
+            or `train` did not return one value per configuration.
+        RuntimeError: the searcher gave no configuration (its search space is not set, or a
+            `ConcurrencyLimiter` smaller than `n_members` wraps it).
+
+    Example:
+        >>> from ray import tune
+        >>> from ray.tune.search.optuna import OptunaSearch
+        >>> import optuna
+        >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
+        >>> space = OptunaSearch.convert_search_space({"lr": tune.loguniform(1e-3, 1.0)})
+        >>> searcher = OptunaSearch(space, metric="loss", mode="min", seed=0)
+        >>> runs = optimize(searcher, lambda configs: [c["lr"] for c in configs], n_trials=8)
+        >>> len(runs), min(v for _, _, v in runs) == min(c["lr"] for _, c, _ in runs)
+        (8, True)
+    """
+    where = "phalanx.integrations.ray_tune.optimize()"
+    batch = n_trials if n_members is None else n_members
+    for name, count in (("n_trials", n_trials), ("n_members", batch)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{where}: {name} must be a positive int; got {count!r}.")
+    metric = metric or searcher.metric
+    if not metric:
+        raise ValueError(
+            f"{where}: the searcher has no metric; build it with metric= and mode=, or pass "
+            "metric= here."
+        )
+    runs: list[tuple[str, dict[str, Any], float]] = []
+    while len(runs) < n_trials:
+        ids: list[str] = []
+        configs: list[dict[str, Any]] = []
+        for _ in range(min(batch, n_trials - len(runs))):
+            trial_id = f"{prefix}_{len(runs) + len(ids)}"
+            config = searcher.suggest(trial_id)
+            if config is None or config == Searcher.FINISHED:
+                break
+            ids.append(trial_id)
+            configs.append(config)
+        if not configs:
+            raise RuntimeError(
+                f"{where}: the searcher gave no configuration after {len(runs)} trials; set "
+                "its search space (space=, or set_search_properties) and let it run "
+                f"{batch} trials at once (a ConcurrencyLimiter must allow n_members)."
+            )
+        result = train(configs)
+        values = [float(v) for v in (result.tolist() if hasattr(result, "tolist") else result)]
+        if len(values) != len(configs):
+            raise ValueError(
+                f"{where}: train(configs) returned {len(values)} values for {len(configs)} "
+                "configurations; return one value per configuration, in order."
+            )
+        for tid, config, value in zip(ids, configs, values):
+            if math.isfinite(value):
+                searcher.on_trial_complete(tid, {metric: value})
+            else:
+                searcher.on_trial_complete(tid, None, error=True)
+            runs.append((tid, config, value))
+    return runs

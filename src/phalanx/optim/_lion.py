@@ -1,0 +1,116 @@
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): one rule, one file.
+
+The recipe "add an optimizer (eager and captured)" of docs/ARCHITECTURE.md, followed: the
+class names its hyperparameters, its state and its pure update; ``MemberOptimizer`` runs the
+update eagerly on blocks of the stacked tensors and ``phalanx.compile_step`` traces the same
+function into its graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import MemberOptimizer, per_member
+
+__all__ = ["Lion"]
+
+
+class Lion(MemberOptimizer):
+    """Lion over stacked parameters, with every hyperparameter per member.
+
+    The update, for member i with its own hyperparameters (torch has no Lion; this is the
+    paper's, with decoupled weight decay)::
+
+        p = p * (1 - lr * weight_decay)
+        c = beta1 * m + (1 - beta1) * g
+        p = p - lr * sign(c)
+        m = beta2 * m + (1 - beta2) * g
+
+    Member i equals that arithmetic run on member i alone (each line one torch operation:
+    ``lerp`` for the interpolations), bit for bit, whatever N and masks.
+
+    Args:
+        params: stacked parameters, each of shape (N, *shape), or param group dicts.
+        lr: learning rate, a number or (N,). See `MemberOptimizer` for how schedulers see it.
+        betas: (beta1, beta2), each a number or (N,): the interpolation of the update's
+            direction and of the momentum.
+        weight_decay: decoupled weight decay, a number or (N,).
+        maximize: maximize the objective, a bool or (N,) bool tensor.
+        skip_nonfinite: skip members whose loss or gradients are not finite in a step, and
+            warn which (see `MemberOptimizer`).
+        freeze_after: with `skip_nonfinite`, freeze a member after this many skipped steps.
+        warn_skipped: warn (one host sync per step) when members are skipped.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members
+        >>> opt = Lion([w], lr=torch.tensor([0.1, 0.01, 0.001]))
+        >>> w.grad = torch.tensor([[1.0, -1.0]] * 3)
+        >>> opt.step()
+        >>> w[:, 0]
+        tensor([-0.1000, -0.0100, -0.0010], grad_fn=<SelectBackward0>)
+    """
+
+    _HYPER = (("betas", "unit"), ("weight_decay", "nonneg"), ("maximize", "bool"))
+    _NAME = "phalanx.optim.Lion"
+    HYPERPARAMETERS = ("lr", "beta1", "beta2", "weight_decay", "maximize")
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-4,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.99),
+        weight_decay: float | Tensor = 0.0,
+        *,
+        maximize: bool | Tensor = False,
+        skip_nonfinite: bool = False,
+        freeze_after: int | None = None,
+        warn_skipped: bool = True,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "weight_decay": weight_decay,
+            "maximize": maximize,
+        }
+        super().__init__(
+            params,
+            defaults,
+            skip_nonfinite=skip_nonfinite,
+            freeze_after=freeze_after,
+            warn_skipped=warn_skipped,
+        )
+
+    def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        return {
+            "lr": self._lr(group, device),
+            "beta1": self._values(group["betas"][0], device),
+            "beta2": self._values(group["betas"][1], device),
+            "weight_decay": self._values(group["weight_decay"], device),
+            "maximize": self._values(group["maximize"], device),
+        }
+
+    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+    @staticmethod
+    def update(
+        p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
+    ) -> dict[str, Tensor]:
+        """Lion's step of a stacked parameter, nothing written."""
+        lr, wd, maximize = h["lr"], h["weight_decay"], h["maximize"]
+        if isinstance(maximize, Tensor):
+            g = g * per_member(torch.where(maximize, -1.0, 1.0), g)  # g * -1 is exactly -g
+        elif maximize:
+            g = -g
+        if isinstance(wd, Tensor) or wd != 0:
+            p = p * per_member(1 - lr * wd, p)
+        m = state["exp_avg"]
+        direction = torch.lerp(m, g, per_member(1 - h["beta1"], g)).sign()
+        if isinstance(lr, Tensor):
+            p = torch.addcmul(p, direction, per_member(-lr, p))
+        else:
+            p = p.add(direction, alpha=-lr)
+        return {"param": p, "exp_avg": torch.lerp(m, g, per_member(1 - h["beta2"], g))}

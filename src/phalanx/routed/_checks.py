@@ -1,0 +1,182 @@
+"""The checks of a routed call's arguments (``members=``, ``weights=``, ``subset=``), each
+error naming the fix, and the checked routing: the sort of the flat entries into member
+segments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from phalanx.routing import Dispatch
+
+WHERE = "Stack.forward()"
+
+
+class Routing:
+    """A checked routing: per flat entry its member, its row, and the sort into segments.
+
+    Attributes:
+        index: ``(B,)`` or ``(B, k)`` long tensor of members.
+        weights: ``None`` or a tensor of the index's shape.
+        keep: ``None`` or a bool tensor of the index's shape; False entries are dropped
+            (their contribution is zero), e.g. rows over a member's capacity.
+    """
+
+    def __init__(
+        self,
+        index: torch.Tensor,
+        weights: torch.Tensor | None,
+        keep: torch.Tensor | None,
+        num_members: int,
+    ) -> None:
+        self.index, self.weights, self.keep = index, weights, keep
+        self.rows = index.shape[0]
+        self.k = 1 if index.dim() == 1 else index.shape[1]
+        flat = index.reshape(-1)
+        position = torch.arange(flat.numel(), device=flat.device)
+        if keep is not None:
+            kept = keep.reshape(-1)
+            position = position[kept]
+            flat = flat[kept]
+        order = torch.argsort(flat, stable=True)
+        self.entries = position.index_select(0, order)  # flat positions in segment order
+        self.source_rows = self.entries // self.k if self.k > 1 else self.entries
+        self.member_of = flat.index_select(0, order)  # each sorted entry's member
+        self.counts = torch.bincount(flat, minlength=num_members)
+        self.count_list: list[int] = self.counts.tolist()  # the one host sync
+        self.total = int(flat.numel())
+
+
+def routing_from(
+    members: Any, weights: Any, rows: int | None, num_members: int, device: torch.device | None
+) -> Routing:
+    """Checks ``members=``/``weights=`` against the inputs and the stack, naming the fix."""
+    keep = None
+
+    if isinstance(members, Dispatch):
+        if weights is not None:
+            raise ValueError(
+                f"{WHERE}: members= is a phalanx.routing.Dispatch, which carries its own "
+                f"weights; drop weights=."
+            )
+        members, weights, keep = members.index, members.weights, members.keep
+    if not isinstance(members, torch.Tensor):
+        raise TypeError(
+            f"{WHERE}: members= routes input rows to members and takes an integer tensor, "
+            f"(B,) or (B, k), one entry per input row; got a {type(members).__name__}. To run "
+            f"only some members on the whole input, pass subset=[i, j, ...] instead; for a "
+            f"routing held in a list, pass torch.tensor(index)."
+        )
+    if members.is_floating_point() or members.is_complex() or members.dtype == torch.bool:
+        raise TypeError(
+            f"{WHERE}: members= must hold integer member indices; got dtype {members.dtype}. "
+            f"Convert it with index.long()."
+        )
+    if members.dim() not in (1, 2):
+        raise ValueError(
+            f"{WHERE}: members= must be (B,) (one member per row) or (B, k) (k members per "
+            f"row); got shape {tuple(members.shape)}. Flatten the leading dims of the inputs "
+            f"and the index first, e.g. x.flatten(0, 1) with index.flatten(0, 1)."
+        )
+    if rows is not None and members.shape[0] != rows:
+        raise ValueError(
+            f"{WHERE}: members= has {members.shape[0]} rows but the inputs have {rows}; give "
+            f"one entry (or one row of k entries) per input row."
+        )
+    if device is not None and members.device != device:
+        raise ValueError(
+            f"{WHERE}: members= is on {members.device}, the inputs on {device}; move it with "
+            f"index.to({str(device)!r})."
+        )
+    members = members.long()
+    checked = members if keep is None else members[keep]
+    if checked.numel():
+        low, high = (int(v) for v in torch.aminmax(checked))
+        if low < 0 or high >= num_members:
+            bad = low if low < 0 else high
+            raise IndexError(
+                f"{WHERE}: members= holds member index {bad}, but the stack has {num_members} "
+                f"members (indices 0 to {num_members - 1}); every entry must be a member index."
+            )
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+            raise TypeError(
+                f"{WHERE}: weights= must be a floating-point tensor of the index's shape "
+                f"{tuple(members.shape)}; got "
+                + (
+                    f"dtype {weights.dtype}"
+                    if isinstance(weights, torch.Tensor)
+                    else type(weights).__name__
+                )
+                + "."
+            )
+        if weights.shape != members.shape:
+            raise ValueError(
+                f"{WHERE}: weights= must have the index's shape {tuple(members.shape)} (one "
+                f"weight per routed entry); got {tuple(weights.shape)}."
+            )
+        if weights.device != members.device:
+            raise ValueError(
+                f"{WHERE}: weights= is on {weights.device}, members= on {members.device}; "
+                f"put them on one device."
+            )
+    return Routing(members, weights, keep, num_members)
+
+
+def routed_inputs(args: tuple[Any, ...]) -> tuple[int | None, torch.device | None]:
+    """The rows and device of the routed positional inputs (every tensor among them)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        raise ValueError(
+            f"{WHERE}: members= routes the rows of the positional inputs, but none is a "
+            f"tensor; pass the input rows positionally, stack(x, members=index)."
+        )
+    rows = {a.shape[0] if a.dim() else None for a in tensors}
+    if None in rows or len(rows) > 1:
+        shapes = ", ".join(str(tuple(a.shape)) for a in tensors)
+        raise ValueError(
+            f"{WHERE}: with members= every positional tensor input is split by rows along "
+            f"dim 0, so all must have the same first dimension; got {shapes}. Pass an input "
+            f"every member sees whole as a keyword argument."
+        )
+    return rows.pop(), tensors[0].device
+
+
+# ------------------------------------------------------------------------------ entry point
+
+
+def subset_index(subset: Any, num_members: int) -> list[int]:
+    """``subset=`` as a list of distinct member indices, checked, naming the fix."""
+    where = f"{WHERE}: subset="
+    if isinstance(subset, torch.Tensor):
+        if subset.dim() != 1 or subset.is_floating_point() or subset.dtype == torch.bool:
+            raise TypeError(
+                f"{where} takes distinct member indices: a list of ints or a 1-D integer "
+                f"tensor; got a tensor of dtype {subset.dtype} and shape {tuple(subset.shape)}. "
+                f"To send each input row to its own member, use members=index."
+            )
+        chosen = subset.tolist()
+    elif isinstance(subset, (list, tuple, range)):
+        chosen = list(subset)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
+            raise TypeError(f"{where} takes distinct member indices (ints); got {subset!r}.")
+    else:
+        raise TypeError(
+            f"{where} takes distinct member indices: a list of ints or a 1-D integer tensor; "
+            f"got a {type(subset).__name__}."
+        )
+    if not chosen:
+        raise ValueError(f"{where} is empty; name at least one member.")
+    bad = [i for i in chosen if not 0 <= i < num_members]
+    if bad:
+        raise IndexError(
+            f"{where} holds member index {bad[0]}, but the stack has {num_members} members "
+            f"(indices 0 to {num_members - 1})."
+        )
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(
+            f"{where} holds a member twice ({chosen}); give distinct members (to run a member "
+            f"on several inputs, use members= routing)."
+        )
+    return chosen

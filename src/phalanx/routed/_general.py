@@ -1,0 +1,79 @@
+"""The general path of a routed call: each member's own ``forward`` on its own segment of the
+sorted rows, as the loop over members runs it (any architecture)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import functional_call
+
+from phalanx._torch_compat import pytree
+from phalanx.backends._state import PerMemberAttributes
+from phalanx.routed._checks import WHERE, Routing
+
+if TYPE_CHECKING:
+    from phalanx.backends import StackView
+
+
+def general_path(
+    view: StackView, gathered: tuple[Any, ...], kwargs: dict[str, Any], routing: Routing
+) -> Any:
+    """Each member's own forward on its own segment, as the loop over members runs it."""
+    params, buffers = view.state()
+    param_views = {k: v.unbind(0) for k, v in params.items()}
+    attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
+    outputs: list[Any] = []
+    start = 0
+    segments = [(i, c) for i, c in enumerate(routing.count_list) if c] or [
+        (0, 0)
+    ]  # no rows at all: member 0 on the empty input gives the output's structure
+    for i, count in segments:
+        state = {k: v[i] for k, v in param_views.items()}
+        state.update({k: v[i] for k, v in buffers.items()})
+        member_args = tuple(
+            a.narrow(0, start, count) if isinstance(a, torch.Tensor) else a for a in gathered
+        )
+        start += count
+        outputs.append(
+            attributes.run(
+                i,
+                view.module,
+                lambda: functional_call(view.module, state, member_args, kwargs),  # noqa: B023
+            )
+        )
+    return concat(outputs, [c for _, c in segments])
+
+
+def concat(outputs: list[Any], counts: list[int]) -> Any:
+    """The members' segment outputs joined along dim 0, leaf by leaf."""
+    flat0, spec0 = pytree.tree_flatten(outputs[0])
+    columns: list[list[Any]] = [[leaf] for leaf in flat0]
+    for out in outputs[1:]:
+        flat, spec = pytree.tree_flatten(out)
+        if spec != spec0:
+            raise RuntimeError(
+                f"{WHERE}: the members returned outputs of different structures ({spec} "
+                f"against {spec0}); members must return the same structure."
+            )
+        for col, leaf in zip(columns, flat):
+            col.append(leaf)
+    joined = []
+    for col in columns:
+        if not isinstance(col[0], torch.Tensor):
+            if any(v != col[0] for v in col[1:]):
+                raise RuntimeError(
+                    f"{WHERE}: the members returned different non-tensor values "
+                    f"({col[0]!r}, ...); only tensor outputs can be routed."
+                )
+            joined.append(col[0])
+            continue
+        for t, c in zip(col, counts):
+            if t.dim() == 0 or t.shape[0] != c:
+                raise RuntimeError(
+                    f"{WHERE}: with members= each output must have one row per input row, "
+                    f"but a member given {c} rows returned a tensor of shape "
+                    f"{tuple(t.shape)}; routed members must keep the rows on dim 0."
+                )
+        joined.append(col[0] if len(col) == 1 else torch.cat(col))
+    return pytree.tree_unflatten(joined, spec0)

@@ -1,0 +1,345 @@
+"""The segment path: a member's forward proven row-wise by its structure and run once over all
+sorted rows.
+
+The forward is traced once with ``torch.fx`` (again only when its fingerprint, what the trace
+baked in, changes) and compiled into ``Step`` s against the live modules; running the steps
+calls the operations of ``_rowwise_ops``, each of which proves itself row-wise or raises
+``NotRowwise`` (then the general path runs). Nothing is compared against a reference at run
+time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+from phalanx import _torch_compat as compat
+from phalanx._module_tree import meta_copy
+from phalanx._warnings import warn
+from phalanx.backends._state import _INTERNALS, hooked
+from phalanx.routed._checks import Routing
+from phalanx.routed._rowwise_ops import (
+    IN_PLACE,
+    MemberTensor,
+    RowTensor,
+    call_module,
+    call_op,
+    in_place,
+    leaves,
+    map_leaves,
+    unwrap,
+)
+from phalanx.routed._segments import NotRowwise, Segments, segment_linear
+
+if TYPE_CHECKING:
+    from phalanx.backends import StackView
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+_NO_DEFAULT = object()
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _fingerprint(module: nn.Module) -> tuple | str:
+    """What a trace bakes in: the module tree (each submodule's identity and type) and, for
+    the modules the trace runs through (fx calls torch.nn's own layers as they are, reading
+    their settings on every call), their mode and plain attributes; a string (the reason)
+    when such a module holds an attribute whose changes a trace could not see."""
+
+    leaf = _LEAF.is_leaf_module
+    parts: list[Any] = []
+    for path, m in module.named_modules():
+        if leaf(m, path):
+            parts.append((path, id(m)))
+            continue
+        own = []
+        for k, v in m.__dict__.items():
+            if k in _INTERNALS:
+                continue
+            if _plain(v):
+                own.append((k, v))
+            elif callable(v) and not isinstance(v, (nn.Module, torch.Tensor)):
+                own.append((k, id(v)))
+            else:
+                return (
+                    f"{type(m).__name__} {path or 'the member'} holds {k!r}, a {type(v).__name__}"
+                )
+        parts.append((path, id(m), type(m), m.training, tuple(own)))
+    return tuple(parts)
+
+
+_LEAF = torch.fx.Tracer()
+
+
+class Plan:
+    def __init__(self, fingerprint: Any, graph: Any, constants: Any) -> None:
+        self.fingerprint = fingerprint
+        self.graph = graph
+        self.constants = constants  # the traced module, for tensor constants it recorded
+        self.refused: dict[Any, str] = {}  # per input signature
+        self.steps: list[Step] | None = None  # the graph compiled against the live modules
+        self.placeholders = 0
+
+
+def _loader(value: Any, index: dict[Any, int]) -> Loader:
+    """A function from the values computed so far to ``value`` with its nodes filled in."""
+    node_type = torch.fx.Node
+    if isinstance(value, node_type):
+        i = index[value]
+        return lambda env: env[i]
+    if not any(isinstance(v, node_type) for v in leaves(value)):
+        return lambda env: value
+    if type(value) in (tuple, list) and not any(
+        isinstance(v, (tuple, list, dict, slice)) for v in value
+    ):
+        items = [(True, index[v]) if isinstance(v, node_type) else (False, v) for v in value]
+        kind = type(value)
+        return lambda env: kind(env[v] if ref else v for ref, v in items)
+    if type(value) is dict and not any(
+        isinstance(v, (tuple, list, dict, slice)) for v in value.values()
+    ):
+        entries = [
+            (k, True, index[v]) if isinstance(v, node_type) else (k, False, v)
+            for k, v in value.items()
+        ]
+        return lambda env: {k: env[v] if ref else v for k, ref, v in entries}
+    return lambda env: map_leaves(lambda a: env[index[a]] if isinstance(a, node_type) else a, value)
+
+
+Loader = Callable[[list[Any]], Any]
+"""A function from the values computed so far (one per step, in order) to an argument."""
+
+
+class Step(NamedTuple):
+    """One node of the traced forward, compiled against the live modules.
+
+    Attributes:
+        op: fx's node op (``"placeholder"``, ``"get_attr"``, ``"call_module"``,
+            ``"call_function"``, ``"call_method"``, ``"output"``), or ``"activation"`` for an
+            activation module that may run inside the Linear before it (see ``linear``).
+        target: the placeholder's position, the attribute's path, the live module, or fx's
+            function or method name.
+        args: the loader of the positional arguments (of the output value for ``"output"``).
+        kwargs: the loader of the keyword arguments.
+        default: a placeholder's default value (``_NO_DEFAULT`` when it has none).
+        activation: on a Linear whose one user is an activation module, that module: it runs
+            in place inside the Linear's segment loop where no autograd graph is recorded.
+        linear: on an ``"activation"`` step, the index of the Linear step before it, whose
+            value it passes on when the activation already ran there.
+    """
+
+    op: str
+    target: Any
+    args: Loader | None = None
+    kwargs: Loader | None = None
+    default: Any = _NO_DEFAULT
+    activation: nn.Module | None = None
+    linear: int | None = None
+
+
+def _compile(plan: Plan, live: nn.Module) -> list[Step]:
+    """The graph as ``Step`` s against the live modules, with each Linear that an in-place
+    activation module alone reads paired with it (``Step.activation`` / ``Step.linear``)."""
+    nodes = list(plan.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    steps: list[Step] = []
+    placeholder = 0
+    for n in nodes:
+        if n.op == "placeholder":
+            default = n.args[0] if n.args else _NO_DEFAULT
+            steps.append(Step("placeholder", placeholder, default=default))
+            placeholder += 1
+        elif n.op == "get_attr":
+            steps.append(Step("get_attr", n.target))
+        elif n.op == "call_module":
+            mod = live.get_submodule(n.target)
+            args, kwargs = _loader(n.args, index), _loader(n.kwargs, index)
+            source = n.args[0] if len(n.args) == 1 and not n.kwargs else None
+            if (
+                type(mod) in IN_PLACE
+                and isinstance(source, torch.fx.Node)
+                and source.op == "call_module"
+                and type(live.get_submodule(source.target)) is nn.Linear  # type: ignore[arg-type]
+                and len(source.users) == 1
+                and len(source.args) == 1
+                and not source.kwargs
+            ):
+                linear = index[source]
+                steps[linear] = steps[linear]._replace(activation=mod)
+                steps.append(Step("activation", mod, args, kwargs, linear=linear))
+                continue
+            steps.append(Step("call_module", mod, args, kwargs))
+        elif n.op in ("call_function", "call_method"):
+            steps.append(Step(n.op, n.target, _loader(n.args, index), _loader(n.kwargs, index)))
+        elif n.op == "output":
+            steps.append(Step("output", None, _loader(n.args[0], index)))
+    plan.placeholders = placeholder
+    return steps
+
+
+def plan_of(view: StackView) -> Plan | str:
+    """The member's forward traced once (again only when a baked-in attribute changed)."""
+    cache = view.cache_of("routed")
+    fingerprint = _fingerprint(view.module)
+    if isinstance(fingerprint, str):
+        return fingerprint
+    plan = cache.get("plan")
+    if plan is not None and plan.fingerprint == fingerprint:
+        return plan
+
+    try:
+        traced = torch.fx.symbolic_trace(meta_copy(view.module))
+    except Exception as e:  # control flow on data, an untraceable call: the general path
+        text = str(e).strip().splitlines()
+        plan = Plan(fingerprint, None, None)
+        plan.refused[None] = (
+            f"torch.fx cannot trace the member's forward ({type(e).__name__}: "
+            f"{text[0] if text else ''})"
+        )
+    else:
+        plan = Plan(fingerprint, traced.graph, traced)
+    cache["plan"] = plan
+    return plan
+
+
+def segment_path(
+    view: StackView,
+    requested: str,
+    gathered: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    routing: Routing,
+) -> Any:
+    """The trace run once over all sorted rows, or None (then the general path runs)."""
+    reason = blocked(view, gathered, kwargs)
+    plan: Plan | str | None = None
+    signature = tuple((a.dim(), a.dtype) for a in gathered)
+    if reason is None:
+        plan = plan_of(view)
+        if isinstance(plan, str):
+            reason = plan
+        elif None in plan.refused:
+            reason = plan.refused[None]
+        else:
+            reason = plan.refused.get(signature)
+    if reason is None:
+        assert isinstance(plan, Plan)
+        try:
+            return run_plan(plan, view, gathered, Segments.of(routing, view.num_members))
+        except NotRowwise as e:
+            reason = str(e)
+            plan.refused[signature] = reason
+    if requested == "fused":
+        _warn_once(view, reason)
+    return None
+
+
+def blocked(view: StackView, gathered: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    if kwargs:
+        return "keyword inputs (shared by every member) are not part of the segment path"
+    if not all(isinstance(a, torch.Tensor) for a in gathered):
+        return "a positional input is not a tensor"
+    if hooked(view.module):
+        return "the member holds hooks, which must run once per member"
+    if compat.transforms_active() or compat.forward_ad_active():
+        return "a torch.func transform or forward-mode AD is around the stack"
+    if torch.is_autocast_enabled(gathered[0].device.type):
+        return "autocast is on"
+    return None
+
+
+def _warn_once(view: StackView, reason: str) -> None:
+    cache = view.cache_of("routed")
+    if cache.get("warned"):
+        return
+    cache["warned"] = True
+    warn(
+        f"phalanx: backend 'fused' runs routed calls (members=) member by member on their "
+        f"own rows (exact, not batched): {reason}. The segment path runs members whose "
+        f"forward is row-wise by construction (Linear layers, elementwise operations, "
+        f"feature-dim cat/chunk/indexing/reductions); backend='auto' takes the same paths "
+        f"without this warning."
+    )
+
+
+def run_plan(plan: Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segments) -> Any:
+    live = view.module
+    if plan.steps is None:
+        plan.steps = _compile(plan, live)
+    if len(args) > plan.placeholders:
+        raise NotRowwise("more positional inputs than the traced forward takes")
+    member_ids: set[int] | None = None
+    env: list[Any] = []
+    append = env.append
+    fused: set[int] = set()  # the Linear steps whose activation ran inside them
+    for step in plan.steps:
+        op, target = step.op, step.target
+        if op == "call_module":
+            assert step.args is not None and step.kwargs is not None
+            if step.activation is not None:  # a Linear, and the activation that follows it
+                x = step.args(env)[0]
+                if isinstance(x, RowTensor) and x.t.dim() >= 2:
+                    weight, bias = target.weight, target.bias
+                    y, done = segment_linear(x.t, weight, bias, seg, in_place(step.activation))
+                    if done:
+                        fused.add(len(env))
+                    append(RowTensor(y))
+                    continue
+            append(call_module(target, step.args(env), step.kwargs(env), seg))
+        elif op == "activation":
+            assert step.args is not None and step.kwargs is not None
+            if step.linear in fused:
+                append(env[step.linear])
+            else:
+                append(call_module(target, step.args(env), step.kwargs(env), seg))
+        elif op == "call_function" or op == "call_method":
+            assert step.args is not None and step.kwargs is not None
+            append(call_op(op, target, step.args(env), step.kwargs(env), seg))
+        elif op == "placeholder":
+            if target < len(args):
+                append(RowTensor(args[target]))
+            elif step.default is not _NO_DEFAULT:
+                append(step.default)
+            else:
+                raise NotRowwise("a positional input is missing")
+        elif op == "get_attr":
+            if member_ids is None:
+                member_ids = {id(t) for t in (*live.parameters(), *live.buffers())}
+            append(_attr(live, plan.constants, target, member_ids))
+        elif op == "output":
+            assert step.args is not None
+            out = step.args(env)
+            for leaf in leaves(out):
+                if isinstance(leaf, MemberTensor) or (
+                    isinstance(leaf, torch.Tensor) and not isinstance(leaf, RowTensor)
+                ):
+                    raise NotRowwise("an output that is not made of the input rows")
+                if isinstance(leaf, RowTensor) and (
+                    leaf.t.dim() == 0 or leaf.t.shape[0] != seg.rows
+                ):
+                    raise NotRowwise("an output without one row per input row")
+            return unwrap(out)
+    raise NotRowwise("the trace has no output")
+
+
+def _attr(live: nn.Module, constants: nn.Module, target: str, member_ids: set[int]) -> Any:
+    value: Any = live
+    try:
+        for part in target.split("."):
+            value = getattr(value, part)
+    except AttributeError:
+        value = constants
+        for part in target.split("."):
+            value = getattr(value, part)
+        return value  # a tensor constant of the trace: the same for every member
+    if isinstance(value, torch.Tensor):
+        if id(value) not in member_ids:
+            raise NotRowwise(f"the forward reads tensor attribute {target!r}")
+        return MemberTensor(value)
+    raise NotRowwise(f"the forward reads attribute {target!r}")

@@ -1,0 +1,116 @@
+"""``subset=`` calls: some members alone, as a view of the stack (the backend runs it) or on
+the segment path (each chosen member's segment holds the whole input)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from phalanx._torch_compat import pytree
+from phalanx.backends._state import PerMemberAttributes
+from phalanx.routed._rowwise import NotRowwise, blocked, plan_of, run_plan
+from phalanx.routed._segments import Segments
+
+if TYPE_CHECKING:
+    from phalanx.backends import StackView
+
+
+class _Remapped:
+    """The loop's per-member attributes, keyed by the stack's member index in a subset call."""
+
+    def __init__(self, attributes: PerMemberAttributes, members: list[int]) -> None:
+        self.attributes, self.members = attributes, members
+
+    def run(self, i: int, module: nn.Module, call: Any) -> Any:
+        return self.attributes.run(self.members[i], module, call)
+
+
+def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable[[], None]]:
+    """A view of members ``chosen`` alone, and what writes their buffers back afterwards.
+
+    Consecutive members are views of the stacked tensors (nothing copied); otherwise the
+    parameters are gathered with ``index_select`` (gradients flow into those rows alone) and
+    the buffers copied, to be written back after the call.
+    """
+    from phalanx.backends import StackView
+
+    params, buffers = view.state()
+    start, stop = chosen[0], chosen[-1] + 1
+    if chosen == list(range(start, stop)):
+        sub_params = {k: v[start:stop] for k, v in params.items()}
+        sub_buffers = {k: v[start:stop] for k, v in buffers.items()}
+
+        def write_back() -> None:
+            return None
+    else:
+        device = next(iter({**params, **buffers}.values())).device if (params or buffers) else None
+        idx = torch.tensor(chosen, device=device)
+        sub_params = {k: v.index_select(0, idx) for k, v in params.items()}
+        with torch.no_grad():
+            sub_buffers = {k: v.index_select(0, idx) for k, v in buffers.items()}
+        sent = {k: v.clone() for k, v in sub_buffers.items()} if buffers else {}
+
+        def write_back() -> None:
+            with torch.no_grad():
+                for k, v in sub_buffers.items():
+                    if not torch.equal(v, sent[k]):
+                        buffers[k].index_copy_(0, idx, v)
+
+    sub = StackView(len(chosen), view.module, view.template, lambda: (sub_params, sub_buffers))
+    sub.lock = view.lock
+    if view.generators is not None:
+        sub.generators = view.generators.subset(chosen)
+    sub.cache["auto"] = view.cache_of("auto")
+    attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
+    sub.cache["loop"] = {"attributes": _Remapped(attributes, chosen)}
+    return sub, write_back
+
+
+def subset_segment(
+    view: StackView,
+    requested: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_dims: tuple[int | None, ...],
+    chosen: list[int],
+) -> Any:
+    """A subset call on the segment path: member ``chosen[s]`` runs segment s, which holds
+    the whole input (a shared input is repeated, a per-member one flattened); None where the
+    segment path does not apply (then the backend runs the subset view)."""
+    view.cache_of("routed")["last_path"] = "general"  # until the segment path has run
+    if requested not in ("fused", "auto") or not args or torch.compiler.is_compiling():
+        return None
+    if not all(isinstance(a, torch.Tensor) and a.dim() >= (1 if d is None else 2)
+               for a, d in zip(args, in_dims)):  # fmt: skip
+        return None
+    rows = {a.shape[0] if d is None else a.shape[1] for a, d in zip(args, in_dims)}
+    if len(rows) != 1 or not (batch := rows.pop()):
+        return None
+    k = len(chosen)
+    gathered = tuple(
+        a.expand(k, *a.shape).reshape(k * batch, *a.shape[1:]) if d is None
+        else a.reshape(k * batch, *a.shape[2:])
+        for a, d in zip(args, in_dims)
+    )  # fmt: skip
+    device = gathered[0].device
+    member_of = torch.tensor(chosen, device=device).repeat_interleave(batch)
+    seg = Segments(chosen, [batch] * k, member_of, view.num_members)
+    reason = blocked(view, gathered, kwargs)
+    if reason is not None:
+        return None
+    plan = plan_of(view)
+    signature = ("subset", *((a.dim(), a.dtype) for a in gathered))
+    if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
+        return None
+    try:
+        out = run_plan(plan, view, gathered, seg)
+    except NotRowwise as e:
+        plan.refused[signature] = str(e)
+        return None
+    view.cache_of("routed")["last_path"] = "segment"
+    return pytree.tree_map(
+        lambda t: t.view(k, batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t, out
+    )

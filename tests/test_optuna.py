@@ -1,0 +1,252 @@
+"""phalanx.integrations.optuna: N Optuna trials as one stack give the trial-by-trial results."""
+
+from __future__ import annotations
+
+import math
+
+import optuna
+import pytest
+import torch
+import torch.nn.functional as F
+from optuna.trial import TrialState
+from torch import nn
+
+import phalanx
+import phalanx.integrations.optuna as po
+from phalanx.testing import rounding_problems
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SEED, EPOCHS = 7, 3
+_g = torch.Generator().manual_seed(0)
+X = torch.randn(96, 6, generator=_g)
+Y = X[:, :3].argmax(1)
+XV = torch.randn(64, 6, generator=_g)
+YV = XV[:, :3].argmax(1)
+
+
+def model(trial):
+    trial.suggest_float("lr", 1e-3, 0.3, log=True)
+    trial.suggest_float("weight_decay", 1e-5, 1e-1, log=True)
+    trial.suggest_categorical("batch_size", [16, 32])
+    hidden = trial.suggest_categorical("hidden", [8, 12])
+    return nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+
+
+def train(group):
+    """Trains a group as one stack: per-member lr and weight decay, pruned members masked."""
+    p = group.params
+    opt = phalanx.optim.AdamW(group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+    loader = group.loader(X, Y, batch_size=p["batch_size"][0])
+    for epoch in range(EPOCHS):
+        for xb, yb in loader:
+            out = group.stack(xb, in_dims=0)
+            losses = phalanx.member_losses(F.cross_entropy, out, yb, in_dims=(0, 0))
+            opt.zero_grad()
+            losses.sum().backward()
+            opt.step(mask=group.live)
+        with torch.no_grad():
+            val = phalanx.metrics.loss(F.cross_entropy, group.stack(XV), YV)
+        group.report(val, epoch)
+    return val
+
+
+def one_trial(dtype):
+    """Optuna's own trial-by-trial objective: a plain module and torch.optim.AdamW."""
+
+    def objective(trial):
+        torch.manual_seed(SEED + trial.number)
+        net = model(trial).to(dtype)
+        p = trial.params
+        opt = torch.optim.AdamW(net.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+        loader = phalanx.data.MemberLoader(
+            X, Y, num_members=1, batch_size=p["batch_size"], first_member=trial.number, seed=SEED
+        )
+        for epoch in range(EPOCHS):
+            for xb, yb in loader:
+                loss = F.cross_entropy(net(xb[0].to(dtype)), yb[0])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                val = float(F.cross_entropy(net(XV.to(dtype)), YV))
+            trial.report(val, epoch)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        return val
+
+    return objective
+
+
+def _study(**kwargs):
+    return optuna.create_study(
+        sampler=optuna.samplers.RandomSampler(seed=3),
+        pruner=optuna.pruners.ThresholdPruner(upper=1.0, n_warmup_steps=1),
+        **kwargs,
+    )
+
+
+def test_a_search_in_stacks_equals_optuna_trial_by_trial():
+    n = 24
+    stacked = _study()
+    groups = po.optimize(
+        stacked, model, train, n_trials=n, n_members=12, group_by=["batch_size"], seed=SEED
+    )
+    refs = {}
+    for dtype in (torch.float32, torch.float64):
+        refs[dtype] = _study()
+        refs[dtype].optimize(one_trial(dtype), n_trials=n)
+    got, ref32, ref64 = stacked.trials, refs[torch.float32].trials, refs[torch.float64].trials
+    # The architecture (hidden) and the batch size split each batch of 12 into stacks.
+    assert len(groups) > 2
+    assert all(len({t.params["hidden"] for t in g.trials}) == 1 for g in groups)
+    assert [t.params for t in got] == [t.params for t in ref32]
+    states = [t.state for t in got]
+    assert states == [t.state for t in ref32] == [t.state for t in ref64]
+    assert TrialState.PRUNED in states and TrialState.COMPLETE in states
+    for a, b, c in zip(got, ref32, ref64):
+        steps = sorted(a.intermediate_values)
+        assert steps == sorted(b.intermediate_values)
+        curve = [torch.tensor([t.intermediate_values[s] for s in steps]) for t in (a, b, c)]
+        assert not rounding_problems(*curve, what=f"trial {a.number}'s curve")
+    done = [i for i, s in enumerate(states) if s is TrialState.COMPLETE]
+    values = [torch.tensor([t[i].value for i in done]) for t in (got, ref32, ref64)]
+    assert not rounding_problems(*values, what="the completed trials' values")
+    assert stacked.best_trial.number == refs[torch.float64].best_trial.number
+
+
+def test_a_median_pruner_and_tpe_prune_and_complete_members():
+    study = optuna.create_study(
+        sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=8),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=0),
+    )
+    po.optimize(study, model, train, n_trials=32, n_members=16, group_by=["batch_size"], seed=SEED)
+    states = [t.state for t in study.trials]
+    assert len(states) == 32 and TrialState.RUNNING not in states
+    assert states.count(TrialState.PRUNED) > 0 and states.count(TrialState.COMPLETE) > 0
+    # a pruned trial got no more reports after the pruner stopped it
+    for t in study.trials:
+        if t.state is TrialState.PRUNED:
+            assert len(t.intermediate_values) < EPOCHS
+
+
+def test_keep_live_drops_pruned_members_and_trains_the_rest_as_before():
+    def train_keep(group):
+        p = group.params
+        opt = phalanx.optim.AdamW(
+            group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"]
+        )
+        loader = group.loader(X, Y, batch_size=p["batch_size"][0])
+        stack = group.stack
+        for epoch in range(EPOCHS):
+            for xb, yb in loader:
+                losses = phalanx.member_losses(
+                    F.cross_entropy, stack(xb, in_dims=0), yb, in_dims=(0, 0)
+                )
+                opt.zero_grad()
+                losses.sum().backward()
+                opt.step()
+            with torch.no_grad():
+                val = phalanx.metrics.loss(F.cross_entropy, stack(XV), YV)
+            group.report(val, epoch)
+            if not group.live.any():
+                break
+            stack = group.keep_live(stack, optimizer=opt, loader=loader)
+        return val if len(val) == len(group) else torch.full((len(group),), math.nan)
+
+    masked, kept = _study(), _study()
+    po.optimize(masked, model, train, n_trials=16, group_by=["batch_size"], seed=SEED)
+    po.optimize(kept, model, train_keep, n_trials=16, group_by=["batch_size"], seed=SEED)
+    assert [t.state for t in masked.trials] == [t.state for t in kept.trials]
+    for a, b in zip(masked.trials, kept.trials):
+        assert a.intermediate_values == pytest.approx(b.intermediate_values, rel=1e-5)
+        if a.state is TrialState.COMPLETE:
+            assert a.value == pytest.approx(b.value, rel=1e-5)
+
+
+def test_a_non_finite_member_fails_alone_and_the_others_complete():
+    def train_nan(group):
+        val = torch.arange(len(group), dtype=torch.float32)
+        val[1] = math.nan
+        group.report(val, 0)
+        val[2] = math.inf  # finite when reported, not at the end
+        return val
+
+    study = optuna.create_study()
+    po.optimize(study, lambda t: nn.Linear(2, 2), train_nan, n_trials=4)
+    last = study.trials
+    assert [t.state for t in last] == [
+        TrialState.COMPLETE,
+        TrialState.FAIL,
+        TrialState.FAIL,
+        TrialState.COMPLETE,
+    ]
+    assert last[0].value == 0.0 and last[3].value == 3.0
+    assert last[1].intermediate_values == {}  # a nan is never reported
+
+
+def test_a_study_resumed_from_its_storage_continues(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    first = optuna.create_study(
+        study_name="s",
+        storage=url,
+        sampler=optuna.samplers.TPESampler(seed=0),
+        pruner=optuna.pruners.NopPruner(),
+    )
+    po.optimize(first, model, train, n_trials=8, group_by=["batch_size"], seed=SEED)
+    del first
+    resumed = optuna.load_study(
+        study_name="s",
+        storage=url,
+        sampler=optuna.samplers.TPESampler(seed=1),
+        pruner=optuna.pruners.NopPruner(),
+    )
+    groups = po.optimize(resumed, model, train, n_trials=8, group_by=["batch_size"], seed=SEED)
+    numbers = [t.number for g in groups for t in g.trials]
+    assert sorted(numbers) == list(range(8, 16))
+    assert len(resumed.trials) == 16
+    assert all(t.state is not TrialState.RUNNING for t in resumed.trials)
+    # a resumed trial k trains what trial k trains in a fresh study of the same seed
+    trial = resumed.trials[9]
+    alone = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    for _ in range(10):
+        alone.enqueue_trial(trial.params)
+    po.optimize(alone, model, train, n_trials=10, seed=SEED)
+    assert alone.trials[9].value == pytest.approx(trial.value, rel=1e-5)
+
+
+def test_an_exception_in_train_fails_every_untold_trial_and_propagates():
+    def broken(group):
+        raise RuntimeError("out of memory")
+
+    study = optuna.create_study()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        po.optimize(study, model, broken, n_trials=6, group_by=["batch_size", "hidden"])
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 6
+
+
+def test_bad_results_and_arguments_are_refused():
+    def too_many(group):
+        return torch.zeros(len(group) + 1)
+
+    with pytest.raises(ValueError, match=r"expected one value per member \(3\); got 4"):
+        po.optimize(optuna.create_study(), lambda t: nn.Linear(2, 2), too_many, n_trials=3)
+    with pytest.raises(ValueError, match="n_members must be a positive int; got 0"):
+        po.optimize(optuna.create_study(), model, train, n_trials=3, n_members=0)
+    with pytest.raises(
+        TypeError, match=r"must suggest the trial's values and return its nn.Module"
+    ):
+        po.optimize(optuna.create_study(), lambda t: 3, train, n_trials=3)
+
+
+def test_params_missing_in_some_trials_name_them():
+    def conditional(trial):
+        if trial.number % 2:
+            trial.suggest_float("momentum", 0.0, 0.9)
+        return nn.Linear(2, 2)
+
+    def use(group):
+        return torch.tensor(group.params["momentum"])
+
+    with pytest.raises(KeyError, match=r"trials \[0, 2\] did not suggest 'momentum'"):
+        po.optimize(optuna.create_study(), conditional, use, n_trials=4)
