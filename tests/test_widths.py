@@ -59,6 +59,12 @@ def members(kind: str) -> tuple[list[nn.Module], torch.Tensor]:
     if kind == "cnn":
         models = [cnn(c, h) for c, h in [(2, 5), (4, 3), (3, 8)]]
         return models, torch.randn(3, 5, 1, 8, 8)
+    if kind == "batchnorm":  # BatchNorm of zero-padded units, in training mode
+        models = [
+            nn.Sequential(nn.Linear(6, w), nn.BatchNorm1d(w), nn.Sigmoid(), nn.Linear(w, 3))
+            for w in (5, 2, 7)
+        ]
+        return models, torch.randn(3, 5, 6)
     models = [Residual(w) for w in (3, 8, 5)]
     return models, torch.randn(3, 5, 6)
 
@@ -68,7 +74,7 @@ def own_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["mlp", "cnn", "residual"])
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "residual", "batchnorm"])
 def test_outputs_and_gradients_equal_each_member_alone(kind: str, backend: str) -> None:
     models, xs = members(kind)
     stack = phalanx.stack(models, pad_widths=True, backend=backend)
@@ -110,6 +116,25 @@ def test_outputs_and_gradients_equal_each_member_alone(kind: str, backend: str) 
             )
         mask = padding.mask(name, p)
         assert torch.equal(p.grad[~mask], torch.zeros_like(p.grad[~mask])), name
+    for name, b in stack.module.named_buffers():  # running statistics, as each member's
+        for i in range(len(models)):
+            own = alone[i].get_buffer(name)
+            if own.is_floating_point():
+                assert_equal_to_loop(
+                    b[i][padding.corner(name, i)], own, wide[i].get_buffer(name), what=name
+                )
+            else:
+                assert torch.equal(b[i][padding.corner(name, i)], own), name
+
+
+def test_embedding_widths() -> None:
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Embedding(20, w), nn.GELU(), nn.Linear(w, 3)) for w in (4, 9, 6)]
+    stack = phalanx.stack(models, pad_widths=True)
+    tokens = torch.randint(0, 20, (5, 7))
+    loop = torch.stack([m(tokens) for m in models])
+    reference = torch.stack([copy.deepcopy(m).double()(tokens) for m in models])
+    assert_equal_to_loop(stack(tokens), loop, reference, what="outputs", per_member=True)
 
 
 @pytest.mark.parametrize(

@@ -424,7 +424,7 @@ def check_same_architecture(members: Sequence[nn.Module], where: str) -> None:
                 " Members that differ only in the widths of Linear, Conv, BatchNorm or "
                 "Embedding layers stack padded to the widest: phalanx.stack(models, "
                 "pad_widths=True)."
-                if any("has shape" in d for d in diffs)
+                if all("has shape" in d for d in diffs)
                 else ""
             )
         )
