@@ -69,8 +69,14 @@ class _Rows(torch.autograd.Function):
 
 def member_rows(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
     """Member i's parameters at ``[i]``: writable rows where autograd records the forward,
-    ``unbind`` views otherwise (no graph, or inside a torch.func transform)."""
-    if not torch.is_grad_enabled() or compat.transforms_active() or compat.forward_ad_active():
+    ``unbind`` views otherwise (no graph, inside a torch.func transform, or while
+    ``torch.compile``, ``torch.export`` or ``make_fx`` traces, which cannot follow ``.data``)."""
+    if (
+        not torch.is_grad_enabled()
+        or compat.transforms_active()
+        or compat.forward_ad_active()
+        or compat.tracing()
+    ):
         return {k: v.unbind(0) for k, v in params.items()}
     return {k: _Rows.apply(v) if v.requires_grad else v.unbind(0) for k, v in params.items()}
 
