@@ -566,6 +566,8 @@ class Stack(nn.Module):
         ``meta``, requiring grad, or N rows: ``_check_devices``, ``check_inputs``), a member
         with a config (``check_call``) or a ``torch.compile`` trace return ``_GENERAL``, and
         the general path then runs them (raising or warning exactly as before)."""
+        if torch.compiler.is_compiling():  # a size compared under a trace would be a guard
+            return _GENERAL
         n = self.num_members
         for a in args:
             if isinstance(a, torch.Tensor) and (
@@ -573,7 +575,7 @@ class Stack(nn.Module):
             ):
                 return _GENERAL
         view = self._view
-        if "config" in view.module.__dict__ or torch.compiler.is_compiling():
+        if "config" in view.module.__dict__:
             return _GENERAL
         dims = _SHARED_DIMS[len(args)] if len(args) < len(_SHARED_DIMS) else (None,) * len(args)
         backend = get_backend(self._requested)
