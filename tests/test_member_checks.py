@@ -297,3 +297,31 @@ def test_a_kept_members_batchnorm_bits_do_not_depend_on_n(backend, make, shape, 
         assert len(got) == len(full)
         for i, (a, b) in enumerate(zip(got, full)):
             assert torch.equal(a, b), f"member 3 kept as {keep}: tensor {i} differs"
+
+
+@pytest.mark.parametrize("backend", ["fused", "vmap"])
+@pytest.mark.parametrize("padding_idx", [-1, 2, 5, -6])
+def test_functional_embedding_padding_idx_as_alone(backend, padding_idx):
+    """F.embedding's own checks and its negative padding_idx, per member."""
+
+    class Emb(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, ids):
+            return F.embedding(ids, self.weight, padding_idx=padding_idx)
+
+    torch.manual_seed(0)
+    members = [Emb() for _ in range(3)]
+    ids = torch.tensor([[0, 4, 2, 4], [1, 2, 3, 4]])
+    stack = _stack(members, backend)
+    expected = _alone(members, ids, per_member=False)
+    if expected is not None:
+        with pytest.raises(type(expected), match="Padding_idx must be within num_embeddings"):
+            stack(ids)
+        return
+    stack(ids).square().sum().backward()
+    for i, m in enumerate(copy.deepcopy(members)):
+        m(ids).square().sum().backward()
+        torch.testing.assert_close(stack.module.weight.grad[i], m.weight.grad)
