@@ -297,3 +297,66 @@ def test_a_kept_members_batchnorm_bits_do_not_depend_on_n(backend, make, shape, 
         assert len(got) == len(full)
         for i, (a, b) in enumerate(zip(got, full)):
             assert torch.equal(a, b), f"member 3 kept as {keep}: tensor {i} differs"
+
+
+@pytest.mark.parametrize("backend", ["fused", "vmap"])
+@pytest.mark.parametrize("padding_idx", [-1, 2, 5, -6])
+def test_functional_embedding_padding_idx_as_alone(backend, padding_idx):
+    """F.embedding's own checks and its negative padding_idx, per member."""
+
+    class Emb(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, ids):
+            return F.embedding(ids, self.weight, padding_idx=padding_idx)
+
+    torch.manual_seed(0)
+    members = [Emb() for _ in range(3)]
+    ids = torch.tensor([[0, 4, 2, 4], [1, 2, 3, 4]])
+    stack = _stack(members, backend)
+    expected = _alone(members, ids, per_member=False)
+    if expected is not None:
+        with pytest.raises(type(expected), match="Padding_idx must be within num_embeddings"):
+            stack(ids)
+        return
+    stack(ids).square().sum().backward()
+    for i, m in enumerate(copy.deepcopy(members)):
+        m(ids).square().sum().backward()
+        torch.testing.assert_close(stack.module.weight.grad[i], m.weight.grad)
+
+
+class Warp(nn.Module):
+    """A spatial-transformer block on a convolution's feature map (repro_grid_sample_layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.theta = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        theta = self.theta(h.mean((-1, -2))).view(-1, 2, 3)
+        grid = F.affine_grid(theta, list(h.shape), align_corners=False)
+        out = F.grid_sample(h, grid, align_corners=False)
+        assert h.is_contiguous() and out.is_contiguous()  # as alone
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch", [2, 3])  # 3 = N: a misplaced member axis looks right
+@pytest.mark.parametrize("shared", [True, False])
+def test_grid_sample_after_a_shared_input_convolution_is_each_members(backend, batch, shared):
+    torch.manual_seed(0)
+    members = [Warp() for _ in range(3)]
+    x = torch.randn(batch, 1, 6, 6) if shared else torch.randn(3, batch, 1, 6, 6)
+    stack = _stack(members, backend)
+    out = stack(x, in_dims=None if shared else 0)
+    out.square().sum().backward()
+    for i, m in enumerate(copy.deepcopy(members)):
+        own = m(x if shared else x[i])
+        torch.testing.assert_close(out[i], own)
+        own.square().sum().backward()
+        torch.testing.assert_close(stack.module.theta.weight.grad[i], m.theta.weight.grad)
+        torch.testing.assert_close(stack.module.conv.weight.grad[i], m.conv.weight.grad)

@@ -75,6 +75,7 @@ def _embedding(n: int, dims: Dims, ids, w, padding_idx, max_norm, norm_type, sca
         sparse
         or scale  # sparse gradients, or gradients scaled by counts in the flat table
         or ids.dtype not in _IDS
+        or (padding_idx is not None and not -v <= padding_idx < v)  # F.embedding's error
         or not _ids_in_range(ids, v)
     ):
         return per_member(
@@ -90,6 +91,7 @@ def _embedding(n: int, dims: Dims, ids, w, padding_idx, max_norm, norm_type, sca
     offsets = torch.arange(n, device=ids.device).mul_(v).view(n, *([1] * (ids.dim() - 1)))
     y = F.embedding(ids + offsets, w.reshape(n * v, d), scale_grad_by_freq=scale)
     if padding_idx is not None:  # rows at padding_idx take no gradient, as in nn.Embedding
+        padding_idx = padding_idx % v  # a negative one counts from the end, as F.embedding's
         y = torch.where((ids == padding_idx).unsqueeze(-1), y.detach(), y)
     return y, 0
 
