@@ -5,6 +5,7 @@ optimizer steps; padded entries exactly 0; unstack, copy_to, checkpoints; the re
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -398,3 +399,16 @@ def test_attention_head_counts_are_named() -> None:
 
     with pytest.raises(ValueError, match=r"attention splits the padded width into heads"):
         phalanx.stack([Attn(4), Attn(8)], pad_widths=True)
+
+
+def test_a_copied_stack_masks_its_own_gradients() -> None:
+    models, xs = members("mlp")  # a sigmoid first: unmasked padded gradients would be nonzero
+    original = phalanx.stack(models, pad_widths=True)
+    original(xs, in_dims=0).sum().backward()  # hooks on the original's parameters
+    for stack in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+        stack.zero_grad()
+        stack(xs, in_dims=0).sum().backward()
+        for name, p in stack.module.named_parameters():
+            mask = stack.padding.mask(name, p)
+            assert torch.equal(p.grad[~mask], torch.zeros_like(p.grad[~mask])), name
+            assert p.grad[mask].abs().sum() > 0, name

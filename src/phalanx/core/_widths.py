@@ -6,10 +6,12 @@ every other entry, a *padded entry*, is 0. Why that is exact: a padded unit's pr
 reads it through a padded input column, which is 0: it adds exactly 0. So each member computes
 what it computes alone, to float rounding (a longer sum of the same terms plus zeros).
 
-What keeps the padded entries 0 through training: every padded parameter reaches the backends
-through :class:`_MaskGrad` (identity forward; the backward writes 0 into the gradient's padded
-entries), so its gradient there is exactly 0 on every path (eager, ``compile_step``, routed
-calls, member chunks). With a 0 gradient and a 0 weight, Adam's, AdamW's and SGD's update of a
+What keeps the padded entries 0 through training: the gradient's padded entries are written 0
+on every path. The stack's own parameters carry a post-accumulate-grad hook that does it in
+place on ``.grad`` (so the backends still see leaf parameters and keep their fast paths);
+any other tensor the stack runs with (``compile_step``'s leaves, whose gradients
+``torch.autograd.grad`` returns without firing hooks, a chunk's rows) reaches the backends
+through :class:`_MaskGrad` (identity forward, masked backward). With a 0 gradient and a 0 weight, Adam's, AdamW's and SGD's update of a
 padded entry is exactly 0 whatever the hyperparameters (moments stay 0, weight decay scales 0,
 momentum stays 0), so the optimizer is not told anything: its state stays 0 too. What writes
 parameters outside an optimizer step (a user's ``p.data``, PBT's perturbation) may leave
@@ -26,7 +28,9 @@ unpadded tensor) and an output whose width differs are refused, each named.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,6 +99,21 @@ class Padding:
         self.shapes = shapes
         self.members = members
         self._masks: dict[tuple[str, torch.device], Tensor] = {}
+        self._hooked: dict[int, weakref.ref[Tensor]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:  # copies and pickles without masks and hooks
+        return {"shapes": self.shapes, "members": self.members}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["shapes"], state["members"])  # type: ignore[misc]
+
+    def hook(self, name: str, p: Tensor) -> None:
+        """Masks ``p.grad`` after every accumulation into it (once per parameter object)."""
+        known = self._hooked.get(id(p))
+        if known is not None and known() is p:
+            return
+        self._hooked[id(p)] = weakref.ref(p)
+        p.register_post_accumulate_grad_hook(functools.partial(_zero_padded_grad, self, name))
 
     def corner(self, name: str, i: int) -> tuple[slice, ...]:
         """The index of member i's own entries in row i of the padded tensor ``name``."""
@@ -104,15 +123,17 @@ class Padding:
         """Whether some member of ``name`` is smaller than the padded shape."""
         return len(set(self.shapes[name])) > 1
 
-    def mask(self, name: str, like: Tensor) -> Tensor:
-        """``(N, *padded shape)`` bool: True on each member's own entries, on ``like``'s device."""
+    def mask(self, name: str, like: Tensor, *, padded: bool = False) -> Tensor:
+        """``(N, *padded shape)`` bool: True on each member's own entries, on ``like``'s device
+        (``padded``: True on the padded entries instead)."""
         key = (name, like.device)
         if key not in self._masks:
             mask = torch.zeros(like.shape, dtype=torch.bool, device=like.device)
             for i in range(len(self.members)):
                 mask[i][self.corner(name, i)] = True
             self._masks[key] = mask
-        return self._masks[key]
+            self._masks[(name + "\0padded", like.device)] = ~mask
+        return self._masks[(name + "\0padded", like.device)] if padded else self._masks[key]
 
     def copy_rows(self, source: Sequence[int], target: Sequence[int]) -> None:
         """Member ``target[j]`` takes member ``source[j]``'s widths (``copy_members``)."""
@@ -131,6 +152,11 @@ class Padding:
             {k: [v[i] for i in index] for k, v in self.shapes.items()},
             [self.members[i] for i in index],
         )
+
+
+def _zero_padded_grad(padding: Padding, name: str, p: Tensor) -> None:
+    if p.grad is not None:
+        p.grad.masked_fill_(padding.mask(name, p, padded=True), 0)
 
 
 class _MaskGrad(torch.autograd.Function):
@@ -156,17 +182,26 @@ def mask_gradients(
     full: dict[str, Tensor] | None = None,
     rows: slice | None = None,
 ) -> dict[str, Tensor]:
-    """``params`` with each padded one behind :class:`_MaskGrad`, under grad mode.
+    """``params`` whose gradients come out 0 on the padded entries, under grad mode.
 
-    ``params`` may be rows ``rows`` of the stacked tensors ``full`` (a chunk of members).
+    The stack's own parameters (``nn.Parameter`` leaves, outside a compile trace) keep their
+    identity, so the backends' fast paths still see leaves: a hook masks their ``.grad`` after
+    each accumulation, in place. Any other tensor (``compile_step``'s leaves, whose gradients
+    ``torch.autograd.grad`` returns without hooks; a chunk's rows ``rows`` of the stacked
+    tensors ``full``) goes behind :class:`_MaskGrad`, which masks inside the graph.
     """
     if not torch.is_grad_enabled():
         return params
     out = dict(params)
+    compiling = torch.compiler.is_compiling()
     for name, p in params.items():
-        if p.requires_grad and padding.padded(name):
-            mask = padding.mask(name, p if full is None else full[name])
-            out[name] = _MaskGrad.apply(p, mask if rows is None else mask[rows])
+        if not (p.requires_grad and padding.padded(name)):
+            continue
+        if rows is None and isinstance(p, nn.Parameter) and not compiling:
+            padding.hook(name, p)
+            continue
+        mask = padding.mask(name, p if full is None else full[name])
+        out[name] = _MaskGrad.apply(p, mask if rows is None else mask[rows])
     return out
 
 
