@@ -412,3 +412,16 @@ def test_a_copied_stack_masks_its_own_gradients() -> None:
             mask = stack.padding.mask(name, p)
             assert torch.equal(p.grad[~mask], torch.zeros_like(p.grad[~mask])), name
             assert p.grad[mask].abs().sum() > 0, name
+
+
+def test_subset_calls_of_a_padded_stack_mask_their_gradients() -> None:
+    models, xs = members("mlp")
+    stack = phalanx.stack(models, pad_widths=True)
+    whole = stack(xs, in_dims=0)
+    out = stack(xs[[3, 1]], in_dims=0, subset=[3, 1])
+    torch.testing.assert_close(out, whole[[3, 1]])
+    out.sum().backward()
+    for name, p in stack.module.named_parameters():
+        mask = stack.padding.mask(name, p)
+        assert torch.equal(p.grad[~mask], torch.zeros_like(p.grad[~mask])), name
+        assert torch.equal(p.grad[[0, 2]], torch.zeros_like(p.grad[[0, 2]])), name
