@@ -5,6 +5,7 @@ optimizer steps; padded entries exactly 0; unstack, copy_to, checkpoints; the re
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from phalanx.testing import assert_close, assert_equal_to_loop
+from phalanx.testing import assert_equal_to_loop
 
 BACKENDS = ["fused", "vmap", "loop"]
 
@@ -163,23 +164,33 @@ def test_optimizer_steps_equal_each_member_alone_and_padding_stays_zero(make, ba
     alone_opts = [
         make(s.parameters(), lrs[i : i + 1], wds[i : i + 1]) for i, s in enumerate(singles)
     ]
+    wide = [phalanx.stack([copy.deepcopy(m).double()], backend="loop") for m in models]
+    wide_opts = [
+        make(s.parameters(), lrs[i : i + 1].double(), wds[i : i + 1].double())
+        for i, s in enumerate(wide)
+    ]
     for _ in range(6):
         opt.zero_grad()
         phalanx.member_losses(
             F.cross_entropy, stack(xs, in_dims=0), y, in_dims=(0, 0)
         ).sum().backward()
         opt.step()
-        for i, (s, o) in enumerate(zip(singles, alone_opts)):
+        for i, (s, o, w, wo) in enumerate(zip(singles, alone_opts, wide, wide_opts)):
             o.zero_grad()
             F.cross_entropy(s(xs[i : i + 1], in_dims=0)[0], y[i]).backward()
             o.step()
+            wo.zero_grad()
+            F.cross_entropy(w(xs[i : i + 1].double(), in_dims=0)[0], y[i]).backward()
+            wo.step()
     padding = stack.padding
     assert padding is not None
     for name, p in stack.module.named_parameters():
         mask = padding.mask(name, p)
-        for i, s in enumerate(singles):
-            own = s.module.get_parameter(name)[0]
-            assert_close(p[i][padding.corner(name, i)], own, trajectory=True, msg=f"{i} {name}")
+        for i, (s, w) in enumerate(zip(singles, wide)):
+            own, reference = s.module.get_parameter(name)[0], w.module.get_parameter(name)[0]
+            assert_equal_to_loop(
+                p[i][padding.corner(name, i)], own, reference, what=f"member {i} '{name}'"
+            )
         assert torch.equal(p[~mask], torch.zeros_like(p[~mask])), f"padded '{name}' moved"
         for key, value in opt.state[p].items():
             if isinstance(value, torch.Tensor) and value.shape == p.shape:
@@ -388,3 +399,29 @@ def test_attention_head_counts_are_named() -> None:
 
     with pytest.raises(ValueError, match=r"attention splits the padded width into heads"):
         phalanx.stack([Attn(4), Attn(8)], pad_widths=True)
+
+
+def test_a_copied_stack_masks_its_own_gradients() -> None:
+    models, xs = members("mlp")  # a sigmoid first: unmasked padded gradients would be nonzero
+    original = phalanx.stack(models, pad_widths=True)
+    original(xs, in_dims=0).sum().backward()  # hooks on the original's parameters
+    for stack in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+        stack.zero_grad()
+        stack(xs, in_dims=0).sum().backward()
+        for name, p in stack.module.named_parameters():
+            mask = stack.padding.mask(name, p)
+            assert torch.equal(p.grad[~mask], torch.zeros_like(p.grad[~mask])), name
+            assert p.grad[mask].abs().sum() > 0, name
+
+
+def test_subset_calls_of_a_padded_stack_mask_their_gradients() -> None:
+    models, xs = members("mlp")
+    stack = phalanx.stack(models, pad_widths=True)
+    whole = stack(xs, in_dims=0)
+    out = stack(xs[[3, 1]], in_dims=0, subset=[3, 1])
+    torch.testing.assert_close(out, whole[[3, 1]])
+    out.sum().backward()
+    for name, p in stack.module.named_parameters():
+        mask = stack.padding.mask(name, p)
+        assert torch.equal(p.grad[~mask], torch.zeros_like(p.grad[~mask])), name
+        assert torch.equal(p.grad[[0, 2]], torch.zeros_like(p.grad[[0, 2]])), name
