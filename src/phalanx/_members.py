@@ -15,7 +15,7 @@ __all__ = ["member_index", "pairs"]
 
 
 def member_index(members: Any, n: int, where: str, what: str = "members") -> Tensor:
-    """`members` (ints, an int tensor or an (N,) bool mask) as a 1-d int64 index in [0, N)."""
+    """``members`` (ints, an int tensor or an (N,) bool mask) as a 1-d int64 index in [0, N)."""
     index = torch.as_tensor(members if members is not None else range(n)).cpu()
     if index.numel() == 0:  # [] is a float tensor to torch; no members is a valid choice
         return torch.zeros(0, dtype=torch.long)

@@ -105,18 +105,18 @@ def loss(
 ) -> Tensor:
     """Each member's loss on its batch, detached: for logging and model selection.
 
-    The value of `phalanx.member_losses` (use that one to train: it keeps the graph), with the
+    The value of ``phalanx.member_losses`` (use that one to train: it keeps the graph), with the
     same arguments in the same order.
 
     Args:
-        loss_fn: a loss returning a scalar for one member's batch, e.g. `F.cross_entropy` or
-            `F.mse_loss`.
+        loss_fn: a loss returning a scalar for one member's batch, e.g. ``F.cross_entropy`` or
+            ``F.mse_loss``.
         outputs: (N, B, ...) the stack's outputs, e.g. logits (N, B, C).
         targets: (B, ...) shared by all members, or (N, B, ...) one batch per member.
         in_dims: (0, None) for shared targets, (0, 0) for per-member ones, as
-            `phalanx.member_losses` takes it; None infers it: per-member if `targets` starts
+            ``phalanx.member_losses`` takes it; None infers it: per-member if ``targets`` starts
             with (N, B).
-        shared: deprecated; use `in_dims`.
+        shared: deprecated; use ``in_dims``.
 
     Returns:
         (N,) each member's loss.
@@ -158,7 +158,7 @@ def accuracy(
         targets: (B,) class indices shared by all members, or (N, B) per member.
         in_dims: (0, None) for shared targets, (0, 0) for per-member ones; None infers it
             from their shape.
-        shared: deprecated; use `in_dims`.
+        shared: deprecated; use ``in_dims``.
 
     Returns:
         (N,) float accuracies in [0, 1].
@@ -188,7 +188,7 @@ def table(
         columns: name -> (N,) values, e.g. {"lr": lrs, "accuracy": acc}.
         sort_by: a column to sort the rows by (NaN last); None keeps member order.
         descending: sort from the largest value.
-        top: keep only the first `top` rows.
+        top: keep only the first ``top`` rows.
         precision: significant digits.
 
     Returns:
@@ -238,8 +238,8 @@ def plot(
     """Writes a PNG of a per-member metric; matplotlib is imported only here.
 
     Args:
-        values: (N,) one value per member, drawn as points at `x` (default: member index);
-            or (T, N) one curve per member over T steps, coloured by `x` when given.
+        values: (N,) one value per member, drawn as points at ``x`` (default: member index);
+            or (T, N) one curve per member over T steps, coloured by ``x`` when given.
         path: the image file to write.
         x: (N,) a per-member quantity such as the learning rate.
         xlabel, ylabel, title: axis labels and title.

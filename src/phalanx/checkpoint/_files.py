@@ -7,7 +7,7 @@ through a temporary file of its own (``.tmpXXXXXX``, whose name says nothing abo
 checkpoint); putting it inside our directory means the one name proves what every leftover
 belongs to, so a later save of the same checkpoint can remove what killed saves left.
 
-Two processes may `phalanx.save` to one path at once: each such save holds an exclusive lock on
+Two processes may ``phalanx.save`` to one path at once: each such save holds an exclusive lock on
 ``.NAME.lock`` beside the destination (``fcntl.flock``; the file is kept, since deleting a
 lock file races with its next user) from tidying to rename, so savers take turns, every
 temporary present while the lock is held belongs to a dead saver, and the path always holds
@@ -235,7 +235,7 @@ def _tensor(
     view: mmap.mmap, base: int, size: int, name: str, info: object, *, data: bool = True
 ) -> Tensor:
     """One tensor of a mapped safetensors file, copied out, after checking its extent; with
-    `data=False` only its shape and dtype, as a "meta" tensor."""
+    ``data=False`` only its shape and dtype, as a "meta" tensor."""
     try:
         dtype = _DTYPES[info["dtype"]]  # type: ignore[index]
         shape = [int(d) for d in info["shape"]]  # type: ignore[index]

@@ -44,7 +44,7 @@ _PARTS = ("optimizer", "scheduler", "loader")
 
 
 def _encode(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
-    """`obj` as JSON-able data; its tensors go to `tensors` under keys built from `key`."""
+    """``obj`` as JSON-able data; its tensors go to ``tensors`` under keys built from ``key``."""
     if isinstance(obj, Tensor):
         # Flat keys can collide ({"val.loss": t} and val={"loss": t} both make
         # "extra.val.loss"): the JSON names the key, so a taken one gets a suffix.
@@ -125,19 +125,19 @@ def save(
 ) -> None:
     """Saves a training run in one safetensors file, atomically.
 
-    The file is written inside a temporary folder ``.NAME.XXXXXXXX.tmp`` beside `path`,
-    flushed to disk and renamed over `path` only when complete: a kill at any instant leaves
-    `path` holding the previous checkpoint or the new one, whole. Temporaries that killed
-    saves of this same `path` left behind are removed by the next save.
+    The file is written inside a temporary folder ``.NAME.XXXXXXXX.tmp`` beside ``path``,
+    flushed to disk and renamed over ``path`` only when complete: a kill at any instant leaves
+    ``path`` holding the previous checkpoint or the new one, whole. Temporaries that killed
+    saves of this same ``path`` left behind are removed by the next save.
 
     Args:
         path: the file to write, conventionally ending in ".safetensors".
-        stack: the stack (any module with `state_dict()`).
-        optimizer: an optimizer whose `state_dict()` to save, e.g. a phalanx optimizer.
-        scheduler: an LR scheduler (torch or `phalanx.optim.MemberLambdaLR`).
-        loader: a `phalanx.data.MemberLoader`, whose position in the data is saved.
+        stack: the stack (any module with ``state_dict()``).
+        optimizer: an optimizer whose ``state_dict()`` to save, e.g. a phalanx optimizer.
+        scheduler: an LR scheduler (torch or ``phalanx.optim.MemberLambdaLR``).
+        loader: a ``phalanx.data.MemberLoader``, whose position in the data is saved.
         **extra: more state to keep: tensors, numbers, strings, and lists or dicts of them
-            (e.g. `epoch=3, best=accuracy`). `load` returns them.
+            (e.g. ``epoch=3, best=accuracy``). ``load`` returns them.
 
     Raises:
         TypeError: some state is neither a tensor nor JSON data (e.g. a function).
@@ -196,7 +196,7 @@ def read(
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The metadata and tensors of a phalanx checkpoint file, or a CheckpointError.
 
-    With `stack`, a checkpoint whose tensors do not fit it is refused from the header,
+    With ``stack``, a checkpoint whose tensors do not fit it is refused from the header,
     before its data is read (a 1 GB file of another architecture costs nothing).
     """
 
@@ -268,9 +268,9 @@ def load(
     scheduler: Any = None,
     loader: Any = None,
 ) -> dict[str, Any]:
-    """Restores a training run saved by `phalanx.save`; the next step is bit-identical.
+    """Restores a training run saved by ``phalanx.save``; the next step is bit-identical.
 
-    Bit-identical on the same backend: pass `backend=` to `phalanx.stack` when that matters,
+    Bit-identical on the same backend: pass ``backend=`` to ``phalanx.stack`` when that matters,
     since under "auto" a resumed stack may pick another backend, which agrees to float
     rounding.
 
@@ -280,16 +280,16 @@ def load(
     scheduler and loader are untouched.
 
     Args:
-        path: a file written by `phalanx.save`.
+        path: a file written by ``phalanx.save``.
         stack: the stack to load into, built like the saved one.
         optimizer, scheduler, loader: objects to restore, built like the saved ones (the
             same types); each must have been saved.
 
     Returns:
-        The `**extra` values given to `save`, tensors on the CPU.
+        The ``**extra`` values given to ``save``, tensors on the CPU.
 
     Raises:
-        FileNotFoundError: `path` is not a file.
+        FileNotFoundError: ``path`` is not a file.
         CheckpointError: (a ValueError) the file is truncated, corrupt or not a phalanx
             checkpoint, lacks a requested part, holds another optimizer or scheduler type, or
             does not fit the stack, optimizer, scheduler or loader. The message names the
@@ -323,7 +323,7 @@ def restore(
     scheduler: Any = None,
     loader: Any = None,
 ) -> dict[str, Any]:
-    """`load` of a checkpoint already `read`: checks everything, then writes; the extras."""
+    """``load`` of a checkpoint already ``read``: checks everything, then writes; the extras."""
     stack_state = {k[len("stack/") :]: v for k, v in tensors.items() if k.startswith("stack/")}
     check_stack(where, path, stack, stack_state, meta.get("num_members"))
     _check_member_shapes(where, path, stack, meta)
@@ -353,11 +353,11 @@ def export_members(stack: nn.Module, indices: Sequence[int] | Tensor) -> list[di
 
     Args:
         stack: a stack whose state dict holds (N, ...) tensors (keys may start "module.").
-        indices: member indices, e.g. the best k from `torch.topk(accuracy, k).indices`, or
+        indices: member indices, e.g. the best k from ``torch.topk(accuracy, k).indices``, or
             an (N,) bool mask.
 
     Returns:
-        One state dict per chosen member, in the order of `indices`, with the stack's
+        One state dict per chosen member, in the order of ``indices``, with the stack's
         "module." prefix removed and tensors copied (they do not alias the stack); in a stack
         built with ``pad_widths=True``, each tensor at the member's own shape.
 

@@ -73,7 +73,7 @@ _CKPT_KEY = "phalanx"
 
 
 def stacks(module: nn.Module) -> Iterator[tuple[str, Stack | StackedModuleList]]:
-    """The stacks inside `module` (outermost only), with their attribute paths."""
+    """The stacks inside ``module`` (outermost only), with their attribute paths."""
     inner: list[str] = []
     for name, m in module.named_modules():
         if any(name.startswith(p + ".") for p in inner):
@@ -84,7 +84,7 @@ def stacks(module: nn.Module) -> Iterator[tuple[str, Stack | StackedModuleList]]
 
 
 def members_of(module: nn.Module, where: str) -> int:
-    """N, the number of members of the stacks in `module` (all must agree)."""
+    """N, the number of members of the stacks in ``module`` (all must agree)."""
     found = {name or "(the module)": len(s) for name, s in stacks(module)}
     if not found:
         raise TypeError(
@@ -107,7 +107,7 @@ def check_trainer(trainer: pl.Trainer, module: pl.LightningModule) -> None:
     Called by :class:`StackModule` and the callbacks of this module at set-up, before any step.
 
     Args:
-        trainer: the Trainer about to fit `module`.
+        trainer: the Trainer about to fit ``module``.
         module: the LightningModule holding the stack(s).
 
     Raises:
@@ -214,7 +214,7 @@ class StackModule(pl.LightningModule):
             **kwargs: passed to ``log_dict`` (``on_step``, ``on_epoch``, ``prog_bar``, ...).
 
         Raises:
-            ValueError: `values` is not of shape (N,).
+            ValueError: ``values`` is not of shape (N,).
         """
         n = self.num_members
         if values.shape != (n,):
@@ -340,7 +340,7 @@ class _PerMember(pl.Callback):
         return torch.stack([logs[k].detach().float().cpu() for k in keys])
 
     def improved(self, scores: Tensor) -> Tensor:
-        """(N,) bool: members whose score beats their best by more than `min_delta`."""
+        """(N,) bool: members whose score beats their best by more than ``min_delta``."""
         if self.best is None:
             self.best = torch.full_like(scores, math.inf if self.mode == "min" else -math.inf)
         if self.mode == "min":
@@ -361,10 +361,10 @@ class _PerMember(pl.Callback):
 class MemberEarlyStopping(_PerMember):
     """Lightning's early stopping, member by member: a member that stops is masked out.
 
-    After each validation (or training epoch, with `check_on_train_epoch_end`), member i's
+    After each validation (or training epoch, with ``check_on_train_epoch_end``), member i's
     score is the logged metric ``f"{monitor}/member_{i}"`` (see
     :meth:`StackModule.log_members`). A member whose score has not improved by more than
-    `min_delta` for `patience` checks in a row, or is not finite, stops: it is set False in
+    ``min_delta`` for ``patience`` checks in a row, or is not finite, stops: it is set False in
     the module's ``member_mask`` and every later optimizer step leaves its weights and
     optimizer state unchanged. The Trainer stops when every member has. Its state (best
     scores, counters, stop epochs) is saved in Lightning checkpoints.
@@ -456,7 +456,7 @@ class MemberCheckpoint(_PerMember):
     """Each member's best weights in a file of its own, loadable into one member module.
 
     After each validation, member i's score is the logged ``f"{monitor}/member_{i}"``; when it
-    improves (by more than `min_delta`) the member's state dict is written to
+    improves (by more than ``min_delta``) the member's state dict is written to
     ``dirpath/member_{i:02d}.safetensors`` (atomically: a temporary file renamed), with the
     score and epoch in its metadata and in ``dirpath/members.json``. A stack with several
     stacks (an actor and a critic) writes their keys under their attribute names. The whole
@@ -485,7 +485,7 @@ class MemberCheckpoint(_PerMember):
         self.best_epoch: Tensor | None = None
 
     def path(self, member: int) -> str:
-        """The file of `member`'s best weights."""
+        """The file of ``member``'s best weights."""
         return os.path.join(self.dirpath, f"member_{member:02d}.safetensors")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

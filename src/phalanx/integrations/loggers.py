@@ -10,7 +10,7 @@ to them with one host transfer per call:
   with its member's ``config``; offline (``mode="offline"``) unless told otherwise.
 - :class:`MLflowMembers`: a parent run and N child runs (tag ``mlflow.parentRunId``) through
   ``MlflowClient``; metrics are kept and sent with ``log_batch``, one call per member every
-  `flush_every` steps (an MLflow call costs about as much for one metric as for many).
+  ``flush_every`` steps (an MLflow call costs about as much for one metric as for many).
 
 Each tool is imported when its logger is built, so a missing tool fails there with the
 ``pip install`` line. All take hyperparameters as a mapping of name to one value shared by
@@ -134,7 +134,7 @@ class TensorBoardMembers:
                 w.add_scalar(name, v, step)
 
     def close(self, final_metrics: Mapping[str, Values] | None = None) -> None:
-        """Writes each member's hyperparameters with its `final_metrics`, then closes."""
+        """Writes each member's hyperparameters with its ``final_metrics``, then closes."""
         finals = member_rows(final_metrics or {}, self.num_members, "TensorBoardMembers.close()")
         for w, hp, fin in zip(self.writers, self.hparams, finals):
             if hp:
@@ -192,7 +192,7 @@ class WandbMembers:
             run.log(row, step=step)
 
     def close(self, final_metrics: Mapping[str, Values] | None = None) -> None:
-        """Writes `final_metrics` into each run's summary, then finishes the runs."""
+        """Writes ``final_metrics`` into each run's summary, then finishes the runs."""
         finals = member_rows(final_metrics or {}, self.num_members, "WandbMembers.close()")
         for run, fin in zip(self.runs, finals):
             run.summary.update(fin)
@@ -202,7 +202,7 @@ class WandbMembers:
 class MLflowMembers:
     """A parent MLflow run per stack and one child run per member, logged in batches.
 
-    Metrics are kept in memory and sent every `flush_every` calls of :meth:`log` (and at
+    Metrics are kept in memory and sent every ``flush_every`` calls of :meth:`log` (and at
     :meth:`flush` / :meth:`close`) with one ``MlflowClient.log_batch`` per member (at most
     1000 metrics a call, MLflow's limit), so N members cost N calls per flush, not per step.
 
@@ -265,7 +265,7 @@ class MLflowMembers:
         self._last_step = 0
 
     def log(self, metrics: Mapping[str, Values], step: int) -> None:
-        """Keeps each metric's member-i value for member i's run; sends every `flush_every`."""
+        """Keeps each metric's member-i value for member i's run; sends every ``flush_every``."""
         from mlflow.entities import Metric
 
         rows = member_rows(metrics, self.num_members, "MLflowMembers.log()")
@@ -287,7 +287,7 @@ class MLflowMembers:
     def close(
         self, final_metrics: Mapping[str, Values] | None = None, status: str = "FINISHED"
     ) -> None:
-        """Sends what is kept and `final_metrics` (at the last step), then ends the runs."""
+        """Sends what is kept and ``final_metrics`` (at the last step), then ends the runs."""
         if final_metrics:
             self.log(final_metrics, step=self._last_step)
         self.flush()

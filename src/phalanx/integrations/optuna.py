@@ -1,20 +1,20 @@
 """Optuna: N trials asked at once and trained as one stack, each told its own result.
 
-`optimize(study, model, train, n_trials=...)` replaces `study.optimize(objective, ...)` for a
+``optimize(study, model, train, n_trials=...)`` replaces ``study.optimize(objective, ...)`` for a
 search whose trials train networks. It asks a batch of trials from the study's sampler
-(`study.ask()`, any sampler), lets `model(trial)` suggest each trial's values and build its
+(``study.ask()``, any sampler), lets ``model(trial)`` suggest each trial's values and build its
 network under the trial's own seed, groups the trials whose networks can share a stack (one
-architecture, and equal values of the parameters named in `group_by`, e.g. the batch size),
-and calls `train(group)` once per group. `train` trains `group.stack` with the trials' values
-as per-member hyperparameters (`group.params["lr"]` is one value per member, what
-`phalanx.optim` takes), reports intermediate values with `group.report(values, step)`, which
+architecture, and equal values of the parameters named in ``group_by``, e.g. the batch size),
+and calls ``train(group)`` once per group. ``train`` trains ``group.stack`` with the trials' values
+as per-member hyperparameters (``group.params["lr"]`` is one value per member, what
+``phalanx.optim`` takes), reports intermediate values with ``group.report(values, step)``, which
 asks the study's pruner for every trial and returns the mask of members still running, and
 returns the final values. Every trial is then told its result: COMPLETE with its value, PRUNED
 when the pruner stopped it, FAIL when its value was not finite.
 
 A trial's network, data stream and so its result depend only on the study seed and the
 trial's number, so a trial trained in a stack of 64 gets what it gets trained alone
-(`N = 1`, or Optuna's own trial-by-trial loop with the same seeds), to float rounding.
+(``N = 1``, or Optuna's own trial-by-trial loop with the same seeds), to float rounding.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ __all__ = ["TrialGroup", "build_model", "optimize", "trial_loader"]
 
 
 def build_model(model: Callable[[Trial], nn.Module], trial: Trial, seed: int) -> nn.Module:
-    """`model(trial)` run under the trial's own seed, `seed + trial.number`.
+    """``model(trial)`` run under the trial's own seed, ``seed + trial.number``.
 
     The global random state is restored afterwards. A trial-by-trial objective that builds its
     network with this function starts from the weights the trial gets in a stack.
 
     Raises:
-        TypeError: `model` returned something other than an `nn.Module`.
+        TypeError: ``model`` returned something other than an ``nn.Module``.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + trial.number)
@@ -62,16 +62,16 @@ def build_model(model: Callable[[Trial], nn.Module], trial: Trial, seed: int) ->
 def trial_loader(
     *tensors: Tensor, trial_numbers: Sequence[int], batch_size: int, seed: int, **kwargs: Any
 ) -> MemberLoader:
-    """A `MemberLoader` whose member i reads the data stream of trial `trial_numbers[i]`.
+    """A ``MemberLoader`` whose member i reads the data stream of trial ``trial_numbers[i]``.
 
-    A trial's batches then depend only on `seed` and its number: the same in a stack of any
+    A trial's batches then depend only on ``seed`` and its number: the same in a stack of any
     size and in a one-member loader `MemberLoader(..., num_members=1,
     first_member=trial.number, seed=seed)`.
 
     Args:
-        *tensors: the data tensors, as for `MemberLoader`.
+        *tensors: the data tensors, as for ``MemberLoader``.
         trial_numbers: one Optuna trial number per member.
-        batch_size, seed, **kwargs: as for `MemberLoader`.
+        batch_size, seed, **kwargs: as for ``MemberLoader``.
     """
     numbers = [int(k) for k in trial_numbers]
     loader = MemberLoader(
@@ -83,13 +83,13 @@ def trial_loader(
 
 @dataclass
 class TrialGroup:
-    """Trials that share one stack: member i is `trials[i]`.
+    """Trials that share one stack: member i is ``trials[i]``.
 
     Attributes:
         trials: the Optuna trials, in member order.
-        stack: the N networks `model(trial)` built, stacked (members dropped by `keep_live`
+        stack: the N networks ``model(trial)`` built, stacked (members dropped by ``keep_live``
             leave it).
-        seed: the study seed; trial k's network and data depend on `seed` and k only.
+        seed: the study seed; trial k's network and data depend on ``seed`` and k only.
         live: (N,) bool, the members neither pruned nor failed.
         failed: (N,) bool, the members whose reported value was not finite.
     """
@@ -112,8 +112,8 @@ class TrialGroup:
 
     @property
     def mask(self) -> Tensor | None:
-        """The optimizer step's `mask=`: None while every member is live (the unmasked
-        step), else `live`."""
+        """The optimizer step's ``mask=``: None while every member is live (the unmasked
+        step), else ``live``."""
         return None if bool(self.live.all()) else self.live.clone()
 
     @property
@@ -123,7 +123,7 @@ class TrialGroup:
 
     @property
     def params(self) -> dict[str, list[Any]]:
-        """Each suggested parameter's values, one per member: `params["lr"][i]` is trial i's.
+        """Each suggested parameter's values, one per member: ``params["lr"][i]`` is trial i's.
 
         Raises:
             KeyError: a parameter not every trial of the group suggested (the message names
@@ -142,27 +142,27 @@ class TrialGroup:
         return out
 
     def loader(self, *tensors: Tensor, batch_size: int, **kwargs: Any) -> MemberLoader:
-        """A `MemberLoader` in which each member reads its own trial's data stream.
+        """A ``MemberLoader`` in which each member reads its own trial's data stream.
 
-        See `trial_loader`; `seed` is the study seed.
+        See ``trial_loader``; ``seed`` is the study seed.
         """
         return trial_loader(
             *tensors, trial_numbers=self.numbers, batch_size=batch_size, seed=self.seed, **kwargs
         )
 
     def report(self, values: Any, step: int) -> Tensor:
-        """Reports each running member's value at `step` and asks the pruner about it.
+        """Reports each running member's value at ``step`` and asks the pruner about it.
 
         A member whose value is not finite fails (its trial is told FAIL); one the pruner
         stops is pruned (told PRUNED). Neither is reported again.
 
         Args:
             values: (N,) one intermediate value per member (a tensor or a sequence).
-            step: the step the values belong to, as for `optuna.Trial.report`.
+            step: the step the values belong to, as for ``optuna.Trial.report``.
 
         Returns:
-            (N,) bool: `live`, the members still running; pass it as the optimizer step's
-            `mask=`, or drop the others with `keep_live`.
+            (N,) bool: ``live``, the members still running; pass it as the optimizer step's
+            ``mask=``, or drop the others with ``keep_live``.
 
         Raises:
             ValueError: not one value per member.
@@ -189,15 +189,15 @@ class TrialGroup:
     ) -> Stack:
         """A stack of the live members only; the group, optimizer and loader follow it.
 
-        Dropped trials keep their verdict (PRUNED or FAIL) and leave `trials`, `live`,
-        `failed` and `stack`; the rest train on exactly as before, at the cost of a smaller
-        stack (`phalanx.population.keep_members`).
+        Dropped trials keep their verdict (PRUNED or FAIL) and leave ``trials``, ``live``,
+        ``failed`` and ``stack``; the rest train on exactly as before, at the cost of a smaller
+        stack (``phalanx.population.keep_members``).
 
         Returns:
-            The smaller stack (also `self.stack`); `stack` itself when every member is live.
+            The smaller stack (also ``self.stack``); ``stack`` itself when every member is live.
 
         Raises:
-            ValueError: no member is live (check `live.any()` first).
+            ValueError: no member is live (check ``live.any()`` first).
         """
         index = self.live.nonzero().flatten().tolist()
         if len(index) == len(self):
@@ -261,7 +261,7 @@ def _values(values: Any, n: int, where: str) -> list[float]:
 def _group(
     trials: list[Trial], nets: list[nn.Module], group_by: Sequence[str]
 ) -> list[tuple[list[Trial], list[nn.Module]]]:
-    """Trials whose networks share one architecture and whose `group_by` values are equal."""
+    """Trials whose networks share one architecture and whose ``group_by`` values are equal."""
     groups: list[tuple[tuple[Any, ...], list[Trial], list[nn.Module]]] = []
     for trial, net in zip(trials, nets):
         key = tuple(trial.params.get(name) for name in group_by)
@@ -286,30 +286,30 @@ def optimize(
     seed: int = 0,
     stack_kwargs: dict[str, Any] | None = None,
 ) -> list[TrialGroup]:
-    """Runs `n_trials` more trials of `study`, `n_members` at a time, each group one stack.
+    """Runs ``n_trials`` more trials of ``study``, ``n_members`` at a time, each group one stack.
 
     Args:
         study: any Optuna study (any sampler, pruner and storage; a study loaded from its
             storage continues where it stopped: trial numbers, and so seeds, go on).
-        model: `model(trial)` suggests the trial's values (`trial.suggest_float(...)`) and
-            returns its network; it runs under `torch.manual_seed(seed + trial.number)`.
-        train: `train(group)` trains `group.stack` (see `TrialGroup`) and returns the final
+        model: ``model(trial)`` suggests the trial's values (``trial.suggest_float(...)``) and
+            returns its network; it runs under ``torch.manual_seed(seed + trial.number)``.
+        train: ``train(group)`` trains ``group.stack`` (see ``TrialGroup``) and returns the final
             value of each member, (N,); members pruned or failed on the way may hold anything.
-        n_trials: trials to run (asked in batches of `n_members`).
-        n_members: trials asked at once (default: all `n_trials`).
+        n_trials: trials to run (asked in batches of ``n_members``).
+        n_members: trials asked at once (default: all ``n_trials``).
         group_by: parameter names whose values cannot vary within one stack (a batch size, a
             data choice); networks of different architectures (a width, a depth, a dropout
             rate) get different stacks automatically.
         seed: the study seed of the networks and the data streams.
-        stack_kwargs: passed to `phalanx.stack` (e.g. `{"backend": "vmap"}`).
+        stack_kwargs: passed to ``phalanx.stack`` (e.g. ``{"backend": "vmap"}``).
 
     Returns:
         The trained groups, in order (each holds its trials and trained stack).
 
     Raises:
-        ValueError: `n_trials` or `n_members` not a positive int, or `train` did not return
+        ValueError: ``n_trials`` or ``n_members`` not a positive int, or ``train`` did not return
             one value per member.
-        Exception: whatever `train` raised; that group's unfinished trials are told FAIL first.
+        Exception: whatever ``train`` raised; that group's unfinished trials are told FAIL first.
 
     Example:
         >>> import optuna

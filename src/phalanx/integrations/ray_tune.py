@@ -1,16 +1,16 @@
 """Ray Tune: a Tune search algorithm driven ask/tell, each batch of its configurations one stack.
 
-Tune's searchers (`ray.tune.search.Searcher`: OptunaSearch, HyperOptSearch, BayesOptSearch,
+Tune's searchers (``ray.tune.search.Searcher``: OptunaSearch, HyperOptSearch, BayesOptSearch,
 ...) are plain objects with `suggest(trial_id)` and `on_trial_complete(trial_id, result)`;
-they run without Ray's runtime (no `ray.init`, no cluster). `optimize(searcher, train, ...)`
-asks `n_members` configurations at a time, lets `train(configs)` train them as one stack and
+they run without Ray's runtime (no ``ray.init``, no cluster). ``optimize(searcher, train, ...)``
+asks ``n_members`` configurations at a time, lets ``train(configs)`` train them as one stack and
 return one value per configuration, and tells the searcher each result (a non-finite value
-is told as an error, `on_trial_complete(..., error=True)`).
+is told as an error, ``on_trial_complete(..., error=True)``).
 
-Tune's schedulers (ASHA, HyperBand, PBT) and its `Trainable` are not used: they schedule
+Tune's schedulers (ASHA, HyperBand, PBT) and its ``Trainable`` are not used: they schedule
 whole Tune trials, one process each, and cannot stop or copy a member of a stack; inside a
-stack, `phalanx.population` does what they do (successive halving and PBT by member
-masks, `keep_members` and `copy_members`, exactly). docs/SEARCH.md gives the reasons.
+stack, ``phalanx.population`` does what they do (successive halving and PBT by member
+masks, ``keep_members`` and ``copy_members``, exactly). docs/SEARCH.md gives the reasons.
 """
 
 from __future__ import annotations
@@ -33,26 +33,26 @@ def optimize(
     metric: str | None = None,
     prefix: str = "phalanx",
 ) -> list[tuple[str, dict[str, Any], float]]:
-    """Runs `n_trials` configurations of `searcher`, `n_members` at a time as one stack each.
+    """Runs ``n_trials`` configurations of ``searcher``, ``n_members`` at a time as one stack each.
 
     Args:
-        searcher: a Tune `Searcher` with its metric, mode and search space set (its
-            constructor's `space=`, `metric=`, `mode=`, or `set_search_properties`).
-        train: `train(configs)` trains one member per configuration (e.g. `lr=[c["lr"] for
+        searcher: a Tune ``Searcher`` with its metric, mode and search space set (its
+            constructor's ``space=``, ``metric=``, ``mode=``, or ``set_search_properties``).
+        train: ``train(configs)`` trains one member per configuration (e.g. `lr=[c["lr"] for
             c in configs]`) and returns their values, (N,).
         n_trials: configurations to run.
-        n_members: configurations asked at once (default: all `n_trials`).
+        n_members: configurations asked at once (default: all ``n_trials``).
         metric: the result key the searcher optimizes (default: the searcher's own metric).
-        prefix: the Tune trial ids are `f"{prefix}_{k}"`.
+        prefix: the Tune trial ids are ``f"{prefix}_{k}"``.
 
     Returns:
         (trial id, configuration, value) for every configuration run, in order.
 
     Raises:
-        ValueError: `n_trials` or `n_members` not a positive int, the searcher has no metric,
-            or `train` did not return one value per configuration.
+        ValueError: ``n_trials`` or ``n_members`` not a positive int, the searcher has no metric,
+            or ``train`` did not return one value per configuration.
         RuntimeError: the searcher gave no configuration (its search space is not set, or a
-            `ConcurrencyLimiter` smaller than `n_members` wraps it).
+            ``ConcurrencyLimiter`` smaller than ``n_members`` wraps it).
 
     Example:
         >>> from ray import tune

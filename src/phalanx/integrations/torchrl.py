@@ -4,7 +4,7 @@ A stack returns ``(N, B, ...)``; a ``[B]``-batched ``TensorDict`` cannot hold th
 dimension mismatch"). Two ways in, both keeping the member axis where TorchRL keeps it (dim 0,
 as its losses' vmapped Q-ensembles return ``[num_qvalue_nets, B]``):
 
-- :class:`TensorDictStack`, a ``tensordict.nn.TensorDictModuleBase``: reads `in_keys` from a
+- :class:`TensorDictStack`, a ``tensordict.nn.TensorDictModuleBase``: reads ``in_keys`` from a
   ``[B]`` TensorDict and returns a ``[N, B]`` TensorDict whose dim 0 is named ``"member"``
   (the inputs expanded without copies, the outputs the stack's). A TensorDict that already
   has a leading ``"member"`` dim of size N gives each member its own inputs.

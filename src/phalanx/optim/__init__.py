@@ -1,7 +1,7 @@
 """Optimizers that treat the N members of a stack as N independent experiments.
 
-Every hyperparameter is a number or an (N,) tensor, steps take a per-member `mask`, and
-`skip_nonfinite=True` isolates members whose loss or gradients are not finite.
+Every hyperparameter is a number or an (N,) tensor, steps take a per-member ``mask``, and
+``skip_nonfinite=True`` isolates members whose loss or gradients are not finite.
 """
 
 from ._adam import Adam, AdamW, adam_update

@@ -84,14 +84,14 @@ def adam_update(
 class Adam(MemberOptimizer):
     """Adam over stacked parameters, with every hyperparameter and the step count per member.
 
-    Member i follows exactly the trajectory of `torch.optim.Adam` run on member i alone with
+    Member i follows exactly the trajectory of ``torch.optim.Adam`` run on member i alone with
     member i's hyperparameters. Each hyperparameter is a number shared by all members or a
     tensor of shape (N,), one value per member. The step count is (N,): a member masked out
     of a step keeps its count, so its bias correction stays its own.
 
     Args:
         params: stacked parameters, each of shape (N, *shape), or param group dicts.
-        lr: learning rate, a number or (N,). See `MemberOptimizer` for how schedulers see it.
+        lr: learning rate, a number or (N,). See ``MemberOptimizer`` for how schedulers see it.
         betas: (beta1, beta2), each a number or (N,).
         eps: term added to the denominator, a number or (N,).
         weight_decay: L2 penalty added to the gradient (Adam) or decoupled decay (AdamW), a
@@ -99,8 +99,8 @@ class Adam(MemberOptimizer):
         amsgrad: use the AMSGrad variant (one bool for all members).
         maximize: maximize the objective, a bool or (N,) bool tensor.
         skip_nonfinite: skip members whose loss or gradients are not finite in a step, and
-            warn which (see `MemberOptimizer`).
-        freeze_after: with `skip_nonfinite`, freeze a member after this many skipped steps.
+            warn which (see ``MemberOptimizer``).
+        freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
         fused: which torch.optim each member equals bit for bit. False (the default):
             torch.optim.Adam's default single-tensor arithmetic, run on cache-sized blocks of
@@ -235,9 +235,9 @@ class Adam(MemberOptimizer):
 class AdamW(Adam):
     """AdamW (decoupled weight decay) over stacked parameters, every hyperparameter per member.
 
-    Member i follows exactly the trajectory of `torch.optim.AdamW` run on member i alone with
-    member i's hyperparameters. Arguments as `Adam`; `weight_decay` defaults to 1e-2 and
-    multiplies the weights by `1 - lr * weight_decay` before the Adam update.
+    Member i follows exactly the trajectory of ``torch.optim.AdamW`` run on member i alone with
+    member i's hyperparameters. Arguments as ``Adam``; ``weight_decay`` defaults to 1e-2 and
+    multiplies the weights by ``1 - lr * weight_decay`` before the Adam update.
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(2, 2))

@@ -3,7 +3,7 @@
 Every parameter is a stacked tensor of shape (N, *shape) whose dim 0 is the member axis.
 A hyperparameter is a Python number shared by all members or a tensor of shape (N,), one
 value per member, broadcast as (N, 1, ...) over each stacked tensor. Updates touch whole
-stacked tensors with `torch._foreach_*` ops: the Python loops here run over parameters,
+stacked tensors with ``torch._foreach_*`` ops: the Python loops here run over parameters,
 never over members.
 """
 
@@ -50,11 +50,11 @@ def views(h: float, like: Sequence[Tensor]) -> float: ...
 @overload
 def views(h: float | Tensor, like: Sequence[Tensor]) -> Hyper: ...
 def views(h: float | Tensor, like: Sequence[Tensor]) -> Hyper:
-    """`h` as the update rules want it: a number, or (N,) -> per-tensor (N, 1, ..., 1) views.
+    """``h`` as the update rules want it: a number, or (N,) -> per-tensor (N, 1, ..., 1) views.
 
     The (N,) tensor is cast to each tensor's dtype once, exactly as torch casts a Python
-    number when it meets a tensor, so `x.mul_(views(h)[i])` rounds like `x.mul_(float(h))`.
-    A bool `h` stays bool, for `torch.where`.
+    number when it meets a tensor, so ``x.mul_(views(h)[i])`` rounds like ``x.mul_(float(h))``.
+    A bool ``h`` stays bool, for ``torch.where``.
     """
     if not isinstance(h, Tensor):
         return h
@@ -93,7 +93,7 @@ def powers(base: float | Tensor, exponent: Tensor) -> Tensor:
 
 
 def rows(values: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
-    """Row j of the (P, N) tensor `values` as (N, 1, ..., 1) in the dtype of `like[j]`.
+    """Row j of the (P, N) tensor ``values`` as (N, 1, ..., 1) in the dtype of ``like[j]``.
 
     One cast per dtype for all P rows: a step costs a few launches, not a few per parameter.
     """
@@ -107,7 +107,7 @@ def rows(values: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
 
 
 def axpy(ys: list[Tensor], xs: list[Tensor], a: Hyper) -> list[Tensor]:
-    """`ys + a * xs`, rounded as torch's `y.add(x, alpha=a)` (one fused multiply-add)."""
+    """``ys + a * xs``, rounded as torch's ``y.add(x, alpha=a)`` (one fused multiply-add)."""
     if isinstance(a, list):
         return list(compat.foreach_addcmul(ys, xs, a))
     return list(compat.foreach_add(ys, xs, alpha=a))
@@ -164,7 +164,7 @@ def isolate(
 class _Group(dict[str, Any]):
     """A param group that refuses a torch LR scheduler whose values are rates, not factors.
 
-    With per-member learning rates `group["lr"]` is a factor (1.0 at the start) on each
+    With per-member learning rates ``group["lr"]`` is a factor (1.0 at the start) on each
     member's rate, which is what StepLR, ExponentialLR, LambdaLR and the like compute. A
     scheduler with an absolute rate in it (CosineAnnealingLR's eta_min, OneCycleLR's max_lr,
     ...) would give member i that rate times its own: refused at its first write, which for
@@ -209,7 +209,7 @@ def _refuse_absolute_scheduler(group: dict[str, Any]) -> None:
 
 
 def _absolute_rates(scheduler: Any) -> str | None:
-    """What in `scheduler` is an absolute learning rate, or None for a scheduler of factors."""
+    """What in ``scheduler`` is an absolute learning rate, or None for a scheduler of factors."""
     lr_scheduler = torch.optim.lr_scheduler
     if isinstance(scheduler, lr_scheduler.OneCycleLR):
         return "max_lr"
@@ -241,24 +241,24 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     skips members whose loss or gradients are not finite, and runs the rule on cache-sized
     blocks of the stacked tensors (see docs/ARCHITECTURE.md, "Adding an optimizer").
 
-    Learning rates: `group["lr"]` is always a number, so that torch LR schedulers, which
-    multiply it or `fill_` it, work unchanged. A per-member learning rate passed as an (N,)
-    tensor is kept in `group["member_lr"]` and `group["lr"]` starts at 1.0: member i's rate is
-    `group["lr"] * group["member_lr"][i]`. A torch scheduler therefore scales every member's
-    rate by one factor; `phalanx.optim.MemberLambdaLR`, or a write to `group["member_lr"]`,
+    Learning rates: ``group["lr"]`` is always a number, so that torch LR schedulers, which
+    multiply it or ``fill_`` it, work unchanged. A per-member learning rate passed as an (N,)
+    tensor is kept in ``group["member_lr"]`` and ``group["lr"]`` starts at 1.0: member i's rate is
+    ``group["lr"] * group["member_lr"][i]``. A torch scheduler therefore scales every member's
+    rate by one factor; ``phalanx.optim.MemberLambdaLR``, or a write to ``group["member_lr"]``,
     schedules members separately.
 
-    Member surgery, between steps (see `phalanx.population`): `copy_members(source, target)`
-    copies members' optimizer state and hyperparameters, `set_hyperparameters(members, ...)`
-    changes some members' hyperparameters, `keep_members(members, params)` drops the others.
+    Member surgery, between steps (see ``phalanx.population``): ``copy_members(source, target)``
+    copies members' optimizer state and hyperparameters, ``set_hyperparameters(members, ...)``
+    changes some members' hyperparameters, ``keep_members(members, params)`` drops the others.
 
     Attributes:
         num_members: N, the size of dim 0 of every parameter.
-        last_skipped: (N,) bool, members the last `step` skipped because their loss or
-            gradients were not finite (all False unless `skip_nonfinite=True`).
+        last_skipped: (N,) bool, members the last ``step`` skipped because their loss or
+            gradients were not finite (all False unless ``skip_nonfinite=True``).
         bad_steps: (N,) int64, how many steps of each member were skipped as non-finite.
-        frozen: (N,) bool, members frozen after `freeze_after` non-finite steps; they are not
-            updated again until you clear their flag (`opt.frozen[i] = False`).
+        frozen: (N,) bool, members frozen after ``freeze_after`` non-finite steps; they are not
+            updated again until you clear their flag (``opt.frozen[i] = False``).
     """
 
     # (name, kind) of each hyperparameter besides lr; kind is a key of _EXPECTED.
@@ -548,21 +548,21 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         mask: Tensor | Sequence[bool] | None = None,
         loss: Tensor | None = None,
     ) -> Any:
-        """Takes one optimization step for the members selected by `mask`.
+        """Takes one optimization step for the members selected by ``mask``.
 
         Args:
             closure: re-evaluates the model and returns the loss, as in torch.optim. If it
-                returns an (N,) tensor of per-member losses, `skip_nonfinite` checks them.
+                returns an (N,) tensor of per-member losses, ``skip_nonfinite`` checks them.
             mask: (N,) bool. Members whose flag is False keep their weights and optimizer
                 state (step count, moments) bit for bit. None updates every member.
             loss: (N,) per-member losses of this step, checked for non-finite values when
-                `skip_nonfinite` is on; gradients are always checked then.
+                ``skip_nonfinite`` is on; gradients are always checked then.
 
         Returns:
             The closure's loss, or None.
 
         Raises:
-            ValueError: `mask` or `loss` is not of shape (N,), or `mask` is not bool.
+            ValueError: ``mask`` or ``loss`` is not of shape (N,), or ``mask`` is not bool.
         """
         result = None
         if closure is not None:
@@ -739,7 +739,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a `state_dict`; step counts and counters move to the parameters' device."""
+        """Loads a ``state_dict``; step counts and counters move to the parameters' device."""
         state_dict = dict(state_dict)
         members = state_dict.pop("members", None)
         super().load_state_dict(state_dict)

@@ -1,14 +1,14 @@
 """L-BFGS with one history and one line search per member, each exactly torch's.
 
-`torch.optim.LBFGS` over stacked parameters treats the N members as one vector: one history,
+``torch.optim.LBFGS`` over stacked parameters treats the N members as one vector: one history,
 one line search and one step length for all, so members couple (changing one member's loss
-moves the others). Here every member has its own `torch.optim.LBFGS`, run unchanged on its
+moves the others). Here every member has its own ``torch.optim.LBFGS``, run unchanged on its
 own leaf copy of its rows: what it computes is what torch computes for that member alone,
 by construction. What stays batched is the expensive part, the closure: each of torch's
 calls to a member's closure waits until every member still running has asked for an
 evaluation, then one call of the user's closure evaluates all of them at once.
 
-Torch's LBFGS calls the closure from inside its `step`, so each member's `step` runs on a
+Torch's LBFGS calls the closure from inside its ``step``, so each member's ``step`` runs on a
 thread of its own, and the members take turns: exactly one runs at a time, until it asks
 for an evaluation or finishes. The threads only pass control; no two compute at once.
 """
@@ -32,7 +32,7 @@ class _Abort(Exception):
 class LBFGS(torch.optim.Optimizer):
     """L-BFGS over stacked parameters, every member with its own history and line search.
 
-    Member i follows exactly the iterates of `torch.optim.LBFGS` run on member i alone with
+    Member i follows exactly the iterates of ``torch.optim.LBFGS`` run on member i alone with
     the same arguments, given the same losses and gradients: each member runs its own torch
     LBFGS (on a copy of its rows), so its history, its line search, its step lengths and its
     stopping tests are its own. Only the closure is shared: it evaluates every member at the
@@ -43,7 +43,7 @@ class LBFGS(torch.optim.Optimizer):
         lr: learning rate (the line search's initial step), a number or one per member
             (a tensor, list or tuple of N).
         max_iter, max_eval, tolerance_grad, tolerance_change, history_size, line_search_fn:
-            as `torch.optim.LBFGS`, for every member.
+            as ``torch.optim.LBFGS``, for every member.
 
     Example:
         >>> stack = phalanx.stack([nn.Linear(4, 1) for _ in range(3)])
@@ -118,7 +118,7 @@ class LBFGS(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]
-        """Runs each member's L-BFGS step (up to `max_iter` iterations, its line search).
+        """Runs each member's L-BFGS step (up to ``max_iter`` iterations, its line search).
 
         Args:
             closure: zeroes the gradients, evaluates every member, backpropagates the sum of
@@ -226,13 +226,13 @@ class LBFGS(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict plus every member's torch LBFGS state (history, step
-        length, counters) under "members", for `torch.save`. (`phalanx.save` refuses it: the
+        length, counters) under "members", for ``torch.save``. (``phalanx.save`` refuses it: the
         members' histories differ in length, which its format of stacked tensors cannot hold.)
         """
         return {**super().state_dict(), "members": [m.state_dict() for m in self.members]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what `state_dict` saved, member by member."""
+        """Restores what ``state_dict`` saved, member by member."""
         state_dict = dict(state_dict)
         members = state_dict.pop("members")
         if len(members) != self.num_members:

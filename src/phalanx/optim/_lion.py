@@ -34,14 +34,14 @@ class Lion(MemberOptimizer):
 
     Args:
         params: stacked parameters, each of shape (N, *shape), or param group dicts.
-        lr: learning rate, a number or (N,). See `MemberOptimizer` for how schedulers see it.
+        lr: learning rate, a number or (N,). See ``MemberOptimizer`` for how schedulers see it.
         betas: (beta1, beta2), each a number or (N,): the interpolation of the update's
             direction and of the momentum.
         weight_decay: decoupled weight decay, a number or (N,).
         maximize: maximize the objective, a bool or (N,) bool tensor.
         skip_nonfinite: skip members whose loss or gradients are not finite in a step, and
-            warn which (see `MemberOptimizer`).
-        freeze_after: with `skip_nonfinite`, freeze a member after this many skipped steps.
+            warn which (see ``MemberOptimizer``).
+        freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
 
     Example:

@@ -16,15 +16,15 @@ __all__ = ["MemberLambdaLR", "MemberScheduler"]
 
 
 class MemberLambdaLR:
-    """Sets each member's learning rate to its initial rate times `lr_lambda(epoch)[i]`.
+    """Sets each member's learning rate to its initial rate times ``lr_lambda(epoch)[i]``.
 
-    It writes `group["member_lr"]` and never `group["lr"]`, so it composes with any torch LR
+    It writes ``group["member_lr"]`` and never ``group["lr"]``, so it composes with any torch LR
     scheduler on the same optimizer: member i's rate is then
-    `torch_schedule_factor * initial_member_lr[i] * lr_lambda(epoch)[i]`.
+    ``torch_schedule_factor * initial_member_lr[i] * lr_lambda(epoch)[i]``.
 
     Args:
         optimizer: a phalanx optimizer.
-        lr_lambda: maps the epoch (an int, counted by `step()`) to an (N,) tensor of factors,
+        lr_lambda: maps the epoch (an int, counted by ``step()``) to an (N,) tensor of factors,
             or to a number for all members.
         last_epoch: the index of the last epoch, -1 to start.
 
@@ -63,16 +63,16 @@ class MemberLambdaLR:
         self.step()
 
     def _keep_members(self, index: Tensor) -> None:
-        """Follows `optimizer.keep_members`: each group's base rates keep rows `index`."""
+        """Follows ``optimizer.keep_members``: each group's base rates keep rows ``index``."""
         self.base_member_lrs = [base[index.to(base.device)] for base in self.base_member_lrs]
 
     def _copy_members(self, src: Tensor, dst: Tensor) -> None:
-        """Follows `optimizer.copy_members`: each target takes its source's base rate."""
+        """Follows ``optimizer.copy_members``: each target takes its source's base rate."""
         for base in self.base_member_lrs:
             base[dst.to(base.device)] = base[src.to(base.device)]
 
     def step(self) -> None:
-        """Advances one epoch and writes every group's `member_lr`."""
+        """Advances one epoch and writes every group's ``member_lr``."""
         self.last_epoch += 1
         factor = torch.as_tensor(self.lr_lambda(self.last_epoch), dtype=torch.float64)
         n = self.optimizer.num_members
@@ -85,11 +85,11 @@ class MemberLambdaLR:
             group["member_lr"] = base * factor.to(base.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and initial rates; `lr_lambda` is code, so it is not saved."""
+        """The epoch and initial rates; ``lr_lambda`` is code, so it is not saved."""
         return {"last_epoch": self.last_epoch, "base_member_lrs": list(self.base_member_lrs)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the epoch and initial rates saved by `state_dict`."""
+        """Restores the epoch and initial rates saved by ``state_dict``."""
         self.last_epoch = int(state_dict["last_epoch"])
         device = self.optimizer.frozen.device
         self.base_member_lrs = [t.to(device, torch.float64) for t in state_dict["base_member_lrs"]]
@@ -112,24 +112,24 @@ class _Shadow(torch.optim.Optimizer):
 class MemberScheduler:
     """Runs a torch LR scheduler for every member exactly as torch runs it on that member alone.
 
-    `make(optimizer)` builds the scheduler; it is called on a stand-in optimizer with one
-    param group per member (per param group of `optimizer`, member-major within it), each
+    ``make(optimizer)`` builds the scheduler; it is called on a stand-in optimizer with one
+    param group per member (per param group of ``optimizer``, member-major within it), each
     holding that member's rate as a Python float, so every schedule value (CosineAnnealingLR's
-    `eta_min`, OneCycleLR's `max_lr`, ReduceLROnPlateau's `min_lr`) means what it means in
+    ``eta_min``, OneCycleLR's ``max_lr``, ReduceLROnPlateau's ``min_lr``) means what it means in
     torch for each member, bit for bit. Arguments torch takes per param group (OneCycleLR's
-    or CyclicLR's `max_lr`, ReduceLROnPlateau's `min_lr`) may then be given per member, as a
-    list of N values. After each `step` member i's rate is written to `member_lr[i]`; a
+    or CyclicLR's ``max_lr``, ReduceLROnPlateau's ``min_lr``) may then be given per member, as a
+    list of N values. After each ``step`` member i's rate is written to ``member_lr[i]``; a
     scheduler that cycles momentum writes each member's momentum (SGD) or beta1 (Adam) too.
-    `group["lr"]` (1.0) is left to a torch scheduler of factors, which then scales every
+    ``group["lr"]`` (1.0) is left to a torch scheduler of factors, which then scales every
     member's scheduled rate.
 
     ReduceLROnPlateau watches a metric: here each member has its own scheduler and
-    `step(metrics)` takes (N,) per-member metrics (a number is every member's).
+    ``step(metrics)`` takes (N,) per-member metrics (a number is every member's).
 
     Args:
         optimizer: a phalanx optimizer.
         make: builds the torch scheduler from an optimizer, e.g.
-            `lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=100)`.
+            ``lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=100)``.
 
     Example:
         >>> stack = phalanx.stack([nn.Linear(4, 1) for _ in range(2)])
@@ -249,7 +249,7 @@ class MemberScheduler:
     # -------------------------------------------------------------------- member surgery
 
     def _rows(self, values: list[Any], index: list[int]) -> list[Any]:
-        """Reindexes a per-(group, member) list by member `index`."""
+        """Reindexes a per-(group, member) list by member ``index``."""
         n = len(values) // len(self.optimizer.param_groups)
         return [copy.deepcopy(values[g * n + i]) for g in range(len(values) // n) for i in index]
 
@@ -267,7 +267,7 @@ class MemberScheduler:
         return out
 
     def _keep_members(self, index: Tensor) -> None:
-        """Follows `optimizer.keep_members`: only members `index` keep their schedules."""
+        """Follows ``optimizer.keep_members``: only members ``index`` keep their schedules."""
         keep = index.tolist()
         if self.per_member:
             self.shadows = [self.shadows[i] for i in keep]
@@ -280,7 +280,7 @@ class MemberScheduler:
         shadow.param_groups = self._rows(shadow.param_groups, keep)
 
     def _copy_members(self, src: Tensor, dst: Tensor) -> None:
-        """Follows `optimizer.copy_members`: each target takes its source's schedule."""
+        """Follows ``optimizer.copy_members``: each target takes its source's schedule."""
         pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
         if self.per_member:
             states = {s: copy.deepcopy(self.schedulers[s].state_dict()) for s, _ in pairs}
@@ -313,7 +313,7 @@ class MemberScheduler:
     # ---------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        """Every scheduler's state and every member's stand-in rates; `make` is code, so it is
+        """Every scheduler's state and every member's stand-in rates; ``make`` is code, so it is
         not saved: build the MemberScheduler with it again, then load."""
         return {
             "schedulers": [_plain(s.state_dict()) for s in self.schedulers],
@@ -324,7 +324,7 @@ class MemberScheduler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what `state_dict` saved."""
+        """Restores what ``state_dict`` saved."""
         if len(state_dict["schedulers"]) != len(self.schedulers):
             raise ValueError(
                 "phalanx.optim.MemberScheduler.load_state_dict(): the state holds "

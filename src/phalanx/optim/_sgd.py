@@ -17,21 +17,21 @@ __all__ = ["SGD"]
 class SGD(MemberOptimizer):
     """SGD over stacked parameters, with every hyperparameter per member.
 
-    Member i follows exactly the trajectory of `torch.optim.SGD` run on member i alone with
+    Member i follows exactly the trajectory of ``torch.optim.SGD`` run on member i alone with
     member i's hyperparameters. Each hyperparameter is a number shared by all members or a
     tensor of shape (N,), one value per member.
 
     Args:
         params: stacked parameters, each of shape (N, *shape), or param group dicts.
-        lr: learning rate, a number or (N,). See `MemberOptimizer` for how schedulers see it.
+        lr: learning rate, a number or (N,). See ``MemberOptimizer`` for how schedulers see it.
         momentum: momentum factor, a number or (N,).
         dampening: dampening of the momentum, a number or (N,).
         weight_decay: L2 penalty, a number or (N,).
         nesterov: Nesterov momentum, a bool or (N,) bool tensor.
         maximize: maximize the objective, a bool or (N,) bool tensor.
         skip_nonfinite: skip members whose loss or gradients are not finite in a step, and
-            warn which (see `MemberOptimizer`).
-        freeze_after: with `skip_nonfinite`, freeze a member after this many skipped steps.
+            warn which (see ``MemberOptimizer``).
+        freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
         fused: which torch.optim each member equals bit for bit. False (the default):
             torch.optim.SGD's default single-tensor arithmetic, on cache-sized blocks of the

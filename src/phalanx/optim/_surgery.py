@@ -49,7 +49,7 @@ def _put(group: dict[str, Any], slot: tuple[str, int | None], value: Any) -> Non
 
 
 class MemberSurgery:
-    """The member surgery methods of `MemberOptimizer` (a mixin; see that class)."""
+    """The member surgery methods of ``MemberOptimizer`` (a mixin; see that class)."""
 
     # Provided by MemberOptimizer.
     num_members: int
@@ -66,14 +66,14 @@ class MemberSurgery:
 
     def _check_group(self, group: dict[str, Any], where: str | None = None) -> None:
         """Checks constraints between a group's hyperparameters (SGD's Nesterov rule);
-        `where` names the caller in the error (default: the constructor)."""
+        ``where`` names the caller in the error (default: the constructor)."""
 
     def member_tensors(self) -> list[Tensor]:
         """Every tensor of the optimizer's state whose dim 0 is the member axis.
 
         Row i of each is member i's: step counts (N,), moments and momentum buffers
-        (N, *shape), and the isolation counters `last_skipped`, `bad_steps`, `frozen` (N,).
-        Hyperparameters are not included (see `hyperparameters`).
+        (N, *shape), and the isolation counters ``last_skipped``, ``bad_steps``, ``frozen`` (N,).
+        Hyperparameters are not included (see ``hyperparameters``).
         """
         n = self.num_members
         out = [
@@ -86,9 +86,9 @@ class MemberSurgery:
         return [*out, self.last_skipped, self.bad_steps, self.frozen]
 
     def hyperparameters(self, group: int = 0) -> dict[str, Tensor | tuple[Tensor, ...]]:
-        """Each member's hyperparameters in param group `group`, as (N,) tensors.
+        """Each member's hyperparameters in param group ``group``, as (N,) tensors.
 
-        "lr" is the rate member i steps with, `group["lr"] * group["member_lr"][i]`; tuples
+        "lr" is the rate member i steps with, ``group["lr"] * group["member_lr"][i]``; tuples
         such as Adam's betas come back as tuples of (N,) tensors. Values are copies.
 
         Example:
@@ -119,19 +119,19 @@ class MemberSurgery:
     def set_hyperparameters(self, members: Any = None, **values: Any) -> None:
         """Sets hyperparameters of some members in place, in every param group.
 
-        The next `step` uses them; nothing else changes. `lr` sets member i's rate to
-        `group["lr"] * value`, which is `value` itself unless a torch LR scheduler scales
-        `group["lr"]`.
+        The next ``step`` uses them; nothing else changes. ``lr`` sets member i's rate to
+        ``group["lr"] * value``, which is ``value`` itself unless a torch LR scheduler scales
+        ``group["lr"]``.
 
         Args:
             members: member indices, an (N,) bool mask, or None for every member.
-            **values: hyperparameter name (`lr`, `momentum`, `betas`, `eps`, `weight_decay`,
+            **values: hyperparameter name (``lr``, ``momentum``, ``betas``, ``eps``, ``weight_decay``,
                 ...) to a number for all chosen members or a tensor with one value per chosen
-                member; `betas` takes a pair of them.
+                member; ``betas`` takes a pair of them.
 
         Raises:
             ValueError: an unknown name, a value of the wrong shape or out of range (the
-                message names the member), or `lr` of a group whose one rate a torch
+                message names the member), or ``lr`` of a group whose one rate a torch
                 scheduler drives.
 
         Example:
@@ -148,15 +148,15 @@ class MemberSurgery:
     def check_hyperparameters(
         self, members: Any = None, *, copied_from: Any = None, **values: Any
     ) -> None:
-        """Raises what `set_hyperparameters(members, **values)` would raise, changing nothing.
+        """Raises what ``set_hyperparameters(members, **values)`` would raise, changing nothing.
 
-        With `copied_from`, the check is of the state after `copy_members(copied_from,
+        With ``copied_from``, the check is of the state after `copy_members(copied_from,
         members)`: how PBT checks an explore before its exploit copies anything.
         """
         self._trial(members, values, copied_from)
 
     def _trial(self, members: Any, values: dict[str, Any], copied_from: Any) -> list[dict]:
-        """Copies of the param groups with `values` written: check first, then write.
+        """Copies of the param groups with ``values`` written: check first, then write.
 
         The copies are shallow (hyperparameter tensors are replaced, never written in place),
         so the groups themselves change only when the caller commits the copies.
@@ -224,7 +224,7 @@ class MemberSurgery:
         kind: str,
         where: str,
     ) -> None:
-        """Writes `value` into rows `index` of one hyperparameter, made (N,) if it was not."""
+        """Writes ``value`` into rows ``index`` of one hyperparameter, made (N,) if it was not."""
         n = self.num_members
         current = _get(group, slot)
         boolean = kind == "bool"
@@ -255,8 +255,8 @@ class MemberSurgery:
 
         Copies step counts, moments, momentum buffers and isolation counters (a frozen
         target takes its source's flags, so copying a good member over a frozen one revives
-        it), and with `hyperparameters` every per-member hyperparameter. Copy the weights too
-        (`phalanx.population.copy_members` does both): the target then steps exactly as its
+        it), and with ``hyperparameters`` every per-member hyperparameter. Copy the weights too
+        (``phalanx.population.copy_members`` does both): the target then steps exactly as its
         source would on the same data. Sources are read before any target is written.
 
         Args:
@@ -290,8 +290,8 @@ class MemberSurgery:
                     _put(group, slot, new)
 
     def member_rows(self, member: int, *, hyperparameters: bool = True) -> list[Tensor]:
-        """Copies of member `member`'s rows of `member_tensors()` and, with
-        `hyperparameters`, of every per-member hyperparameter tensor; see `set_member_rows`.
+        """Copies of member ``member``'s rows of ``member_tensors()`` and, with
+        ``hyperparameters``, of every per-member hyperparameter tensor; see ``set_member_rows``.
 
         The list's layout depends only on the optimizer's structure, so two optimizers built
         alike (on two ranks) agree on it: what moving one member between processes needs.
@@ -305,8 +305,8 @@ class MemberSurgery:
     def set_member_rows(
         self, member: int, rows: list[Tensor], *, hyperparameters: bool = True
     ) -> None:
-        """Writes rows taken by `member_rows` (of any member, any alike optimizer) into
-        member `member`: its optimizer state, counters and, with `hyperparameters`, its
+        """Writes rows taken by ``member_rows`` (of any member, any alike optimizer) into
+        member ``member``: its optimizer state, counters and, with ``hyperparameters``, its
         hyperparameters."""
         tensors = self.member_tensors()
         if len(rows) != len(tensors) + (len(self._hyper_tensors()) if hyperparameters else 0):
@@ -339,12 +339,12 @@ class MemberSurgery:
 
     @torch.no_grad()
     def keep_members(self, members: Any, params: Iterable[Tensor]) -> None:
-        """Keeps only `members`, in that order, now stepping the smaller stacked `params`.
+        """Keeps only ``members``, in that order, now stepping the smaller stacked ``params``.
 
         The optimizer changes in place (so a scheduler attached to it keeps working): every
-        state tensor, per-member hyperparameter and counter keeps the rows of `members`, and
-        the parameters become `params`, e.g. those of the stack that
-        `phalanx.population.keep_members` returns. The kept members then step exactly as
+        state tensor, per-member hyperparameter and counter keeps the rows of ``members``, and
+        the parameters become ``params``, e.g. those of the stack that
+        ``phalanx.population.keep_members`` returns. The kept members then step exactly as
         they would have in the full optimizer.
 
         Args:
@@ -353,7 +353,7 @@ class MemberSurgery:
                 groups, each of shape (len(members), *shape).
 
         Raises:
-            ValueError: a member listed twice, or `params` that do not match in number,
+            ValueError: a member listed twice, or ``params`` that do not match in number,
                 shape, dtype or device.
         """
         where = f"{self._NAME}.keep_members()"
@@ -400,8 +400,8 @@ class MemberSurgery:
             schedule._keep_members(index)
 
     def member_schedules(self) -> list[Any]:
-        """The per-member schedules attached to this optimizer (`MemberLambdaLR`,
-        `MemberScheduler`): member surgery moves their per-member state with the members."""
+        """The per-member schedules attached to this optimizer (``MemberLambdaLR``,
+        ``MemberScheduler``): member surgery moves their per-member state with the members."""
         return list(self.__dict__.get("_member_schedules", ()))
 
     def _attach_schedule(self, schedule: Any) -> None:
@@ -411,7 +411,7 @@ class MemberSurgery:
 
 
 def _rows(value: Any, index: Tensor, n: int) -> Any:
-    """Rows `index` of a per-member tensor (dim 0 of size N); anything else as it is."""
+    """Rows ``index`` of a per-member tensor (dim 0 of size N); anything else as it is."""
     if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
         return value[index.to(value.device)]
     return value

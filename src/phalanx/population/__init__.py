@@ -2,15 +2,15 @@
 
 A stack already holds N experiments side by side. Here members copy each other and stop:
 
-- `copy_members(stack, source, target, optimizer=, loader=)`: targets become exact copies
+- ``copy_members(stack, source, target, optimizer=, loader=)``: targets become exact copies
   of their sources (weights, buffers, optimizer state and step counts, hyperparameters, and
-  the data stream if the loader is given), also across ranks with `shard=`;
-- `keep_members(stack, members, optimizer=, loader=)`: a smaller stack of those members,
+  the data stream if the loader is given), also across ranks with ``shard=``;
+- ``keep_members(stack, members, optimizer=, loader=)``: a smaller stack of those members,
   with the optimizer and loader compacted to follow it;
-- `PBT`: population-based training (exploit the top quantile, explore hyperparameters);
-- `SuccessiveHalving` with ASHA's `rungs`: stop the worse half at each milestone;
-- `lineage`: where a member's weights came from, following the PBT log back;
-- `plot_population`: each member's hyperparameter schedule and the metric with exploits.
+- ``PBT``: population-based training (exploit the top quantile, explore hyperparameters);
+- ``SuccessiveHalving`` with ASHA's ``rungs``: stop the worse half at each milestone;
+- ``lineage``: where a member's weights came from, following the PBT log back;
+- ``plot_population``: each member's hyperparameter schedule and the metric with exploits.
 
 Example:
     >>> X, Y = torch.randn(64, 4), torch.randn(64, 1)

@@ -66,7 +66,7 @@ def copy_across_ranks(
     hyperparameters: bool,
     shard: Shard,
 ) -> None:
-    """`copy_members` with global indices over ranks; see `phalanx.population.copy_members`."""
+    """``copy_members`` with global indices over ranks; see ``phalanx.population.copy_members``."""
     src, dst = pairs(source, target, shard.num_members, WHERE)
     device = shard.device if dist.get_backend() == "nccl" else torch.device("cpu")
     like = _rows(stack, optimizer, 0, hyperparameters)

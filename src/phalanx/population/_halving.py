@@ -1,6 +1,6 @@
 """Successive halving (ASHA-style early stopping) inside one stack.
 
-At each milestone the members are ranked by a metric and only the best 1/`reduction_factor`
+At each milestone the members are ranked by a metric and only the best 1/``reduction_factor``
 go on; the others are dropped from the stack, optimizer and loader, so the steps after a
 milestone cost what the smaller stack costs. ASHA (Li et al. 2020) promotes trials
 asynchronously as each reaches a rung; in a stack every member reaches a rung at the same
@@ -32,7 +32,7 @@ __all__ = ["Rungs", "SuccessiveHalving", "rungs"]
 
 
 class Rungs(list[int]):
-    """Milestones that remember the reduction factor they were made with (see `rungs`)."""
+    """Milestones that remember the reduction factor they were made with (see ``rungs``)."""
 
     reduction_factor: float
 
@@ -40,7 +40,7 @@ class Rungs(list[int]):
 def rungs(grace_period: int, reduction_factor: float, max_steps: int) -> Rungs:
     """ASHA's milestones: grace_period * reduction_factor**k below max_steps.
 
-    The list carries `reduction_factor`, which `SuccessiveHalving` then uses: one setting for
+    The list carries ``reduction_factor``, which ``SuccessiveHalving`` then uses: one setting for
     one thing.
 
     Example:
@@ -65,16 +65,16 @@ class SuccessiveHalving:
     Args:
         stack: the stack, N members.
         optimizer: its phalanx optimizer, compacted in place with the stack.
-        milestones: the steps at which to stop members, e.g. `rungs(grace, eta, max_steps)`.
+        milestones: the steps at which to stop members, e.g. ``rungs(grace, eta, max_steps)``.
         loader: its MemberLoader, compacted in place with the stack.
         reduction_factor: eta: keep ceil(n / eta) of the n members at each milestone. By
-            default the one `rungs(...)` made the milestones with, else 2.
+            default the one ``rungs(...)`` made the milestones with, else 2.
         min_members: never keep fewer.
         mode: "max" if a larger metric is better, "min" for a loss; required.
 
     Attributes:
-        stack: the current stack; a new, smaller one after each `stop`.
-        members: the original index of each member of `stack`.
+        stack: the current stack; a new, smaller one after each ``stop``.
+        members: the original index of each member of ``stack``.
         log: one dict per milestone: step, members kept and stopped (original indices), and
             every member's metric there.
 
@@ -138,19 +138,19 @@ class SuccessiveHalving:
         self.last_step = 0
 
     def ready(self, step: int) -> bool:
-        """True when `step` is a milestone not handled yet."""
+        """True when ``step`` is a milestone not handled yet."""
         return step > self.last_step and step in self.milestones
 
     @torch.no_grad()
     def stop(self, metric: Tensor, *, step: int) -> Stack:
-        """Keeps the best ceil(n / eta) members (at least `min_members`) and drops the rest.
+        """Keeps the best ceil(n / eta) members (at least ``min_members``) and drops the rest.
 
         Args:
             metric: (n,) one value per current member; NaN ranks last.
             step: the training step, for the log.
 
         Returns:
-            The new, smaller stack (also `self.stack`); the optimizer and loader now follow it.
+            The new, smaller stack (also ``self.stack``); the optimizer and loader now follow it.
         """
         where = "phalanx.population.SuccessiveHalving.stop()"
         metric = torch.as_tensor(metric).detach().double().cpu()
@@ -186,26 +186,26 @@ class SuccessiveHalving:
         return {"members": self.members, "log": self.log, "last_step": self.last_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores what `state_dict` saved; the stack must already hold those members."""
+        """Restores what ``state_dict`` saved; the stack must already hold those members."""
         self.members = [int(i) for i in state["members"]]
         self.log = list(state["log"])
         self.last_step = int(state["last_step"])
 
     def save(self, path: str, **extra: Any) -> None:
-        """Saves the (compacted) stack, optimizer, loader and this driver with `phalanx.save`."""
+        """Saves the (compacted) stack, optimizer, loader and this driver with ``phalanx.save``."""
         save(
             path, self.stack, optimizer=self.optimizer, loader=self.loader,
             population=self.state_dict(), **extra,
         )  # fmt: skip
 
     def load(self, path: str) -> dict[str, Any]:
-        """Resumes a run saved by `save`, from a driver built over the full, fresh stack.
+        """Resumes a run saved by ``save``, from a driver built over the full, fresh stack.
 
         The stack, optimizer and loader are first compacted to the saved survivors, then
-        loaded; use `self.stack` afterwards.
+        loaded; use ``self.stack`` afterwards.
 
         Returns:
-            The other `extra` values given to `save`.
+            The other ``extra`` values given to ``save``.
         """
         where = "phalanx.population.SuccessiveHalving.load()"
         meta, tensors = read(os.fspath(path), where)  # one reader, read once
@@ -225,7 +225,7 @@ class SuccessiveHalving:
 
 def _saved_members(meta: dict[str, Any], path: str) -> list[int]:
     """The surviving members recorded in a checkpoint's metadata, read before the stack is
-    compacted to them (`restore` needs a stack of the saved size)."""
+    compacted to them (``restore`` needs a stack of the saved size)."""
     try:
         return [int(i) for i in meta["extra"]["population"]["members"]]
     except (KeyError, TypeError) as e:

@@ -4,12 +4,12 @@ A mutation is one of
 
 - a list (or tuple) of values: resampling picks one at random, perturbing moves to a
   neighbouring entry (Ray Tune's rule for categorical values);
-- a sampler, `LogUniform(lo, hi)`, `Uniform(lo, hi)` or any callable `f(generator) -> float`:
+- a sampler, ``LogUniform(lo, hi)``, ``Uniform(lo, hi)`` or any callable ``f(generator) -> float``:
   resampling draws a new value, perturbing multiplies by one of the driver's factors (1.2 or
   0.8 by default), kept in [lo, hi] for the two samplers given here;
-- `Factors(0.5, 2.0)`: perturbing multiplies by one of these factors; never resampled.
+- ``Factors(0.5, 2.0)``: perturbing multiplies by one of these factors; never resampled.
 
-All randomness comes from the driver's `torch.Generator`, saved in its checkpoint.
+All randomness comes from the driver's ``torch.Generator``, saved in its checkpoint.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Uniform:
 
 @dataclass(frozen=True)
 class Factors:
-    """Perturb only: multiply by one of `factors`, chosen at random; never resample."""
+    """Perturb only: multiply by one of ``factors``, chosen at random; never resample."""
 
     factors: tuple[float, ...]
 
@@ -62,7 +62,7 @@ Mutation: TypeAlias = Sequence[Any] | Callable[[torch.Generator], float] | Facto
 
 
 def check_mutation(name: str, mutation: Any, where: str) -> None:
-    """Raises a ValueError naming the hyperparameter when `mutation` is none of the forms."""
+    """Raises a ValueError naming the hyperparameter when ``mutation`` is none of the forms."""
     if isinstance(mutation, Factors):
         bad = not mutation.factors or any(f <= 0 for f in mutation.factors)
     elif isinstance(mutation, LogUniform | Uniform):
@@ -86,7 +86,7 @@ def _choice(options: Sequence[Any], generator: torch.Generator) -> Any:
 
 
 def _entry(value: Any, options: list[Any]) -> int | None:
-    """The index of `value` in `options`: equal, or equal once both are rounded to float32.
+    """The index of ``value`` in ``options``: equal, or equal once both are rounded to float32.
 
     A hyperparameter held as a float32 tensor (torch's default dtype) is the float32 nearest
     its list entry, so 0.9 comes back as 0.8999999762; it is still that entry.

@@ -1,6 +1,6 @@
 """Population-based training (Jaderberg et al. 2017) inside one stack.
 
-Every `interval` steps the members are ranked by a metric; each member of the bottom
+Every ``interval`` steps the members are ranked by a metric; each member of the bottom
 quantile becomes a copy of a random member of the top quantile (weights, optimizer state,
 hyperparameters: the exploit) and then changes its hyperparameters (the explore). Since all
 members step together, every member is ready at once: this is synchronous PBT, with Ray
@@ -39,7 +39,7 @@ __all__ = [
 
 
 def check_mode(mode: Any, where: str) -> None:
-    """`mode` must be said: a loss ranked as an accuracy would keep the worst members."""
+    """``mode`` must be said: a loss ranked as an accuracy would keep the worst members."""
     if mode not in ("max", "min"):
         raise ValueError(
             f"{where}: mode must be 'max' (a larger metric is better: accuracy) or 'min' (a "
@@ -49,7 +49,7 @@ def check_mode(mode: Any, where: str) -> None:
 
 
 def flat_hyperparameters(optimizer: MemberOptimizer) -> dict[str, Tensor]:
-    """`optimizer.hyperparameters()` with each pair split: Adam's betas as beta1, beta2."""
+    """``optimizer.hyperparameters()`` with each pair split: Adam's betas as beta1, beta2."""
     out: dict[str, Tensor] = {}
     for name, value in optimizer.hyperparameters().items():
         if isinstance(value, tuple) and name == "betas":
@@ -98,24 +98,24 @@ class PBT:
     """Population-based training of the members of one stack.
 
     Args:
-        stack: the stack, N members (this rank's block with `shard`).
+        stack: the stack, N members (this rank's block with ``shard``).
         optimizer: its phalanx optimizer; PBT reads and writes its per-member hyperparameters
             (those of param group 0 are read; writes go to every group).
-        mutations: hyperparameter name (`"lr"`, `"momentum"`, `"weight_decay"`, Adam's
-            `"beta1"` and `"beta2"`, ...) to how
-            it changes: a list of values, a sampler (`LogUniform`, `Uniform`, or
-            `f(generator) -> float`) or `Factors(...)`; see `phalanx.population`.
+        mutations: hyperparameter name (``"lr"``, ``"momentum"``, ``"weight_decay"``, Adam's
+            ``"beta1"`` and ``"beta2"``, ...) to how
+            it changes: a list of values, a sampler (``LogUniform``, ``Uniform``, or
+            ``f(generator) -> float``) or ``Factors(...)``; see ``phalanx.population``.
         interval: steps between exploits (the ready interval).
-        loader: the stack's MemberLoader; with `copy_data`, a copied member also takes its
+        loader: the stack's MemberLoader; with ``copy_data``, a copied member also takes its
             source's data stream.
-        copy_data: see `loader`. Off by default: each member keeps its own data.
+        copy_data: see ``loader``. Off by default: each member keeps its own data.
         quantile: the fraction of members replaced each time, and of members copied from
             (at most half the members).
         resample_probability: chance that explore draws a fresh value instead of perturbing.
         perturb: the factors a perturbation multiplies by, one chosen at random.
         mode: "max" if a larger metric is better (accuracy), "min" for a loss; required.
         seed: seeds the driver's own generator (the same seed on every rank).
-        shard: with `phalanx.distributed`, this rank's Shard; metrics are gathered and
+        shard: with ``phalanx.distributed``, this rank's Shard; metrics are gathered and
             members copied across ranks.
 
     Attributes:
@@ -227,7 +227,7 @@ class PBT:
         return self.shard.num_members if self.shard is not None else len(self.stack)
 
     def ready(self, step: int) -> bool:
-        """True when `step` is a multiple of the interval not exploited yet."""
+        """True when ``step`` is a multiple of the interval not exploited yet."""
         return step > self.last_step and step % self.interval == 0
 
     def _hypers(self) -> dict[str, Tensor]:
@@ -247,15 +247,15 @@ class PBT:
         """Replaces the bottom quantile by mutated copies of the top quantile.
 
         Args:
-            metric: (N,) one value per member (this rank's members with `shard`), e.g.
+            metric: (N,) one value per member (this rank's members with ``shard``), e.g.
                 validation accuracy; NaN ranks last.
             step: the training step, for the log.
 
         Returns:
-            This round's entries of `log`.
+            This round's entries of ``log``.
 
         Raises:
-            ValueError: `metric` has another number of members.
+            ValueError: ``metric`` has another number of members.
         """
         where = "phalanx.population.PBT.exploit()"
         metric = torch.as_tensor(metric).detach()
@@ -340,7 +340,7 @@ class PBT:
         check: bool = False,
     ) -> None:
         """Writes each target's new hyperparameters (targets are global indices); with
-        `check`, only checks them as they would be after copying from `sources`."""
+        ``check``, only checks them as they would be after copying from ``sources``."""
         start = self.shard.start if self.shard is not None else 0
         local = range(len(self.stack))
         mine = [
@@ -374,15 +374,15 @@ class PBT:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores what `state_dict` saved."""
+        """Restores what ``state_dict`` saved."""
         self.generator.set_state(state["generator"].to(torch.uint8))
         self.log = list(state["log"])
         self.history = list(state["history"])
         self.last_step = int(state["last_step"])
 
     def save(self, path: str, **extra: Any) -> None:
-        """Saves the stack, optimizer, loader and this driver: one `phalanx.save` file, or,
-        with a `shard` over several ranks, one `phalanx.distributed.save` directory (called
+        """Saves the stack, optimizer, loader and this driver: one ``phalanx.save`` file, or,
+        with a ``shard`` over several ranks, one ``phalanx.distributed.save`` directory (called
         on every rank; the driver's state is the same on every rank and is compared before
         the commit)."""
         if self.shard is not None and self.shard.world_size > 1:
@@ -397,10 +397,10 @@ class PBT:
         )  # fmt: skip
 
     def load(self, path: str) -> dict[str, Any]:
-        """Restores a run saved by `save` into this driver's stack, optimizer and loader.
+        """Restores a run saved by ``save`` into this driver's stack, optimizer and loader.
 
         Returns:
-            The other `extra` values given to `save`.
+            The other ``extra`` values given to ``save``.
         """
         if self.shard is not None and self.shard.world_size > 1:
             extra = sharded.load(

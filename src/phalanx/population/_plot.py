@@ -12,7 +12,7 @@ __all__ = ["lineage", "plot_population"]
 
 
 def lineage(log: Sequence[Mapping[str, Any]], member: int) -> list[tuple[int, int]]:
-    """Where member `member`'s weights came from: (step, slot) pairs, oldest first.
+    """Where member ``member``'s weights came from: (step, slot) pairs, oldest first.
 
     Slot k held the lineage from that step on (until the next pair): following the PBT log
     backwards, each exploit into the lineage's slot hands it over to the source's slot.
@@ -35,7 +35,7 @@ def lineage(log: Sequence[Mapping[str, Any]], member: int) -> list[tuple[int, in
 
 
 def _owner(line: list[tuple[int, int]], step: int, *, strictly_before: bool = False) -> int:
-    """The slot that held the lineage at `step` (just before an exploit at it, if asked)."""
+    """The slot that held the lineage at ``step`` (just before an exploit at it, if asked)."""
     slot = line[0][1]
     for start, k in line:
         if start < step or (start == step and not strictly_before):
@@ -53,14 +53,14 @@ def plot_population(
     """One panel per hyperparameter (each member's schedule) and one of the metric.
 
     Members are coloured by their final metric (bright: best); the final best member is
-    drawn thick and black along its lineage (`lineage`): the schedule its weights actually
+    drawn thick and black along its lineage (``lineage``): the schedule its weights actually
     trained with, switching to a source's history before each exploit. In the metric panel
     each exploit is a red segment from the copied member's metric to its source's, at the
     step it happened.
 
     Args:
-        history: `PBT.history` (or the "history" of a saved `PBT.state_dict()`).
-        log: `PBT.log`, to mark exploits.
+        history: ``PBT.history`` (or the "history" of a saved ``PBT.state_dict()``).
+        log: ``PBT.log``, to mark exploits.
         path: write a PNG there too.
         title: the figure's title.
 

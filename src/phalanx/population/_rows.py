@@ -24,7 +24,7 @@ def member_tensors(stack: Stack) -> list[Tensor]:
 
 
 def check_run(stack: Stack, optimizer: Any, loader: Any, where: str) -> None:
-    """Refuses an optimizer or loader that does not train `stack`, before anything changes.
+    """Refuses an optimizer or loader that does not train ``stack``, before anything changes.
 
     The optimizer must be a phalanx optimizer over this stack's own parameters (one of
     another stack, even of the same N, would have its rows copied instead); optimizer and

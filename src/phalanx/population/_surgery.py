@@ -1,7 +1,7 @@
 """Member surgery on a whole training run: stack, optimizer and loader together.
 
-`copy_members` makes members exact copies of others (the exploit of population-based
-training); `keep_members` drops members for good (early stopping), returning a smaller stack
+``copy_members`` makes members exact copies of others (the exploit of population-based
+training); ``keep_members`` drops members for good (early stopping), returning a smaller stack
 whose steps cost less. Both index whole stacked tensors: no Python loop over members.
 """
 
@@ -27,7 +27,7 @@ __all__ = ["copy_members", "keep_members"]
 
 
 def _retire(stack: Stack, smaller: Stack) -> None:
-    """Makes the replaced stack refuse to train: its optimizer now steps `smaller`."""
+    """Makes the replaced stack refuse to train: its optimizer now steps ``smaller``."""
     message = (
         f"this stack of {len(stack)} members was replaced by keep_members(), and its "
         f"optimizer now trains the returned stack of {len(smaller)} (halving.stack after "
@@ -50,20 +50,20 @@ def copy_members(
 ) -> None:
     """Makes each target member an exact copy of its source member, in place.
 
-    Copies weights and buffers (not gradients: zero them before the next backward); with `optimizer`, every optimizer state tensor
+    Copies weights and buffers (not gradients: zero them before the next backward); with ``optimizer``, every optimizer state tensor
     (moments, momentum buffers, per-member step counts), the isolation counters and, with
-    `hyperparameters`, the per-member hyperparameters; with `loader`, the data stream, so the
+    ``hyperparameters``, the per-member hyperparameters; with ``loader``, the data stream, so the
     target's next batches equal the source's. A target then steps bit for bit as its source
     does. All sources are read before any target is written.
 
     Args:
         stack: the stack, N members.
-        source: member indices to copy from (global indices with `shard`).
+        source: member indices to copy from (global indices with ``shard``).
         target: member indices to overwrite, one per source, each at most once.
         optimizer: the phalanx optimizer training the stack.
         loader: give it to make the targets read their sources' data streams.
         hyperparameters: also copy the optimizer's per-member hyperparameters.
-        shard: with `phalanx.distributed`, this rank's Shard: sources and targets are global
+        shard: with ``phalanx.distributed``, this rank's Shard: sources and targets are global
             indices and may live on other ranks. Every rank must call with the same indices.
 
     Raises:
@@ -101,7 +101,7 @@ def keep_members(
     optimizer: MemberOptimizer | None = None,
     loader: MemberLoader | None = None,
 ) -> Stack:
-    """A smaller stack of `members` only; the optimizer and loader follow it in place.
+    """A smaller stack of ``members`` only; the optimizer and loader follow it in place.
 
     The new stack holds copies of the kept members' rows, in the order given; the optimizer
     keeps their state and hyperparameters and steps the new stack's parameters; the loader

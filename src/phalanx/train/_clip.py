@@ -45,7 +45,7 @@ def _grads(fn: str, parameters: Tensor | Iterable[Tensor]) -> tuple[list[Tensor]
 
 
 def _per_member(fn: str, name: str, value: float | Tensor, n: int, like: Tensor) -> Tensor:
-    """`value` as (N, 1) in `like`'s dtype and device."""
+    """``value`` as (N, 1) in ``like``'s dtype and device."""
     t = torch.as_tensor(value, dtype=like.dtype, device=like.device)
     if t.shape not in {(), (n,)}:
         raise ValueError(
@@ -61,26 +61,26 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
 ) -> Tensor:
-    """Clips each member's gradient norm, over all its parameters, to its own `max_norm`.
+    """Clips each member's gradient norm, over all its parameters, to its own ``max_norm``.
 
-    Member i's gradients are scaled exactly as `torch.nn.utils.clip_grad_norm_` would scale
-    them with member i's parameters alone: by `min(1, max_norm[i] / (norm[i] + 1e-6))`. A
+    Member i's gradients are scaled exactly as ``torch.nn.utils.clip_grad_norm_`` would scale
+    them with member i's parameters alone: by ``min(1, max_norm[i] / (norm[i] + 1e-6))``. A
     member with a non-finite norm gets non-finite gradients and leaves the others untouched;
-    `skip_nonfinite=True` on a phalanx optimizer then skips it.
+    ``skip_nonfinite=True`` on a phalanx optimizer then skips it.
 
     Args:
         parameters: stacked parameters, each of shape (N, *shape); those without a gradient
             are ignored.
         max_norm: the largest norm allowed, a number or an (N,) tensor.
-        norm_type: the p of the p-norm; `float("inf")` for the largest absolute value.
+        norm_type: the p of the p-norm; ``float("inf")`` for the largest absolute value.
         error_if_nonfinite: raise if a member's norm is nan or inf (one host sync).
 
     Returns:
         (N,) the norm of each member's gradients before clipping, in the gradients' dtype.
 
     Raises:
-        ValueError: parameters do not share dim 0, or `max_norm` is not a number or (N,).
-        RuntimeError: `error_if_nonfinite` and some member's norm is not finite.
+        ValueError: parameters do not share dim 0, or ``max_norm`` is not a number or (N,).
+        RuntimeError: ``error_if_nonfinite`` and some member's norm is not finite.
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(2, 3))
@@ -109,7 +109,7 @@ def clip_grad_norm_(
 
 
 def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float | Tensor) -> None:
-    """Clamps each member's gradients to `[-clip_value[i], clip_value[i]]`, in place.
+    """Clamps each member's gradients to ``[-clip_value[i], clip_value[i]]``, in place.
 
     Args:
         parameters: stacked parameters, each of shape (N, *shape); those without a gradient
@@ -117,7 +117,7 @@ def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float | 
         clip_value: the largest absolute gradient allowed, a number or an (N,) tensor.
 
     Raises:
-        ValueError: parameters do not share dim 0, or `clip_value` is not a number or (N,).
+        ValueError: parameters do not share dim 0, or ``clip_value`` is not a number or (N,).
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(2, 2))
