@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import phalanx
-from conftest import assert_close, assert_members_match
+from helpers import assert_close, assert_members_match
 from phalanx.backends import BackendRefusal
 
 N, B = 3, 5

@@ -10,7 +10,7 @@ from torch import nn
 
 import phalanx
 import phalanx.distributed as pdist
-from conftest import assert_close
+from helpers import assert_close
 from phalanx.core._build import stack_from_factory
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import phalanx
-from conftest import ARCHS, make_members
+from helpers import ARCHS, make_members
 from phalanx.checkpoint._single import CheckpointError
 
 N = 6

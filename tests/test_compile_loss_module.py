@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N, B, C = 4, 5, 3
 

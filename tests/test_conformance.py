@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (
+from helpers import (
     ARCHS,
     assert_close,
     check_forward_and_gradients,

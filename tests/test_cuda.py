@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from conftest import ARCHS, assert_close, make_members, reference_outputs
+from helpers import ARCHS, assert_close, make_members, reference_outputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

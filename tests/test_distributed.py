@@ -24,7 +24,7 @@ from torch import nn
 
 import phalanx
 import phalanx.distributed as pdist
-from conftest import assert_close
+from helpers import assert_close
 from phalanx.checkpoint._single import CheckpointError
 from phalanx.distributed import DistributedError, Shard
 from phalanx_tools.bench.sharded import bench_sharded

@@ -14,7 +14,7 @@ from torch import nn
 
 import phalanx
 import phalanx.distributed as pdist
-from conftest import assert_close
+from helpers import assert_close
 from phalanx.checkpoint._single import CheckpointError
 
 F64 = torch.float64

@@ -24,7 +24,7 @@ import torch
 
 import phalanx.distributed as pdist
 import two_node_worker as worker
-from conftest import assert_close
+from helpers import assert_close
 
 WORKER = str(Path(__file__).with_name("two_node_worker.py"))
 TOTAL, SAVE_AT = 12, 4

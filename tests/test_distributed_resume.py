@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 import phalanx
 import phalanx.distributed as pdist
-from conftest import assert_close
+from helpers import assert_close
 
 N, STEPS, STOP_AT = 7, 11, 5  # 6 batches an epoch: the stop falls inside epoch 0
 F64 = torch.float64

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N, B, C = 4, 37, 5
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 from phalanx.backends import BackendRefusal
 from test_fused import EmbeddingNet
 

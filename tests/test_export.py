@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N = 3
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import phalanx
-from conftest import Arch, assert_close, check_forward_and_gradients, reference_outputs
+from helpers import Arch, assert_close, check_forward_and_gradients, reference_outputs
 from phalanx.backends import BackendRefusal, _fused
 from phalanx_tools.threads import intra_op_threads
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N, B, T = 4, 5, 12
 

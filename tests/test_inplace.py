@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N, D, H, B = 400, 20, 10, 32  # the seed question: 400 networks 20-10-1, x (32, 20 * 400)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from conftest import ARCHS, make_members
+from helpers import ARCHS, make_members
 from phalanx.optim import NonFiniteWarning
 
 N = 8

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N, B, T, D = 3, 4, 5, 6
 BACKENDS = ["loop", "vmap", "fused", "auto"]

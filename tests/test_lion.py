@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from conftest import ARCHS, assert_close, make_members
+from helpers import ARCHS, assert_close, make_members
 from phalanx.step._api import compile_step
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N, B, C = 4, 6, 5
 EPS = [0.0, 0.05, 0.1, 0.3]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import phalanx
-from conftest import (
+from helpers import (
     Arch,
     assert_close,
     assert_members_match,

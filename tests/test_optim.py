@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import phalanx
-from conftest import assert_close, make_members
+from helpers import assert_close, make_members
 
 N = 4
 STEPS = 20
@@ -202,7 +202,7 @@ def test_each_member_matches_torch_optim_alone(case: Case, dtype: torch.dtype) -
 
 def test_trains_a_stack_like_torch_optim_trains_each_model() -> None:
     """Through phalanx.stack: Adam with a per-member lr on real gradients of an MLP."""
-    from conftest import ARCHS, member_loss
+    from helpers import ARCHS, member_loss
 
     arch = ARCHS[1]  # Linear(10, 20) -> ReLU -> Linear(20, 2)
     members = make_members(arch, N)

@@ -23,7 +23,7 @@ from torch import nn
 
 import phalanx
 import phalanx.distributed as pdist
-from conftest import assert_close
+from helpers import assert_close
 from phalanx.population import (
     PBT,
     Factors,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N, B = 4, 6
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from conftest import ARCHS, assert_close, make_members, reference_outputs
+from helpers import ARCHS, assert_close, make_members, reference_outputs
 
 
 def _q2_members(n: int = 3) -> list[nn.Module]:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from conftest import ARCHS, assert_close, make_members
+from helpers import ARCHS, assert_close, make_members
 from phalanx.optim._base import NonFiniteWarning
 from phalanx.step._api import ROUNDS, CompiledStep, agree, compile_step, decide
 from phalanx.testing import assert_equal_to_loop

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 from test_keywords import Masked, N, _data
 
 STEPS = 3

@@ -18,7 +18,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 from phalanx.backends import BackendRefusal
 
 BACKENDS = ["auto", "fused", "vmap", "loop"]

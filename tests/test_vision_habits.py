@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import phalanx
-from conftest import assert_close
+from helpers import assert_close
 
 N = 3
 CL = torch.channels_last
