@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from phalanx import _torch_compat as compat
+from phalanx._errors import summary
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
 from phalanx.backends import StackView, get_backend
@@ -30,8 +31,7 @@ def _reason(e: BaseException) -> str:
     why = getattr(e, "why", None)
     if why is not None:  # a refusal says its reason apart from its advice
         return str(why)
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return summary(e)
 
 
 SNAPSHOT_BYTES = 8 << 20

@@ -23,6 +23,7 @@ import torch
 from torch.func import functional_call, vmap
 
 from phalanx import _torch_compat as compat
+from phalanx._errors import summary
 from phalanx._torch_compat import pytree
 from phalanx.backends import BackendRefusal, _recompute
 from phalanx.backends._keywords import member_kwargs
@@ -113,8 +114,7 @@ _TENSOR = object()
 
 def _why(e: BaseException) -> str:
     """torch.func's reason for a failure that the members alone do not raise."""
-    text = str(e).strip().splitlines()
-    why = f"{type(e).__name__}: {text[0] if text else ''}"
+    why = summary(e)
     if _recompute.is_checkpoint_failure(e):
         why = _recompute.WHY_VMAP
     if any(k in why for k in ("data-dependent", ".item()", "tolist", "Python value")):
@@ -137,8 +137,10 @@ def members_own_error(
 
     Called where the vmapped call failed, to tell a member's own error (a batch of one in
     BatchNorm, a wrong feature size, a dtype) from what torch.func cannot batch. Each member
-    runs alone on copies of its tensors and inputs, with the random streams and the modules'
-    attributes put back afterwards: nothing the stack or the caller holds is changed. The
+    runs alone on copies of its tensors and inputs, with the modules' attributes put back
+    afterwards: nothing the stack or the caller holds is changed. The random streams are not
+    put back (rewinding the global stream would replay another thread's draws); the draws of
+    this diagnosis are spent, as those of ``auto``'s refused attempt are. The
     error is returned as the member raised it, with a note naming the member and the
     submodule it came from. None while a trace runs (no values to run on).
     """
@@ -146,7 +148,6 @@ def members_own_error(
         return None
     params, buffers = view.state()
     paths = {id(m): p for p, m in view.module.named_modules()}
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
 
     def copy(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -154,25 +155,24 @@ def members_own_error(
         c = t.detach().clone()
         return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c
 
-    with torch.random.fork_rng(devices=devices):
-        for i in range(view.num_members):
-            state = {k: copy(v[i]) for k, v in params.items()}
-            state.update({k: copy(v[i]) for k, v in buffers.items()})
-            member_args = pytree.tree_map(
-                copy, tuple(a[i] if d == 0 else a for a, d in zip(args, in_dims))
+    for i in range(view.num_members):
+        state = {k: copy(v[i]) for k, v in params.items()}
+        state.update({k: copy(v[i]) for k, v in buffers.items()})
+        member_args = pytree.tree_map(
+            copy, tuple(a[i] if d == 0 else a for a, d in zip(args, in_dims))
+        )
+        member_kw = pytree.tree_map(copy, member_kwargs(kwargs, kw_dims, i))
+        before = snapshot(view.module)
+        try:
+            functional_call(view.module, state, member_args, member_kw)
+        except Exception as e:
+            e.add_note(
+                f"(raised by member {i}'s own forward{_where(e, paths)}, as "
+                f"backend='loop' raises it)"
             )
-            member_kw = pytree.tree_map(copy, member_kwargs(kwargs, kw_dims, i))
-            before = snapshot(view.module)
-            try:
-                functional_call(view.module, state, member_args, member_kw)
-            except Exception as e:
-                e.add_note(
-                    f"(raised by member {i}'s own forward{_where(e, paths)}, as "
-                    f"backend='loop' raises it)"
-                )
-                return e
-            finally:
-                put_back(list(written(before)))
+            return e
+        finally:
+            put_back(list(written(before)))
     return None
 
 

@@ -39,6 +39,7 @@ from torch import Tensor, fx, nn
 from torch.nn import functional as F
 
 from phalanx import _torch_compat as compat
+from phalanx._errors import summary
 from phalanx._module_tree import meta_copy
 from phalanx.core._validate import architecture_differences, behaviour_differences, tie_differences
 
@@ -339,9 +340,8 @@ def _flow_problems(template: nn.Module, shapes: dict[str, list[tuple[int, ...]]]
     try:
         graph = fx.Tracer().trace(template)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return [
-            f"torch.fx cannot trace the member's forward ({type(e).__name__}: {first}), so "
+            f"torch.fx cannot trace the member's forward ({summary(e)}), so "
             f"phalanx cannot check where the padded units flow; write the forward without "
             f"control flow on tensor values, or stack members of one width per stack"
         ]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import _torch_compat as compat
+from phalanx._errors import first_line
 from phalanx.distributed import _health
 from phalanx.distributed._errors import DistributedError
 
@@ -204,7 +205,7 @@ def collective(where: str, shard: Shard, op: str) -> Iterator[None]:
     except RuntimeError as e:
         if isinstance(e, DistributedError):
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e) or type(e).__name__
         # A peer that died closes its connections at once, but only the failure detector
         # can say which one it was: wait for its verdict, bounded by its deadline. A timeout
         # means the peers are alive, so no verdict is coming.

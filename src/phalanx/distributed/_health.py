@@ -36,6 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phalanx._errors import summary
 from phalanx.distributed._errors import DistributedError
 
 __all__ = ["Monitor", "current", "leave", "start", "stop", "verdict"]
@@ -127,8 +128,7 @@ class Monitor:
                 if now - store_silent_since > self.deadline:
                     self._fail(
                         f"the job's c10d store has not answered for "
-                        f"{now - store_silent_since:.1f} s ({type(e).__name__}: "
-                        f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); "
+                        f"{now - store_silent_since:.1f} s ({summary(e, 200)}); "
                         f"the machine that holds it (rank 0's, or torchrun's rendezvous host) "
                         f"most likely died",
                         publish=False,
@@ -260,8 +260,7 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 def _excepthook(kind: Any, value: Any, tb: Any) -> None:
     if _monitor is not None and not isinstance(value, KeyboardInterrupt):
-        text = str(value).strip().splitlines()
-        _monitor.leave(f"failed: {kind.__name__}: {text[0][:300] if text else ''}")
+        _monitor.leave(f"failed: {summary(value, 300)}")
     _previous_hook(kind, value, tb)
 
 

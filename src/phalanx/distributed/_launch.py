@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from phalanx._errors import summary
 from phalanx.distributed import _health
 from phalanx.distributed._mesh import (
     DEFAULT_TIMEOUT,
@@ -71,8 +72,7 @@ def _entry(
         # Report before leaving the group: the parent names the rank that failed first, not
         # the ranks that then failed waiting for it.
         secondary = isinstance(e, DistributedError)
-        text = str(e).strip().splitlines()
-        _health.leave(f"failed: {type(e).__name__}: {text[0][:300] if text else ''}")
+        _health.leave(f"failed: {summary(e, 300)}")
         results.put((rank, False, pickle.dumps((secondary, traceback.format_exc()))))
         raise SystemExit(1) from None
     else:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from phalanx import _torch_compat as compat
+from phalanx._errors import summary
 from phalanx._module_tree import meta_copy
 from phalanx._warnings import warn
 from phalanx.backends._state import _INTERNALS, hooked
@@ -198,12 +199,8 @@ def plan_of(view: StackView) -> Plan | str:
     try:
         traced = torch.fx.symbolic_trace(meta_copy(view.module))
     except Exception as e:  # control flow on data, an untraceable call: the general path
-        text = str(e).strip().splitlines()
         plan = Plan(fingerprint, None, None)
-        plan.refused[None] = (
-            f"torch.fx cannot trace the member's forward ({type(e).__name__}: "
-            f"{text[0] if text else ''})"
-        )
+        plan.refused[None] = f"torch.fx cannot trace the member's forward ({summary(e)})"
     else:
         plan = Plan(fingerprint, traced.graph, traced)
     cache["plan"] = plan

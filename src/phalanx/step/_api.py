@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from phalanx import _torch_compat as compat
+from phalanx._errors import summary
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
 from phalanx.core._stack import Stack
@@ -531,8 +532,7 @@ def _reason(error: BaseException) -> str:
         if not isinstance(inner, BaseException):
             break
         error = inner
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return summary(error)
 
 
 def _median(times: list[float]) -> float | None:
