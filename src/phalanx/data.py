@@ -73,6 +73,14 @@ def _keys(seed: int, stream: int, epoch: int, members: Tensor, n: int) -> Tensor
     return _mix32(member ^ index)
 
 
+def _gather(t: Tensor, index: Tensor) -> Tensor:
+    """`t[index]` for an (N, B) index: (N, B, ...). index_select copies the same values and
+    is several times faster than advanced indexing on a CPU (330 -> 83 us for 64 x 32 rows of
+    64 floats)."""
+    flat = t.index_select(0, index.reshape(-1).to(t.device))
+    return flat.view(*index.shape, *t.shape[1:])
+
+
 class MemberLoader:
     """Minibatches for N members from one data set, in a separate order for each member.
 
@@ -226,7 +234,7 @@ class MemberLoader:
             start = self.batch * self.batch_size
             index = order[:, start : start + self.batch_size]  # (N, B)
             self.batch += 1
-            yield tuple(t[index.to(t.device)] for t in self.tensors)
+            yield tuple(_gather(t, index) for t in self.tensors)
         self.epoch, self.batch = self.epoch + 1, 0
 
     # ------------------------------------------------------------------------ member surgery
