@@ -320,3 +320,19 @@ def test_refuses_sharding_strategies(monkeypatch):
 def test_log_members_refuses_a_summed_loss():
     with pytest.raises(ValueError, match=r"shape \(4,\); got shape \(\)"):
         Ensemble().log_members("loss", torch.tensor(1.0))
+
+
+def test_member_early_stopping_on_train_epoch_end():
+    """check_on_train_epoch_end=True reads a training metric; no validation loop needed."""
+
+    class TrainScored(Scored):
+        def training_step(self, batch, batch_idx):
+            e = float(self.current_epoch)
+            self.log_members("score", torch.tensor([e if i == 2 else -e for i in range(N)]))
+            return super().training_step(batch, batch_idx)
+
+    stopper = MemberEarlyStopping("score", patience=1, check_on_train_epoch_end=True)
+    model = TrainScored()
+    trainer(max_epochs=3, callbacks=[stopper]).fit(model, DataLoader(data(), batch_size=32))
+    assert model.member_mask.tolist() == [True, True, False, True]
+    assert stopper.stopped_epoch.tolist() == [-1, -1, 1, -1]

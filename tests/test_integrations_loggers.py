@@ -126,11 +126,13 @@ def test_wandb_offline_grouped_runs(tmp_path, monkeypatch):
                     history.append(float(items["train/loss"]))
         assert history == [float(loss[i]) for loss in LOSSES], f"member {i}"
     assert wandb.run is None  # no global run left behind
+    wandb.teardown()  # stops wandb's service threads (tests/test_lbfgs.py counts threads)
 
 
 def test_mlflow_child_runs_logged_in_batches(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # no telemetry thread left running
     uri = f"file:{tmp_path / 'mlruns'}"
     log = MLflowMembers(
         N, "sweep", hparams={"lr": LRS, "width": 16}, tracking_uri=uri, flush_every=2

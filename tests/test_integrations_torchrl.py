@@ -92,6 +92,7 @@ def batch(seed=0):
     )
 
 
+@pytest.mark.filterwarnings("ignore:No target network updater")
 def test_sac_loss_trains_the_stacks_tensors_with_per_member_learning_rates():
     critics = phalanx.stack(Critic, num_members=N, seed=0, backend="loop")
     loss = sac(critics)
