@@ -35,7 +35,7 @@ from phalanx.integrations.transformers import PhalanxTrainer
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore")
 transformers.utils.logging.set_verbosity_error()
-N, ROUNDS = 8, 5
+N, ROUNDS = 8, 3
 
 
 class Tokens(Dataset):

@@ -365,6 +365,23 @@ class PhalanxTrainer(transformers.Trainer):
                 f"checkpoint a PhalanxTrainer wrote."
             )
         load(path, self.accelerator.unwrap_model(model if model is not None else self.model))
+        self._restore_stopped_members(resume_from_checkpoint)
+
+    def _restore_stopped_members(self, checkpoint: str) -> None:
+        """Which members stopped, from the checkpoint, whatever
+        ``restore_callback_states_from_checkpoint`` says: a stopped member must stay masked."""
+        state_file = os.path.join(checkpoint, transformers.trainer.TRAINER_STATE_NAME)
+        if not os.path.isfile(state_file):
+            return
+        saved = transformers.TrainerState.load_from_json(state_file).stateful_callbacks
+        data = saved.get(MemberEarlyStopping.__name__, [])
+        data = data if isinstance(data, list) else [data]
+        stoppers = [
+            c for c in self.callback_handler.callbacks if isinstance(c, MemberEarlyStopping)
+        ]
+        for stopper, entry in zip(stoppers, data):
+            for attribute, value in entry.get("attributes", {}).items():
+                setattr(stopper, attribute, value)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
