@@ -72,9 +72,13 @@ def trainer_step(kind, stack, steps=12):
     )  # fmt: skip
     opt = phalanx.optim.AdamW(stack.parameters(), lr=1e-4)
     if kind == "phalanx":
-        trainer = PhalanxTrainer(model=stack, args=args, train_dataset=Tokens(), optimizers=(opt, None))
+        trainer = PhalanxTrainer(
+            model=stack, args=args, train_dataset=Tokens(), optimizers=(opt, None)
+        )
     else:
-        trainer = transformers.Trainer(model=Summed(stack), args=args, train_dataset=Tokens(), optimizers=(opt, None))
+        trainer = transformers.Trainer(
+            model=Summed(stack), args=args, train_dataset=Tokens(), optimizers=(opt, None)
+        )
     trainer.add_callback(clock)
     trainer.train()
     diffs = [b - a for a, b in zip(clock.times[2:], clock.times[3:])]  # after warm-up
@@ -126,14 +130,23 @@ def ratio(run):
 
 
 def main():
-    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, use_cache=False)
+    config = transformers.GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, use_cache=False
+    )
     torch.manual_seed(0)
     gpt2 = phalanx.stack([transformers.GPT2LMHeadModel(config) for _ in range(N)])
-    mlp = phalanx.stack(lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), num_members=N, seed=0)
+    mlp = phalanx.stack(
+        lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)),
+        num_members=N,
+        seed=0,
+    )
     x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
     rows = [
         ("Trainer (8 GPT-2s, 2 layers, batch 8x32)", ratio(lambda k: trainer_step(k, gpt2))),
-        ("accelerate (8 MLPs 64-256-10, batch 128)", ratio(lambda k: accelerate_step(k, mlp, x, y))),
+        (
+            "accelerate (8 MLPs 64-256-10, batch 128)",
+            ratio(lambda k: accelerate_step(k, mlp, x, y)),
+        ),
         ("MemberGradScaler vs GradScaler (same, bf16)", ratio(lambda k: scaler_step(k, mlp, x, y))),
     ]
     print(f"{'integration':46} {'phalanx ms':>10} {'plain ms':>9} {'ratio':>6}")
