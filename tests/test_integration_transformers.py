@@ -224,3 +224,33 @@ def test_what_would_couple_the_members_is_refused_naming_the_fix(tmp_path):
         ValueError, match=r"loss must be the per-member losses, shape \(3,\).*got \(\)"
     ):
         trainer.train()
+
+
+def test_a_resumed_run_restores_which_members_stopped(tmp_path):
+    def trainer(out, steps, stopper):
+        stack = phalanx.stack(gpt2s(), backend="loop")
+        opt = phalanx.optim.AdamW(stack.parameters(), lr=[1e-3, 3.0, 1e-3])  # member 1 diverges
+        args = _args(
+            out,
+            max_steps=steps,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_strategy="steps",
+            save_steps=6,
+        )
+        return stack, PhalanxTrainer(
+            model=stack, args=args, train_dataset=Ids(), eval_dataset=Ids(), optimizers=(opt, None),
+            callbacks=[stopper],
+        )  # fmt: skip
+
+    _, first = trainer(tmp_path / "a", 6, MemberEarlyStopping(patience=1))
+    first.train()
+    assert first.member_mask().tolist() == [True, False, True]
+    stack, resumed = trainer(tmp_path / "b", 8, MemberEarlyStopping(patience=1))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-6"))
+    assert resumed.member_mask().tolist() == [True, False, True]  # restored, not re-learned
+    loaded = phalanx.stack(gpt2s(), backend="loop")
+    phalanx.load(tmp_path / "a" / "checkpoint-6" / "phalanx.safetensors", loaded)
+    # steps 7 and 8 moved members 0 and 2 on from the checkpoint and left member 1 there
+    assert all(torch.equal(p[1], q[1]) for p, q in zip(stack.parameters(), loaded.parameters()))
+    assert not all(torch.equal(p[0], q[0]) for p, q in zip(stack.parameters(), loaded.parameters()))

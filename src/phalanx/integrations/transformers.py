@@ -28,12 +28,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import transformers
 from torch import Tensor, nn
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_utils import EvalPrediction
 from transformers.utils.generic import can_return_loss, find_labels
 
@@ -41,6 +39,7 @@ from phalanx.checkpoint._single import load, save
 from phalanx.core._stack import Stack
 from phalanx.optim import SGD, AdamW, MemberOptimizer
 
+from ._member_callbacks import MemberEarlyStopping, per_member_metrics, tree_map
 from ._stacks import STACK_FILE, member_axis_first, num_members, save_members, stacks_in
 from .accelerate import PhalanxAccelerator
 
@@ -48,96 +47,6 @@ __all__ = ["MemberEarlyStopping", "PhalanxTrainer"]
 
 _WHERE = "phalanx.integrations.transformers.PhalanxTrainer"
 _ADAMW = {"adamw_torch", "adamw_torch_fused"}
-
-
-class MemberEarlyStopping(TrainerCallback, ExportableState):
-    """Early stopping per member: member i stops when its own metric has not improved for
-    ``patience`` evaluations; training ends when every member has stopped.
-
-    A stopped member keeps its weights and optimizer state (the phalanx optimizer's step
-    mask), the others train on. Its state is saved in Trainer checkpoints and restored on
-    resume.
-
-    Args:
-        patience: evaluations without improvement before a member stops.
-        metric: the evaluation metric, read per member as ``f"{metric}/member_{i}"``.
-        greater_is_better: whether a larger metric is better (accuracy) or a smaller one
-            (loss, the default).
-        threshold: the least change that counts as an improvement.
-
-    Attributes:
-        stopped: one bool per member (a list).
-    """
-
-    def __init__(
-        self,
-        patience: int = 1,
-        metric: str = "eval_loss",
-        greater_is_better: bool = False,
-        threshold: float = 0.0,
-    ) -> None:
-        self.patience = patience
-        self.metric = metric
-        self.greater_is_better = greater_is_better
-        self.threshold = threshold
-        self.best: list[float | None] = []
-        self.wait: list[int] = []
-        self.stopped: list[bool] = []
-
-    def mask(self, n: int) -> Tensor:
-        """(N,) bool: the members still training."""
-        return (
-            ~torch.tensor(self.stopped, dtype=torch.bool)
-            if self.stopped
-            else torch.ones(n, dtype=torch.bool)
-        )
-
-    def on_evaluate(
-        self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any
-    ) -> None:
-        metric = self.metric if self.metric.startswith("eval_") else f"eval_{self.metric}"
-        keys = sorted(
-            (k for k in (metrics or {}) if k.startswith(f"{metric}/member_")),
-            key=lambda k: int(k.rsplit("_", 1)[1]),
-        )
-        if not keys:
-            raise ValueError(
-                f"phalanx.integrations.transformers.MemberEarlyStopping: the evaluation logged no "
-                f"{metric!r} per member ('{metric}/member_0', ...); it logged "
-                f"{sorted(metrics or {})}. Name a metric the trainer logs, e.g. 'eval_loss', "
-                f"or a key compute_metrics returns."
-            )
-        n = len(keys)
-        if not self.stopped:
-            self.best, self.wait, self.stopped = [None] * n, [0] * n, [False] * n
-        for i, key in enumerate(keys):
-            if self.stopped[i]:
-                continue
-            value = float(metrics[key])
-            best = self.best[i]
-            better = best is None or (
-                value > best + self.threshold
-                if self.greater_is_better
-                else value < best - self.threshold
-            )
-            if better:
-                self.best[i], self.wait[i] = value, 0
-            else:
-                self.wait[i] += 1
-                self.stopped[i] = self.wait[i] >= self.patience
-        if all(self.stopped):
-            control.should_training_stop = True
-
-    def state(self) -> dict[str, Any]:
-        return {
-            "args": {
-                "patience": self.patience,
-                "metric": self.metric,
-                "greater_is_better": self.greater_is_better,
-                "threshold": self.threshold,
-            },
-            "attributes": {"best": self.best, "wait": self.wait, "stopped": self.stopped},
-        }
 
 
 class PhalanxTrainer(transformers.Trainer):
@@ -180,9 +89,7 @@ class PhalanxTrainer(transformers.Trainer):
                 "label_smoothing=...) and return it as the output's loss."
             )
         self._user_metrics = compute_metrics
-        wrapped = (
-            _per_member_metrics(compute_metrics, self.num_members) if compute_metrics else None
-        )
+        wrapped = per_member_metrics(compute_metrics, self.num_members) if compute_metrics else None
         super().__init__(model, args, compute_metrics=wrapped, **kwargs)
         self._refuse_coupling()
         if isinstance(model, Stack):  # read the members' forward, as the Trainer reads a model's
@@ -409,7 +316,7 @@ class PhalanxTrainer(transformers.Trainer):
             self._eval_loss_sum += self._last_losses.double().cpu() * batch
             self._eval_count += batch
         n = self.num_members
-        logits = _tree_map(lambda t: t.movedim(0, 1) if member_axis_first(t, n) else t, logits)
+        logits = tree_map(lambda t: t.movedim(0, 1) if member_axis_first(t, n) else t, logits)
         return loss, logits, labels
 
     def evaluation_loop(
@@ -458,6 +365,23 @@ class PhalanxTrainer(transformers.Trainer):
                 f"checkpoint a PhalanxTrainer wrote."
             )
         load(path, self.accelerator.unwrap_model(model if model is not None else self.model))
+        self._restore_stopped_members(resume_from_checkpoint)
+
+    def _restore_stopped_members(self, checkpoint: str) -> None:
+        """Which members stopped, from the checkpoint, whatever
+        ``restore_callback_states_from_checkpoint`` says: a stopped member must stay masked."""
+        state_file = os.path.join(checkpoint, transformers.trainer.TRAINER_STATE_NAME)
+        if not os.path.isfile(state_file):
+            return
+        saved = transformers.TrainerState.load_from_json(state_file).stateful_callbacks
+        data = saved.get(MemberEarlyStopping.__name__, [])
+        data = data if isinstance(data, list) else [data]
+        stoppers = [
+            c for c in self.callback_handler.callbacks if isinstance(c, MemberEarlyStopping)
+        ]
+        for stopper, entry in zip(stoppers, data):
+            for attribute, value in entry.get("attributes", {}).items():
+                setattr(stopper, attribute, value)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -476,39 +400,3 @@ def _takes_use_cache(model: nn.Module) -> bool:
         if config is not None and hasattr(config, "use_cache"):
             return stack is model  # a wrapper passes only what its forward takes
     return False
-
-
-def _tree_map(fn: Callable[[Any], Any], value: Any) -> Any:
-    if isinstance(value, tuple | list):
-        return type(value)(_tree_map(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _tree_map(fn, v) for k, v in value.items()}
-    return fn(value)
-
-
-def _per_member_metrics(
-    compute_metrics: Callable[[EvalPrediction], dict[str, float]], n: int
-) -> Callable[[EvalPrediction], dict[str, float]]:
-    """``compute_metrics`` called on each member's predictions, keys ``{name}/member_i``."""
-
-    def per_member(prediction: EvalPrediction) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for i in range(n):
-
-            def pick(a: Any, i: int = i) -> Any:
-                return (
-                    a[:, i]
-                    if isinstance(a, np.ndarray | Tensor) and a.ndim > 1 and a.shape[1] == n
-                    else a
-                )
-
-            own = EvalPrediction(
-                predictions=_tree_map(pick, prediction.predictions),
-                label_ids=prediction.label_ids,
-                inputs=prediction.inputs,
-            )
-            for key, value in compute_metrics(own).items():
-                out[f"{key}/member_{i}"] = value
-        return out
-
-    return per_member

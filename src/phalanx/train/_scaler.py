@@ -174,10 +174,13 @@ class MemberGradScaler:
         state = self._state(optimizer)
         if not state["unscaled"]:
             self.unscale_(optimizer)
+        self.last_skipped = state["found_inf"].clone()
+        if mask is None and not bool(self.last_skipped.any()):
+            # one host sync, as torch's GradScaler has; the unmasked step is the cheaper one
+            return optimizer.step(closure)
         active = ~state["found_inf"]
         if mask is not None:
             active = active & torch.as_tensor(mask, dtype=torch.bool, device=active.device)
-        self.last_skipped = state["found_inf"].clone()
         return optimizer.step(closure, mask=active)
 
     def update(self, new_scale: float | Tensor | None = None) -> None:

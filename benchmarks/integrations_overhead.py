@@ -1,0 +1,158 @@
+"""Per-step overhead of phalanx's integrations against each tool's plain loop, in one process.
+
+Each pair runs the same stack on the same inputs, interleaved (A B A B ...), one thread; a
+step's time is the median over steps. The plain loops are what a user writes without the
+integration (and which couple the members: one joint clip, one shared scale):
+
+- Trainer: PhalanxTrainer against transformers.Trainer on a wrapper returning the summed loss
+  (max_grad_norm=1.0 both, phalanx AdamW both), GPT-2s of 2 layers, 8 members;
+- accelerate: PhalanxAccelerator against accelerate.Accelerator, backward + clip_grad_norm_ +
+  step of an 8-member MLP stack;
+- scaler: phalanx.MemberGradScaler against torch.amp.GradScaler (scale, step, update), the
+  same MLP stack under CPU bfloat16 autocast.
+
+Run: flock /tmp/bench.lock env OMP_NUM_THREADS=1 python benchmarks/integrations_overhead.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+import warnings
+
+import accelerate
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from torch.utils.data import Dataset
+
+import phalanx
+from phalanx.integrations.accelerate import PhalanxAccelerator
+from phalanx.integrations.transformers import PhalanxTrainer
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore")
+transformers.utils.logging.set_verbosity_error()
+N, ROUNDS = 8, 3
+
+
+class Tokens(Dataset):
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+class Summed(nn.Module):
+    def __init__(self, stack):
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, input_ids, labels):
+        return {"loss": self.stack(input_ids, labels=labels, use_cache=False).loss.sum()}
+
+
+class Clock(transformers.TrainerCallback):
+    def __init__(self):
+        self.times = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter())
+
+
+def trainer_step(kind, stack, steps=12):
+    clock = Clock()
+    args = transformers.TrainingArguments(
+        tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=8, report_to=[],
+        use_cpu=True, disable_tqdm=True, save_strategy="no", logging_steps=4,
+    )  # fmt: skip
+    opt = phalanx.optim.AdamW(stack.parameters(), lr=1e-4)
+    if kind == "phalanx":
+        trainer = PhalanxTrainer(
+            model=stack, args=args, train_dataset=Tokens(), optimizers=(opt, None)
+        )
+    else:
+        trainer = transformers.Trainer(
+            model=Summed(stack), args=args, train_dataset=Tokens(), optimizers=(opt, None)
+        )
+    trainer.add_callback(clock)
+    trainer.train()
+    diffs = [b - a for a, b in zip(clock.times[2:], clock.times[3:])]  # after warm-up
+    return statistics.median(diffs)
+
+
+def accelerate_step(kind, stack, x, y, steps=60):
+    acc = PhalanxAccelerator(cpu=True) if kind == "phalanx" else accelerate.Accelerator(cpu=True)
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-3)
+    model, opt = acc.prepare(stack, opt)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        losses = phalanx.member_losses(F.cross_entropy, model(x), y)
+        acc.backward(losses if kind == "phalanx" else losses.sum())
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[5:])
+
+
+def scaler_step(kind, stack, x, y, steps=60):
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-3)
+    if kind == "phalanx":
+        scaler = phalanx.MemberGradScaler(N, device="cpu")
+    else:
+        scaler = torch.amp.GradScaler("cpu")
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = stack(x)
+        losses = phalanx.member_losses(F.cross_entropy, out.float(), y)
+        scaler.scale(losses if kind == "phalanx" else losses.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[5:])
+
+
+def ratio(run):
+    ours, plain = [], []
+    for _ in range(ROUNDS):
+        ours.append(run("phalanx"))
+        plain.append(run("plain"))
+    return statistics.median(ours), statistics.median(plain)
+
+
+def main():
+    config = transformers.GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, use_cache=False
+    )
+    torch.manual_seed(0)
+    gpt2 = phalanx.stack([transformers.GPT2LMHeadModel(config) for _ in range(N)])
+    mlp = phalanx.stack(
+        lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)),
+        num_members=N,
+        seed=0,
+    )
+    x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
+    rows = [
+        ("Trainer (8 GPT-2s, 2 layers, batch 8x32)", ratio(lambda k: trainer_step(k, gpt2))),
+        (
+            "accelerate (8 MLPs 64-256-10, batch 128)",
+            ratio(lambda k: accelerate_step(k, mlp, x, y)),
+        ),
+        ("MemberGradScaler vs GradScaler (same, bf16)", ratio(lambda k: scaler_step(k, mlp, x, y))),
+    ]
+    print(f"{'integration':46} {'phalanx ms':>10} {'plain ms':>9} {'ratio':>6}")
+    for name, (ours, plain) in rows:
+        print(f"{name:46} {ours * 1e3:10.2f} {plain * 1e3:9.2f} {ours / plain:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
