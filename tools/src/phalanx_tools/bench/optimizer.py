@@ -6,6 +6,7 @@ the same values and the same gradients:
 - ``embedding``: 16 members of a (95812, 64) embedding table (an optimizer-bound step: 392 MB
   per stacked tensor).
 - ``W4``: W4's MLP (784-256-256-10), 32 members.
+- ``W2``: W2's MLP (10-20-2), 8 members (a step of launches; ``--workloads W2``).
 
 For Adam and SGD (momentum 0.9), side by side in one process, contenders interleaved round
 by round (``timing.interleaved``): torch's fused kernel over the loop's tensors (one
@@ -33,6 +34,7 @@ from phalanx_tools.bench.timing import interleaved
 WORKLOADS: dict[str, tuple[int, list[tuple[int, ...]]]] = {
     "embedding": (16, [(95812, 64)]),
     "W4": (32, [(256, 784), (256,), (256, 256), (256,), (10, 256), (10,)]),
+    "W2": (8, [(20, 10), (20,), (2, 20), (2,)]),  # tiny: Python per tensor, not arithmetic
 }
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "Adam": {"lr": 1e-3},
@@ -135,7 +137,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="phalanx bench --optimizer")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default="embedding,W4")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--threads", type=int)
     parser.add_argument("--quick", action="store_true")
