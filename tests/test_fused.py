@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 
 import pytest
 import torch
@@ -62,6 +63,17 @@ def _random_slopes(module: nn.Module) -> nn.Module:
     return module
 
 
+def _random_affine(module: nn.Module) -> nn.Module:
+    """GroupNorm starts every member at weight 1, bias 0; different ones show if members'
+    channels were mixed."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.GroupNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_()
+    return module
+
+
 LAYERS = [
     Arch("linear_no_bias", lambda: _seq(nn.Linear(6, 5, bias=False), nn.Tanh()),
          lambda b: (torch.randn(b, 6),)),
@@ -99,6 +111,9 @@ LAYERS = [
     Arch("prelu_per_channel_and_shared", lambda: _random_slopes(_seq(
         nn.Conv1d(2, 3, 2), nn.PReLU(3), nn.Flatten(), nn.Linear(9, 4), nn.PReLU())),
         lambda b: (torch.randn(b, 2, 4),)),
+    Arch("conv2d_groupnorm_two_channels_a_group", lambda: _random_affine(_seq(
+        nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.SiLU())),
+        lambda b: (torch.randn(b, 3, 6, 5),)),
 ]  # fmt: skip
 
 CASES = [
@@ -559,3 +574,50 @@ def test_torch_compile_of_a_vmapped_model_gives_the_loops_results(backend):
     expected.sum().backward()
     for p, q in zip(stack.parameters(), loop.parameters()):
         assert_close(p.grad, q.grad)
+
+
+class GroupNormOf(nn.Module):
+    """``F.group_norm`` on what a member's forward hands it: a transposed (strided) input, or
+    a ``num_groups`` that does not divide the channels."""
+
+    def __init__(self, channels: int, groups: int, transpose: bool = False) -> None:
+        super().__init__()
+        self.groups, self.transpose = groups, transpose
+        self.weight = nn.Parameter(torch.rand(channels) + 0.5)
+        self.bias = nn.Parameter(torch.randn(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transpose:
+            x = x.transpose(-1, -2)
+        return torch.nn.functional.group_norm(x, self.groups, self.weight, self.bias)
+
+
+def test_group_norm_runs_through_its_speed_rule(monkeypatch):
+    from phalanx.backends import rules
+
+    route = rules.SPEED[torch.nn.functional.group_norm]
+    calls = []
+    monkeypatch.setitem(
+        rules.SPEED,
+        torch.nn.functional.group_norm,
+        lambda args, kwargs: calls.append(1) or route(args, kwargs),
+    )
+    check_forward_and_gradients("fused", LAYERS[-1], "per_member", 3, True)
+    assert calls
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_group_norm_of_a_strided_input_runs_per_member_exactly(mode):
+    arch = Arch("groupnorm_transposed", lambda: GroupNormOf(6, 3, transpose=True),
+                lambda b: (torch.randn(b, 5, 6),))  # fmt: skip
+    check_forward_and_gradients("fused", arch, mode, 3, True)
+
+
+def test_group_norm_raises_what_a_member_alone_raises():
+    members = [GroupNormOf(6, 4) for _ in range(3)]
+    x = torch.randn(2, 6, 5)
+    with pytest.raises(RuntimeError) as alone:
+        members[0](x)
+    stack = phalanx.stack(members, backend="fused")
+    with pytest.raises(RuntimeError, match=re.escape(str(alone.value))):
+        stack(x)

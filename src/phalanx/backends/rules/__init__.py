@@ -13,7 +13,7 @@ definition:
   ``one_hot``, every id checked per member (``_embedding``); BatchNorm with a member's
   arithmetic independent of N (``_norm``); ``grid_sample`` (``_sampling``).
 - speed (``fused`` only): Linear and bilinear (``_linear``), attention (``_attention``),
-  recurrent layers (``_recurrent``).
+  recurrent layers (``_recurrent``), GroupNorm (``_norm``).
 
 Every rule hands its outputs back member-first with each member's output laid out as the
 function's own (``member_first``): a member's code that branches on ``is_contiguous()`` or

@@ -8,6 +8,11 @@ tail that rounds differently. Here each channel of each member is one contiguous
 ``(1, N * C, B * S)`` (S: the spatial size), which the kernel reduces and normalises channel
 by channel: the same arithmetic for member i whatever N is, so a member kept in a smaller
 stack (successive halving, PBT) continues bit for bit.
+
+GroupNorm (``fused`` only): torch.func's rule is one call over ``(N * B, C)`` without the
+affine, then the members' weights and biases applied by separate ops. Here every member's
+channels are one ``(B, N * C)`` input with ``N * num_groups`` groups, the weight and bias
+applied in the kernel as for the member alone.
 """
 
 from __future__ import annotations
@@ -90,3 +95,43 @@ def _batch_norm(n: int, dims: Dims, x, mean, var, w, b, training, momentum, eps)
     )
     y = _ContiguousGrad.apply(y)
     return member_first(y.view(n, c, batch, *sp).movedim(1, 2), 0, n), 0
+
+
+_GN_NAMES = ("input", "num_groups", "weight", "bias", "eps")
+_GN_DEFAULTS = {"weight": None, "bias": None, "eps": 1e-5}
+
+
+@batch_rule(F.group_norm, _GN_NAMES, _GN_DEFAULTS, table="speed")
+def _group_norm(n: int, dims: Dims, x, num_groups, w, b, eps):
+    """GroupNorm of every member in one call: member i's C channels become channels
+    ``i*C .. (i+1)*C`` of one ``(B, N * C, *sp)`` input with ``N * num_groups`` groups, so each
+    group is the member's own group, one contiguous run, normalised and scaled by the
+    member's own weight and bias in the kernel (the arithmetic of the member alone)."""
+    xs = first(x, dims[0], n)  # (N, B, C, *sp)
+    params = [first(t, d, n) for t, d in zip((w, b), dims[2:4])]  # (N, C) | None
+    if (
+        not isinstance(num_groups, int)
+        or num_groups <= 0
+        or xs.dim() < 3
+        or xs.shape[2] % num_groups != 0  # the member raises its own error
+        or xs.shape[1] == 0
+        # a member's strided or channels-last input takes another path of the kernel
+        or not xs[0].is_contiguous()
+        or any(
+            p is not None
+            and (p.shape[1:] != (xs.shape[2],) or p.dtype != xs.dtype or p.device != xs.device)
+            for p in params
+        )
+    ):
+        return per_member(n, dims, F.group_norm, x, num_groups, w, b, eps)
+    batch, c, sp = xs.shape[1], xs.shape[2], xs.shape[3:]
+    channels = xs.movedim(0, 1).reshape(batch, n * c, *sp).contiguous()
+    y = F.group_norm(
+        channels,
+        n * num_groups,
+        None if params[0] is None else params[0].reshape(n * c),
+        None if params[1] is None else params[1].reshape(n * c),
+        eps,
+    )
+    y = _ContiguousGrad.apply(y)
+    return member_first(y.view(batch, n, c, *sp), 1, n), 0
