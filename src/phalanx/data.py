@@ -4,7 +4,7 @@ Randomness is a counter-based hash of (seed, stream, epoch, global member index,
 index) computed with integer tensor ops, not a stateful generator. So
 
 - a member's order depends only on the seed and its global member index: N members split
-  over several processes (`first_member=`) see exactly what they would in one process;
+  over several processes (``first_member=``) see exactly what they would in one process;
 - the whole (N, n) epoch is drawn at once, with no Python loop over members or batches;
 - results are the same on every device and every run.
 """
@@ -74,7 +74,7 @@ def _keys(seed: int, stream: int, epoch: int, members: Tensor, n: int) -> Tensor
 
 
 def _gather(t: Tensor, index: Tensor) -> Tensor:
-    """`t[index]` for an (N, B) index: (N, B, ...). index_select copies the same values and
+    """``t[index]`` for an (N, B) index: (N, B, ...). index_select copies the same values and
     is several times faster than advanced indexing on a CPU (330 -> 83 us for 64 x 32 rows of
     64 floats)."""
     flat = t.index_select(0, index.reshape(-1).to(t.device))
@@ -84,11 +84,11 @@ def _gather(t: Tensor, index: Tensor) -> Tensor:
 class MemberLoader:
     """Minibatches for N members from one data set, in a separate order for each member.
 
-    Each epoch, member i walks through the n samples in its own random order (`shuffle`),
+    Each epoch, member i walks through the n samples in its own random order (``shuffle``),
     or through its own bootstrap resample: n draws with replacement, made once and kept
     for all epochs (a bootstrapped ensemble trains each member on one resample), walked in
-    a fresh order each epoch when `shuffle`. Batch j holds, for every member, the samples at
-    positions `j * batch_size ...` of that member's order, gathered with one index per
+    a fresh order each epoch when ``shuffle``. Batch j holds, for every member, the samples at
+    positions ``j * batch_size ...`` of that member's order, gathered with one index per
     tensor: no Python loop over members.
 
     Args:
@@ -99,8 +99,8 @@ class MemberLoader:
         shuffle: a fresh random order per member each epoch; False walks 0..n-1.
         bootstrap: resample n samples with replacement per member (once, for all epochs).
         drop_last: drop each epoch's last batch if it has fewer than B samples.
-        generator: draws the seed when `seed` is None (default: torch's global generator,
-            so `torch.manual_seed` makes the loader deterministic).
+        generator: draws the seed when ``seed`` is None (default: torch's global generator,
+            so ``torch.manual_seed`` makes the loader deterministic).
         seed: the seed of all randomness; give the same seed on every process.
         first_member: the global index of this loader's member 0. When members are split
             over processes, give each process its first global member index; member i then
@@ -108,7 +108,7 @@ class MemberLoader:
 
     Yields:
         Tuples with one (N, B, ...) tensor per input tensor (the last batch of an epoch may
-        be smaller unless `drop_last`).
+        be smaller unless ``drop_last``).
 
     Example:
         >>> X, Y = torch.randn(100, 3), torch.randint(0, 2, (100,))
@@ -180,14 +180,14 @@ class MemberLoader:
     def from_dataset(
         cls, dataset: Dataset[Any], *, num_members: int, batch_size: int, **kwargs: Any
     ) -> MemberLoader:
-        """A loader over a whole `torch.utils.data.Dataset`, read once into tensors.
+        """A loader over a whole ``torch.utils.data.Dataset``, read once into tensors.
 
-        Every item is read and collated with `default_collate`, so items may be tensors,
+        Every item is read and collated with ``default_collate``, so items may be tensors,
         numbers, NumPy arrays, or tuples of them. Use it for data sets that fit in memory.
 
         Args:
-            dataset: a map-style data set with `__len__`.
-            num_members, batch_size, **kwargs: as for `MemberLoader`.
+            dataset: a map-style data set with ``__len__``.
+            num_members, batch_size, **kwargs: as for ``MemberLoader``.
 
         Raises:
             TypeError: the items collate to something other than a tensor or a tuple of them.
@@ -212,7 +212,7 @@ class MemberLoader:
         return math.ceil(self.num_samples / self.batch_size)
 
     def order(self, epoch: int) -> Tensor:
-        """(N, n) int64: the sample index each member sees at each position of `epoch`."""
+        """(N, n) int64: the sample index each member sees at each position of ``epoch``."""
         n = self.num_samples
         if self.shuffle:
             keys = _keys(self.seed, _STREAM_ORDER, epoch, self._members, n)
@@ -243,18 +243,18 @@ class MemberLoader:
     def streams(self) -> Tensor:
         """(N,) int64: the global member index whose data stream each member reads.
 
-        Member i reads stream `first_member + i` until member surgery changes it: the order
+        Member i reads stream ``first_member + i`` until member surgery changes it: the order
         and bootstrap resample of a stream depend only on the seed and this number.
         """
         return self._members.clone()
 
     def set_streams(self, members: Any, streams: Any) -> None:
-        """Makes `members` read the data streams `streams` from the next batch on.
+        """Makes ``members`` read the data streams ``streams`` from the next batch on.
 
         Args:
             members: member indices (or an (N,) bool mask).
             streams: one global stream index (a non-negative int) per chosen member, e.g.
-                another member's entry of `streams`.
+                another member's entry of ``streams``.
 
         Raises:
             ValueError: a different number of streams than members, or a negative stream.
@@ -275,7 +275,7 @@ class MemberLoader:
     def copy_members(self, source: Any, target: Any) -> None:
         """Makes each target member read its source member's data stream from now on.
 
-        After `copy_members([i], [j])`, member j's next batches equal member i's: with its
+        After ``copy_members([i], [j])``, member j's next batches equal member i's: with its
         weights and optimizer state copied too, member j then steps exactly as member i.
 
         Raises:
@@ -286,7 +286,7 @@ class MemberLoader:
         self.set_streams(dst, self._members[src.to(self._members.device)])
 
     def keep_members(self, members: Any) -> None:
-        """Keeps only `members`, in that order; each goes on reading its own data stream.
+        """Keeps only ``members``, in that order; each goes on reading its own data stream.
 
         Raises:
             ValueError: no member kept.
@@ -315,7 +315,7 @@ class MemberLoader:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resumes at the position saved by `state_dict`: the next batch is the one due then.
+        """Resumes at the position saved by ``state_dict``: the next batch is the one due then.
 
         Raises:
             ValueError: the saved loader had another number of members, samples, batch size
@@ -413,41 +413,41 @@ class _Collate:
 
 
 class MemberDataLoader:
-    """Per-member minibatches read through `torch.utils.data.DataLoader`.
+    """Per-member minibatches read through ``torch.utils.data.DataLoader``.
 
-    The pipeline of `MemberLoader` for data that is read lazily or augmented: each member
+    The pipeline of ``MemberLoader`` for data that is read lazily or augmented: each member
     walks the data set in its own order (or its own bootstrap resample), exactly the order
-    `MemberLoader` gives it for the same seed, and each sample can be augmented by
-    `transform(item, generator)` with a generator seeded from (seed, member stream, epoch,
+    ``MemberLoader`` gives it for the same seed, and each sample can be augmented by
+    ``transform(item, generator)`` with a generator seeded from (seed, member stream, epoch,
     position): every member its own reproducible random crops and flips, the same with any
     number of workers, and resumable mid-epoch. Items are read by the DataLoader's workers
-    (`num_workers`, `pin_memory`, `prefetch_factor`...), collated with `collate_fn`
-    (default `default_collate`) per member and stacked to `(N, B, ...)`.
+    (``num_workers``, ``pin_memory``, ``prefetch_factor``...), collated with ``collate_fn``
+    (default ``default_collate``) per member and stacked to ``(N, B, ...)``.
 
-    A per-member batch size (`batch_size=[b_0, ..., b_{N-1}]`) gives member i batches of
-    b_i samples, padded with zeros to `B = max(b)`; each batch then ends with `weights`,
+    A per-member batch size (``batch_size=[b_0, ..., b_{N-1}]``) gives member i batches of
+    b_i samples, padded with zeros to ``B = max(b)``; each batch then ends with ``weights``,
     (N, B): 1 / b_i on member i's real samples and 0 on padding, so
-    `(per_sample_loss * weights).sum(1)` is each member's own mean. Member i's k-th batch is
+    ``(per_sample_loss * weights).sum(1)`` is each member's own mean. Member i's k-th batch is
     the k-th batch a one-member loader with batch size b_i gives it: an epoch of this loader is
-    the `max_i ceil(n / b_i)` steps of the member with the most, and members with bigger
+    the ``max_i ceil(n / b_i)`` steps of the member with the most, and members with bigger
     batches go on into their next epochs.
 
-    An `IterableDataset` (streaming) is read once per epoch in its own order by every member
+    An ``IterableDataset`` (streaming) is read once per epoch in its own order by every member
     (no shuffle, no bootstrap, one batch size); each member still augments with its own
     stream. Resuming mid-epoch re-reads the stream up to the saved position (the stream must
     give the same samples each epoch, and with workers shard itself by
-    `torch.utils.data.get_worker_info()`).
+    ``torch.utils.data.get_worker_info()``).
 
     Args:
-        dataset: a map-style `Dataset` (with `__len__`) or an `IterableDataset`.
+        dataset: a map-style ``Dataset`` (with ``__len__``) or an ``IterableDataset``.
         num_members: N.
         batch_size: samples per member per batch: one int, or one per member.
-        shuffle, bootstrap, drop_last, seed, generator, first_member: as for `MemberLoader`.
-        transform: `transform(item, generator) -> item`, run on each sample a member reads
-            (in the workers), with that sample's own `torch.Generator`.
-        collate_fn: collates one member's items (default `default_collate`).
-        **dataloader_kwargs: passed to `torch.utils.data.DataLoader` (`num_workers`,
-            `pin_memory`, `prefetch_factor`, `multiprocessing_context`, ...).
+        shuffle, bootstrap, drop_last, seed, generator, first_member: as for ``MemberLoader``.
+        transform: ``transform(item, generator) -> item``, run on each sample a member reads
+            (in the workers), with that sample's own ``torch.Generator``.
+        collate_fn: collates one member's items (default ``default_collate``).
+        **dataloader_kwargs: passed to ``torch.utils.data.DataLoader`` (``num_workers``,
+            ``pin_memory``, ``prefetch_factor``, ``multiprocessing_context``, ...).
 
     Yields:
         Tuples of (N, B, ...) tensors, one per field of the items, and with per-member batch
@@ -547,7 +547,7 @@ class MemberDataLoader:
         return max(self._member_len(b) for b in self.sizes)
 
     def _steps(self, epoch: int, start: int) -> Iterator[list[tuple[int, int, int]]]:
-        """The keys of each step of `epoch` from batch `start` on (map-style data)."""
+        """The keys of each step of ``epoch`` from batch ``start`` on (map-style data)."""
         steps = len(self)
         cache: dict[int, Tensor] = {}
         streams = self._members.tolist()
@@ -647,7 +647,7 @@ class MemberDataLoader:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resumes at the position saved by `state_dict`: the next batch is the one due then.
+        """Resumes at the position saved by ``state_dict``: the next batch is the one due then.
 
         Raises:
             ValueError: the saved loader had another number of members, batch sizes or first
