@@ -132,7 +132,7 @@ def _forward(
 
 class _MLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, shared: bool, spec: tuple, *params: torch.Tensor):
+    def forward(ctx: Any, x: torch.Tensor, shared: bool, spec: tuple, *params: torch.Tensor) -> Any:
         outs: list[torch.Tensor] = []  # each layer's output, after its activations
         h = _forward(x, shared, spec, params, keep=outs)
         ctx.shared, ctx.spec = shared, spec
@@ -141,7 +141,7 @@ class _MLPFunction(torch.autograd.Function):
         return h
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         spec, shared = ctx.spec, ctx.shared
         saved = ctx.saved_tensors
         n_lin = len(ctx.has_bias)

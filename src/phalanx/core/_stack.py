@@ -32,7 +32,9 @@ _CHOICES = CHOICES
 InDims = int | None | Sequence[int | None]
 
 
-def _swap_in(module: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
+def _swap_in(
+    module: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+) -> Any:
     """Replaces ``module``'s parameters and buffers by name, keeping tied tensors tied."""
     by_id: dict[int, torch.Tensor] = {}
     for name, p in module.named_parameters():

@@ -422,7 +422,7 @@ def _target_name(node: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
 
 
-def _linear(x, varying, name, width):
+def _linear(x: Any, varying: Any, name: Any, width: Any) -> Any:
     if 1 in varying:
         need = width(name, 1)
         if not isinstance(x, _Padded) or x.kind not in ("features", "flat"):
@@ -446,7 +446,7 @@ def _linear(x, varying, name, width):
     return None, None
 
 
-def _conv(m, x, varying, name, width):
+def _conv(m: Any, x: Any, varying: Any, name: Any, width: Any) -> Any:
     if any(d >= 2 for d in varying):
         return None, "its kernel sizes differ among the members"
     if varying and m.groups != 1:
@@ -461,7 +461,7 @@ def _conv(m, x, varying, name, width):
     return None, None
 
 
-def _batchnorm(m, x, own, varying, width):
+def _batchnorm(m: Any, x: Any, own: Any, varying: Any, width: Any) -> Any:
     ref = "weight" if "weight" in own else "running_mean" if "running_mean" in own else None
     if ref is None or not varying.get(ref):
         if x is not None:
@@ -478,7 +478,7 @@ def _batchnorm(m, x, own, varying, width):
     return x, None
 
 
-def _embedding(x, varying, name, width):
+def _embedding(x: Any, varying: Any, name: Any, width: Any) -> Any:
     if 0 in varying:
         return None, "its num_embeddings differ among the members"
     if x is not None:

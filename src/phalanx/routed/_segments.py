@@ -197,13 +197,23 @@ def _segment_differentiable(
 
 class _SegmentLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, w, b, seg, counts, offs, member_of, grouped):
+    def forward(
+        ctx: Any,
+        x: Any,
+        w: Any,
+        b: Any,
+        seg: Any,
+        counts: Any,
+        offs: Any,
+        member_of: Any,
+        grouped: Any,
+    ) -> Any:
         ctx.save_for_backward(x, w, b, offs, member_of)
         ctx.seg, ctx.counts, ctx.grouped = seg, counts, grouped
         return _segment_mm(x, w, b, seg, counts, offs, member_of, grouped)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         x, w, b, offs, member_of = ctx.saved_tensors
         seg, counts, grouped = ctx.seg, ctx.counts, ctx.grouped
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

@@ -25,6 +25,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
 
 
-def _population(data: Digits, args: argparse.Namespace):
+def _population(data: Digits, args: argparse.Namespace) -> Any:
     """The grid population: a stack, its SGD (per-member lr, isolation) and loader."""
     n, s = args.members, args.seeds
     lrs = torch.logspace(
@@ -81,7 +82,7 @@ def _step(stack: phalanx.Stack, opt: phalanx.optim.SGD, batch: tuple[Tensor, Ten
     opt.step(loss=losses)
 
 
-def _batches(loader: phalanx.data.MemberLoader):
+def _batches(loader: phalanx.data.MemberLoader) -> Any:
     while True:
         yield from loader
 
@@ -91,7 +92,7 @@ def _accuracy(stack: phalanx.Stack, x: Tensor, y: Tensor) -> Tensor:
         return phalanx.metrics.accuracy(stack(x), y)  # (N,)
 
 
-def _best(name, stack, opt, data, seconds, member_steps) -> Result:
+def _best(name: Any, stack: Any, opt: Any, data: Any, seconds: Any, member_steps: Any) -> Result:
     val = _accuracy(stack, data.x_val, data.y_val)
     i = int(population._pbt.ranking(val, "max")[0])
     test = float(_accuracy(stack, data.x_test, data.y_test)[i])
@@ -111,7 +112,7 @@ def _grid(data: Digits, args: argparse.Namespace, steps: int) -> Result:
     return _best("grid (fixed lr)", stack, opt, data, seconds, len(stack) * steps)
 
 
-def _pbt(data: Digits, args: argparse.Namespace, steps: int, interval: int):
+def _pbt(data: Digits, args: argparse.Namespace, steps: int, interval: int) -> Any:
     stack, opt, loader = _population(data, args)
     pbt = population.PBT(
         stack, opt, {"lr": population.LogUniform(args.lr_min, args.lr_max)},

@@ -21,7 +21,18 @@ _SDPA_DEFAULTS = {
 
 
 @batch_rule(F.scaled_dot_product_attention, _SDPA, _SDPA_DEFAULTS, table="speed")
-def _attention(n: int, dims: Dims, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):
+def _attention(
+    n: int,
+    dims: Dims,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    dropout_p: Any,
+    is_causal: Any,
+    scale: Any,
+    enable_gqa: Any,
+) -> Any:
     """The members merged into the first batch dim: attention is per (sample, head) anyway."""
     q, k, v = (first(t, d, n) for t, d in zip((q, k, v), dims[:3]))
     if q.dim() < 4:  # one member's (T, D): no batch dim of its own to merge into
@@ -66,7 +77,7 @@ def _float_mask(mask: Any, dtype: torch.dtype) -> Any:
 
 
 @batch_rule(F.multi_head_attention_forward, _MHA, _MHA_DEFAULTS, table="speed")
-def _mha(n: int, dims: Dims, *args):
+def _mha(n: int, dims: Dims, *args: Any) -> Any:
     """``F.multi_head_attention_forward`` (nn.MultiheadAttention, TransformerEncoderLayer):
     the projections as batched linears and the attention of all members as one call.
 

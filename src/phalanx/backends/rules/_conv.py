@@ -44,7 +44,7 @@ _CONVT_DEFAULTS = {
 
 
 def _conv(func: Callable[..., torch.Tensor], spatial: int, transposed: bool) -> BatchRule:
-    def rule(n: int, dims: Dims, x, w, *rest):
+    def rule(n: int, dims: Dims, x: Any, w: Any, *rest: Any) -> Any:
         if all(d is None for d in dims[1:]):  # shared weights: the batch folds into the input's
             xd = dims[0]
             xs = x.movedim(xd, 0)

@@ -7,6 +7,8 @@ raise ``IndexError`` as the module does, and keep ``padding_idx`` rows out of th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +43,9 @@ _EB_DEFAULTS = {
 }  # fmt: skip
 
 
-def _embedding_func(ids, w, padding_idx, max_norm, norm_type, scale, sparse):
+def _embedding_func(
+    ids: Any, w: Any, padding_idx: Any, max_norm: Any, norm_type: Any, scale: Any, sparse: Any
+) -> Any:
     return F.embedding(ids, w, padding_idx, max_norm, norm_type, scale, sparse)
 
 
@@ -65,7 +69,17 @@ def _clamped(ids: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 @batch_rule(F.embedding, _EMB_NAMES, _EMB_DEFAULTS, table="correctness", computes=_embedding_func)
-def _embedding(n: int, dims: Dims, ids, w, padding_idx, max_norm, norm_type, scale, sparse):
+def _embedding(
+    n: int,
+    dims: Dims,
+    ids: Any,
+    w: Any,
+    padding_idx: Any,
+    max_norm: Any,
+    norm_type: Any,
+    scale: Any,
+    sparse: Any,
+) -> Any:
     idd, wd = dims[0], dims[1]
     if wd is None:
         y = F.embedding(ids, w, padding_idx, max_norm, norm_type, scale, sparse)
@@ -103,7 +117,7 @@ _EMBEDDING_BAG = (
 
 
 @batch_rule(F.embedding_bag, _EMBEDDING_BAG, _EB_DEFAULTS, table="correctness")
-def _embedding_bag(n: int, dims: Dims, *args):
+def _embedding_bag(n: int, dims: Dims, *args: Any) -> Any:
     """Every member's bags in one call: ids offset into the members' tables side by side,
     after every id is checked against the member's own table (as the module raises)."""
     a, d = dict(zip(_EMBEDDING_BAG, args)), dict(zip(_EMBEDDING_BAG, dims))
@@ -168,7 +182,7 @@ def _bags_ok(offs: torch.Tensor, length: int) -> bool:
 
 
 @batch_rule(F.one_hot, ("input", "num_classes"), {"num_classes": -1}, table="correctness")
-def _one_hot(n: int, dims: Dims, x, num_classes):
+def _one_hot(n: int, dims: Dims, x: Any, num_classes: Any) -> Any:
     """Every member's classes checked against ``num_classes`` (torch.func's rule writes an
     all-zero row for a class out of range, where the member alone raises)."""
     ok = x.dtype == torch.int64 and num_classes >= 0

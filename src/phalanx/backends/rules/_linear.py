@@ -7,6 +7,8 @@ inputs one ``bmm`` whose weight gradient comes out in the stacked weight's own l
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,7 @@ from phalanx.backends.rules._registry import Dims, batch_rule, first, member_fir
 
 
 @batch_rule(F.linear, ("input", "weight", "bias"), {"bias": None}, table="speed")
-def _linear(n: int, dims: Dims, x, w, b=None):
+def _linear(n: int, dims: Dims, x: Any, w: Any, b: Any = None) -> Any:
     xd, wd, bd = dims
     if wd is None and bd is None:  # only the input is batched: its batch is one more dim
         return member_first(F.linear(x, w, b), xd, n), 0
@@ -31,7 +33,7 @@ def _linear(n: int, dims: Dims, x, w, b=None):
 
 
 @batch_rule(F.bilinear, ("input1", "input2", "weight", "bias"), {"bias": None}, table="speed")
-def _bilinear(n: int, dims: Dims, x1, x2, w, b=None):
+def _bilinear(n: int, dims: Dims, x1: Any, x2: Any, w: Any, b: Any = None) -> Any:
     if dims[2] is None and dims[3] is None:
         return per_member(n, dims, F.bilinear, x1, x2, w, b)
     a, c = first(x1, dims[0], n), first(x2, dims[1], n)  # (N, *, in1), (N, *, in2)

@@ -63,7 +63,18 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 @batch_rule(F.batch_norm, _BN_NAMES, _BN_DEFAULTS, table="correctness")
-def _batch_norm(n: int, dims: Dims, x, mean, var, w, b, training, momentum, eps):
+def _batch_norm(
+    n: int,
+    dims: Dims,
+    x: Any,
+    mean: Any,
+    var: Any,
+    w: Any,
+    b: Any,
+    training: Any,
+    momentum: Any,
+    eps: Any,
+) -> Any:
     xs = first(x, dims[0], n)  # (N, B, C, *sp)
     stats = [first(t, d, n) for t, d in zip((mean, var), dims[1:3])]  # (N, C) | None
     written = training and any(t is not None for t in stats)
@@ -80,7 +91,7 @@ def _batch_norm(n: int, dims: Dims, x, mean, var, w, b, training, momentum, eps)
     # kernel reduces in another order)
     channels = xs.movedim(2, 1).reshape(1, n * c, batch * math.prod(sp)).contiguous()
 
-    def flat(t, d):
+    def flat(t: Any, d: Any) -> Any:
         return None if t is None else first(t, d, n).reshape(n * c)
 
     y = F.batch_norm(
@@ -102,7 +113,7 @@ _GN_DEFAULTS = {"weight": None, "bias": None, "eps": 1e-5}
 
 
 @batch_rule(F.group_norm, _GN_NAMES, _GN_DEFAULTS, table="speed")
-def _group_norm(n: int, dims: Dims, x, num_groups, w, b, eps):
+def _group_norm(n: int, dims: Dims, x: Any, num_groups: Any, w: Any, b: Any, eps: Any) -> Any:
     """GroupNorm of every member in one call: member i's C channels become channels
     ``i*C .. (i+1)*C`` of one ``(B, N * C, *sp)`` input with ``N * num_groups`` groups, so each
     group is the member's own group, one contiguous run, normalised and scaled by the

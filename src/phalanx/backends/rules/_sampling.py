@@ -8,6 +8,8 @@ samples go through one call, each sample computed as alone.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
 
 from phalanx.backends.rules._registry import Dims, batch_rule, first, per_member
@@ -17,7 +19,9 @@ _DEFAULTS = {"mode": "bilinear", "padding_mode": "zeros", "align_corners": None}
 
 
 @batch_rule(F.grid_sample, _NAMES, _DEFAULTS, table="correctness")
-def _grid_sample(n: int, dims: Dims, x, grid, mode, padding_mode, align_corners):
+def _grid_sample(
+    n: int, dims: Dims, x: Any, grid: Any, mode: Any, padding_mode: Any, align_corners: Any
+) -> Any:
     xs, gs = first(x, dims[0], n), first(grid, dims[1], n)  # (N, B, C, *sp), (N, B, *out, k)
     if xs.dim() != gs.dim() or xs.dim() not in (5, 6) or xs.shape[1] != gs.shape[1]:
         return per_member(n, dims, F.grid_sample, x, grid, mode, padding_mode, align_corners)

@@ -18,7 +18,7 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -212,7 +212,7 @@ class TorchFuncRunner:
     def _member(self, params: dict, buffers: dict, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.base, (params, buffers), (x,))
 
-    def _member_loss(self, params: dict, buffers: dict, x: torch.Tensor, t: torch.Tensor):
+    def _member_loss(self, params: dict, buffers: dict, x: torch.Tensor, t: torch.Tensor) -> Any:
         return self.loss_fn(self._member(params, buffers, x), t)
 
     def forward(self) -> torch.Tensor:

@@ -370,7 +370,7 @@ class _FixedNoise(TorchFunctionMode):
     """``torch.randn_like(x)`` becomes ``cos(5 x)``: elementwise, so every backend and the
     loop draw the same "noise" whatever the batch layout, and the run is exact-comparable."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.randn_like:
             return torch.cos(5.0 * args[0].detach())
         return func(*args, **(kwargs or {}))
@@ -435,13 +435,13 @@ def _float_inputs(batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
     return Batch(tuple(args), batch.in_dims, batch.target, batch.target_dim), leaves
 
 
-def _loop_forward(members: Sequence[Callable[..., Any]], model: RealModel, batch: Batch):
+def _loop_forward(members: Sequence[Callable[..., Any]], model: RealModel, batch: Batch) -> Any:
     outs = [m(*batch.member_args(i)) for i, m in enumerate(members)]
     losses = torch.stack([model.loss(o, batch.member_target(i)) for i, o in enumerate(outs)])
     return pytree.tree_map(lambda *leaves: torch.stack(leaves), *outs), losses
 
 
-def _stack_forward(stack: phalanx.Stack, model: RealModel, batch: Batch):
+def _stack_forward(stack: phalanx.Stack, model: RealModel, batch: Batch) -> Any:
     out = stack(*batch.args, in_dims=batch.in_dims)
     return out, stack_losses(model, out, batch)
 
@@ -577,7 +577,7 @@ def check_against_loop(model: RealModel, backend: str, n: int, mode: Mode, *, ba
     return CheckReport(stack.backend, problems, notes)
 
 
-def _first_step_problems(got, f32, f64, data: Batch) -> list[str]:
+def _first_step_problems(got: Any, f32: Any, f64: Any, data: Batch) -> list[str]:
     (out, losses, xg), (out32, losses32, xg32), (out64, losses64, xg64) = got, f32, f64
     problems = []
     if len(out) != len(out32):
