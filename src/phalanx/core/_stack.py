@@ -28,7 +28,7 @@ from phalanx.core._validate import (
 from phalanx.core._widths import Padding, mask_gradients, pad_members
 from phalanx.routed import _routed
 
-_CHOICES = CHOICES
+
 InDims = int | None | Sequence[int | None]
 
 
@@ -772,10 +772,10 @@ def _normalize_in_dims(
 
 
 def _check_backend(name: str, where: str) -> None:
-    if name not in _CHOICES:
+    if name not in CHOICES:
         raise ValueError(
             f"{where}: unknown backend {name!r}; choose one of "
-            + ", ".join(repr(c) for c in _CHOICES)
+            + ", ".join(repr(c) for c in CHOICES)
             + "."
         )
 
