@@ -28,7 +28,6 @@ from phalanx.core._validate import (
 from phalanx.core._widths import Padding, mask_gradients, pad_members
 from phalanx.routed import _routed
 
-
 InDims = int | None | Sequence[int | None]
 
 
