@@ -90,7 +90,12 @@ def vmapped(
     if failure is not None:
         # Outside the except block: a member's own error is raised as the loop raises it,
         # not as one that happened while handling torch.func's.
-        own = members_own_error(view, args, kwargs, in_dims, kw_dims)
+        # What only torch.func cannot do (a checkpoint, a Python value of the data, random
+        # numbers it may not draw) the members alone can: no need to run them to find out,
+        # and not running them leaves the random streams as the refused attempt left them.
+        own = (
+            None if _vmap_only(failure) else members_own_error(view, args, kwargs, in_dims, kw_dims)
+        )
         if own is not None:
             raise own
         _refuse(name, _why(failure), failure)
@@ -124,6 +129,14 @@ def _why(e: BaseException) -> str:
             f"decide member by member (torch.func says: {why})"
         )
     return why
+
+
+_VMAP_ONLY = ("data-dependent", ".item()", "tolist", "Python value", "randomness")
+
+
+def _vmap_only(e: BaseException) -> bool:
+    """Whether ``e`` is a limit of torch.func's (not an error a member raises alone)."""
+    return _recompute.is_checkpoint_failure(e) or any(k in str(e) for k in _VMAP_ONLY)
 
 
 def members_own_error(
