@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 
 def first_line(error: BaseException, limit: int | None = None) -> str:
     """The first non-empty line of ``error``'s message ("" for an empty one), cut to ``limit``."""
@@ -20,13 +18,3 @@ def summary(error: BaseException, limit: int | None = None) -> str:
         'ValueError: bad offsets'
     """
     return f"{type(error).__name__}: {first_line(error, limit)}".rstrip(": ")
-
-
-def shape_text(shape: Sequence[int]) -> str:
-    """A shape as the messages write it, ``(32, 8000)``; ``()`` for a scalar.
-
-    Example:
-        >>> shape_text((32, 8000)), shape_text(()), shape_text((5,))
-        ('(32, 8000)', '()', '(5,)')
-    """
-    return str(tuple(int(s) for s in shape))
