@@ -9,7 +9,7 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, per_member, powers
+from ._base import MemberOptimizer, maximized, per_member, powers
 
 __all__ = ["Adam", "AdamW", "adam_update"]
 
@@ -42,10 +42,7 @@ def adam_update(
     Returns:
         "param", "exp_avg", "exp_avg_sq" and, with ``max_exp_avg_sq``, "max_exp_avg_sq".
     """
-    if isinstance(maximize, Tensor):
-        g = g * per_member(torch.where(maximize, -1.0, 1.0), g)  # g * -1 is exactly -g
-    elif maximize:
-        g = -g
+    g = maximized(g, maximize)
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
         if decoupled:
             p = p * per_member(1 - lr * weight_decay, p)

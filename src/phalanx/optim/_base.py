@@ -78,6 +78,14 @@ def per_member(h: Any, like: Tensor) -> Any:
     return h.to(device=like.device, dtype=dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
+def maximized(g: Tensor, maximize: bool | float | Tensor) -> Tensor:
+    """The gradient a rule steps against: ``-g`` where ``maximize`` (a bool, or an (N,) bool
+    tensor per member), as torch's rules negate it (``g * -1`` is exactly ``-g``)."""
+    if isinstance(maximize, Tensor):
+        return g * per_member(torch.where(maximize, -1.0, 1.0), g)
+    return -g if maximize else g
+
+
 def powers(base: float | Tensor, exponent: Tensor) -> Tensor:
     """``base ** exponent`` elementwise, (N,), rounded as Python's ``float ** float`` whatever N.
 

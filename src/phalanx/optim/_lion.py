@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, per_member
+from ._base import MemberOptimizer, maximized, per_member
 
 __all__ = ["Lion"]
 
@@ -101,10 +101,7 @@ class Lion(MemberOptimizer):
     ) -> dict[str, Tensor]:
         """Lion's step of a stacked parameter, nothing written."""
         lr, wd, maximize = h["lr"], h["weight_decay"], h["maximize"]
-        if isinstance(maximize, Tensor):
-            g = g * per_member(torch.where(maximize, -1.0, 1.0), g)  # g * -1 is exactly -g
-        elif maximize:
-            g = -g
+        g = maximized(g, maximize)
         if isinstance(wd, Tensor) or wd != 0:
             p = p * per_member(1 - lr * wd, p)
         m = state["exp_avg"]

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, per_member
+from ._base import MemberOptimizer, maximized, per_member
 
 __all__ = ["SGD"]
 
@@ -119,10 +119,7 @@ class SGD(MemberOptimizer):
     ) -> dict[str, Tensor]:
         """torch.optim.SGD's single-tensor step, with (N, 1, ...) tensors for its numbers."""
         maximize, weight_decay, lr = h["maximize"], h["weight_decay"], h["lr"]
-        if isinstance(maximize, Tensor):
-            g = g * per_member(torch.where(maximize, -1.0, 1.0), g)  # g * -1 is exactly -g
-        elif maximize:
-            g = -g
+        g = maximized(g, maximize)
         if isinstance(weight_decay, Tensor):
             g = torch.addcmul(g, p, per_member(weight_decay, p))
         elif weight_decay != 0:  # rounded as torch's grad.add(param, alpha=weight_decay)
