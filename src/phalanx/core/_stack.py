@@ -473,7 +473,8 @@ class Stack(nn.Module):
         on views of the stacked parameters and its gradients are accumulated into the stacked
         ``.grad`` (rows ``rows``), as ``backward`` accumulates; each member's gradient is the
         unchunked step's to float rounding (bit for bit where the backend's kernels do not
-        depend on the number of members, as the tests check for the MLP and the loop).
+        depend on the number of members: the loop, and vmap on one intra-op thread, as the
+        tests check).
         Random operations (dropout) draw chunk by chunk, not as one call draws.
 
         Args:
