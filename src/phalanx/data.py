@@ -12,7 +12,7 @@ index) computed with integer tensor ops, not a stateful generator. So
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -321,13 +321,13 @@ class MemberLoader:
             ValueError: the saved loader had another number of members, samples, batch size
                 or first member.
         """
-        for key in ("num_members", "num_samples", "batch_size", "first_member"):
-            if key in state_dict and int(state_dict[key]) != getattr(self, key):
-                raise ValueError(
-                    f"phalanx.data.MemberLoader.load_state_dict(): {key} is "
-                    f"{getattr(self, key)} in this loader but {state_dict[key]} in the saved "
-                    "state; build the loader as it was built when saved."
-                )
+        keys = ("num_members", "num_samples", "batch_size", "first_member")
+        _check_saved_fits(
+            "phalanx.data.MemberLoader.load_state_dict()",
+            state_dict,
+            {key: getattr(self, key) for key in keys},
+            lambda saved, mine: int(saved) == mine,
+        )
         self.seed = int(state_dict["seed"])
         self.epoch = int(state_dict["epoch"])
         self.batch = int(state_dict["batch"])
@@ -653,17 +653,16 @@ class MemberDataLoader:
             ValueError: the saved loader had another number of members, batch sizes or first
                 member.
         """
-        for key, mine in (
-            ("num_members", self.num_members),
-            ("batch_sizes", list(self.sizes)),
-            ("first_member", self.first_member),
-        ):
-            if key in state_dict and list(np_list(state_dict[key])) != list(np_list(mine)):
-                raise ValueError(
-                    f"phalanx.data.MemberDataLoader.load_state_dict(): {key} is {mine} in this "
-                    f"loader but {state_dict[key]} in the saved state; build the loader as it "
-                    "was built when saved."
-                )
+        _check_saved_fits(
+            "phalanx.data.MemberDataLoader.load_state_dict()",
+            state_dict,
+            {
+                "num_members": self.num_members,
+                "batch_sizes": list(self.sizes),
+                "first_member": self.first_member,
+            },
+            lambda saved, mine: list(np_list(saved)) == list(np_list(mine)),
+        )
         self.seed = int(state_dict["seed"])
         self.epoch = int(state_dict["epoch"])
         self.batch = int(state_dict["batch"])
@@ -671,6 +670,21 @@ class MemberDataLoader:
         if not self.streaming:
             self._orders.seed = self.seed
             self._orders.set_streams(list(range(self.num_members)), self._members)
+
+
+def _check_saved_fits(
+    where: str,
+    state_dict: dict[str, Any],
+    mine: dict[str, Any],
+    same: Callable[[Any, Any], bool],
+) -> None:
+    """Raises where a loader's saved ``state_dict`` holds a setting other than ``mine``."""
+    for key, value in mine.items():
+        if key in state_dict and not same(state_dict[key], value):
+            raise ValueError(
+                f"{where}: {key} is {value} in this loader but {state_dict[key]} in the saved "
+                "state; build the loader as it was built when saved."
+            )
 
 
 def np_list(value: Any) -> list[Any]:
