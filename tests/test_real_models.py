@@ -150,7 +150,11 @@ def test_time_model_checks_then_times_every_contender():
     assert table.splitlines()[2].startswith("td3_actor")
     ceiling = row.ceiling_s(50.0, 10.0)
     assert ceiling == row.gflop / 50.0 + 28 * row.params / 10e9 and row.params > 0
-    assert "vs loop+compile" in table and "phalanx / ceiling" in table
+    assert row.speedup("loop fused-Adam", "phalanx fused-Adam") == (
+        row.median_s["loop fused-Adam"] / row.median_s["phalanx fused-Adam"]
+    )
+    assert "fused-Adam vs loop+compile" in table and "fused-Adam / ceiling" in table
+    assert "phalanx fused-Adam against the fused-Adam loop" in table
 
 
 def test_time_model_reports_a_contender_that_raises_and_does_not_time_it():

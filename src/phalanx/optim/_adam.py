@@ -11,7 +11,7 @@ from phalanx import _torch_compat as compat
 
 from ._base import MemberOptimizer, maximized, per_member, powers
 
-__all__ = ["Adam", "AdamW", "adam_update"]
+__all__ = ["Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
 
 
 def adam_update(
@@ -76,6 +76,68 @@ def adam_update(
     lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
     new["param"] = torch.addcdiv(p, exp_avg * per_member(-(lr_t / bias_correction1), p), denom)
     return new
+
+
+def adam_values(h: dict[str, Any], step: Tensor, *, decoupled: bool) -> dict[str, Any]:
+    """The numbers ``adam_update`` derives from its hyperparameters and the (N,) counts, as it
+    derives them (numbers stay numbers; (N,) tensors in the math dtype), for ``adam_update_``."""
+    lr, wd, maximize = h["lr"], h["weight_decay"], h["maximize"]
+    v: dict[str, Any] = {"maximize": maximize, "eps": h["eps"], "beta2": h["beta2"]}
+    if isinstance(maximize, Tensor):
+        v["sign"] = torch.where(maximize, -1.0, 1.0)
+    v["decoupled"] = v["coupled"] = None  # the weight decay: a factor of p, or of g's term
+    if isinstance(wd, Tensor) or wd != 0:
+        v["decoupled" if decoupled else "coupled"] = 1 - lr * wd if decoupled else wd
+    v["keep1"] = 1 - h["beta1"]
+    v["keep2"] = 1 - h["beta2"]
+    bias_correction1 = 1 - powers(h["beta1"], step)
+    bias_correction2 = 1 - powers(h["beta2"], step)
+    v["bias_correction2_sqrt"] = bias_correction2.sqrt()
+    lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
+    v["step_size"] = -(lr_t / bias_correction1)
+    return v
+
+
+def adam_update_(
+    p: Tensor,
+    g: Tensor,
+    state: dict[str, Tensor],
+    v: dict[str, Any],
+    scratch: tuple[Tensor, Tensor],
+    *,
+    amsgrad: bool,
+) -> None:
+    """``adam_update`` written into ``p`` and ``state`` on a block: the same torch operations
+    on the same operands in the same order, each with ``out=`` into its target or one of the
+    two scratch buffers (``a`` holds the gradient as the rule steps against it, then the
+    step; ``b`` the denominator). ``v``: ``adam_values`` cut to the block's rows, tensors
+    (rows, 1) in ``p``'s dtype, as ``per_member`` casts them."""
+    a, b = scratch
+    maximize = v["maximize"]
+    if isinstance(maximize, Tensor):
+        g = torch.mul(g, v["sign"], out=a)
+    elif maximize:
+        g = torch.neg(g, out=a)
+    if v["decoupled"] is not None:
+        p.mul_(v["decoupled"])
+    elif isinstance(v["coupled"], Tensor):
+        g = torch.addcmul(g, p, v["coupled"], out=a)
+    elif v["coupled"] is not None:  # rounded as torch's grad.add(param, alpha=weight_decay)
+        g = torch.add(g, p, alpha=v["coupled"], out=a)
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.lerp_(g, v["keep1"])
+    exp_avg_sq.mul_(v["beta2"])
+    if isinstance(v["beta2"], Tensor):
+        exp_avg_sq.addcmul_(torch.mul(g, v["keep2"], out=b), g)
+    else:
+        exp_avg_sq.addcmul_(g, g, value=v["keep2"])
+    source = exp_avg_sq
+    if amsgrad:
+        source = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+    denom = torch.sqrt(source, out=b)
+    denom.div_(v["bias_correction2_sqrt"])
+    denom.add_(v["eps"])
+    p.addcdiv_(torch.mul(exp_avg, v["step_size"], out=a), denom)
 
 
 class Adam(MemberOptimizer):
@@ -181,6 +243,26 @@ class Adam(MemberOptimizer):
     def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
         return {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in keys}
+
+    INPLACE = True
+
+    def prepare(
+        self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
+    ) -> dict[str, Any]:
+        """``adam_update``'s per-member numbers, computed as it computes them."""
+        return adam_values(h, step, decoupled=options["decoupled"])
+
+    @staticmethod
+    def update_(
+        p: Tensor,
+        g: Tensor,
+        state: dict[str, Tensor],
+        v: dict[str, Any],
+        scratch: tuple[Tensor, Tensor],
+        **options: Any,
+    ) -> None:
+        """``adam_update`` in place, operation for operation."""
+        adam_update_(p, g, state, v, scratch, amsgrad=options["amsgrad"])
 
     @staticmethod
     def update(

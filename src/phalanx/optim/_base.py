@@ -515,9 +515,51 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         "step" already counts this step. Rules without a torch kernel leave it undefined."""
         raise NotImplementedError
 
-    #: Elements of a block of the eager step: a few of the stacked tensors' blocks and the
-    #: rule's temporaries fit in a core's cache, and the Python cost per block is amortised.
-    BLOCK = 1 << 15
+    # Optional, for speed: the same rule in place. The eager step prefers it where defined.
+
+    #: The rule's arithmetic in place: defined by a rule that writes an ``update_``.
+    INPLACE = False
+
+    def prepare(
+        self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
+    ) -> dict[str, Any]:
+        """Per-member values ``update_`` reads, computed once per parameter and step from
+        ``update_hyperparameters``'s ``h`` (numbers or (N,) tensors) and ``step`` (N,), the
+        count after this step's increment: numbers, or (N,) tensors that the eager step cuts
+        to a block's members and casts to ``dtype`` as (rows, 1). By default ``h`` itself."""
+        return dict(h)
+
+    def inplace_applies(self, state: dict[str, Any], options: dict[str, Any]) -> bool:
+        """Whether ``update_`` can step this parameter now (SGD: its momentum buffer exists);
+        otherwise the step runs ``update`` on blocks."""
+        return True
+
+    @staticmethod
+    def update_(
+        p: Tensor,
+        g: Tensor,
+        state: dict[str, Tensor],
+        v: dict[str, Any],
+        scratch: tuple[Tensor, Tensor],
+        **options: Any,
+    ) -> None:
+        """``update`` in place on a block: the same torch operations on the same operands, in
+        the same order, each writing its result into its target or a scratch buffer (``out=``),
+        so the bits are ``update``'s and no temporary is allocated.
+
+        Args:
+            p, g: (rows, cols) views of the parameter and gradient (``g`` is read only).
+            state: (rows, cols) views of the state tensors shaped like ``p``, written in place.
+            v: ``prepare``'s values for these rows: numbers, or (rows, 1) tensors in ``p``'s
+                dtype.
+            scratch: two (rows, cols) buffers the rule may overwrite.
+            **options: ``options(group)``.
+        """
+        raise NotImplementedError
+
+    #: Elements of a block of the eager step: a block of each stacked tensor and two scratch
+    #: buffers fit in a core's L2 cache, and the Python cost per block is amortised.
+    BLOCK = 1 << 18
 
     def ensure_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         """``p``'s state, created (step 0, then ``init_state``) on first use."""
@@ -601,9 +643,74 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             grads = [p.grad for p in params]
             if getattr(self, "fused", False) and self._fused_applies(params, grads):
                 self._fused_step(group, params, grads, active)
+            elif self.INPLACE:
+                self._inplace_step(group, params, grads, active)
             else:
                 self._blocked_step(group, params, grads, active)
         return result
+
+    def _scratch(self, p: Tensor) -> tuple[Tensor, Tensor]:
+        """Two buffers of ``BLOCK`` elements in ``p``'s dtype and device, kept across steps
+        (never part of the state: a state_dict does not hold them)."""
+        cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]]
+        cache = self.__dict__.setdefault("_scratch_buffers", {})
+        key = (p.device, p.dtype)
+        if key not in cache or cache[key][0].numel() < self.BLOCK:
+            cache[key] = tuple(  # type: ignore[assignment]
+                torch.empty(self.BLOCK, dtype=p.dtype, device=p.device) for _ in range(2)
+            )
+        return cache[key]
+
+    def _inplace_step(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        active: Tensor | None,
+    ) -> None:
+        """``update_`` on blocks of ``BLOCK`` elements of each stacked tensor, in place: the
+        rule's torch operations write into the parameter, its state and two scratch buffers
+        reused across steps, so a step reads and writes each block while it is in cache and
+        allocates nothing the size of a block. A masked member's rows are not visited (their
+        values and counts stay bit for bit). A parameter the rule cannot step in place now (a
+        strided one, SGD before its buffer exists) takes ``_blocked_step``."""
+        device = params[0].device
+        h = self.update_hyperparameters(group, device)
+        options = self.options(group)
+        rule = type(self).update_
+        runs = None if active is None else _runs(active.tolist())
+        rest: tuple[list[Tensor], list[Tensor]] = ([], [])
+        for p, g in zip(params, grads, strict=True):
+            state = self.state[p]
+            flat = _flat_views(p, g, state)
+            if flat is None or not self.inplace_applies(state, options):
+                rest[0].append(p)
+                rest[1].append(g)
+                continue
+            step = state["step"] + 1
+            values = self.prepare(h, step, p.dtype, **options)
+            a, b = self._scratch(p)
+            cut: tuple[int, int] | None = None
+            v: dict[str, Any] = {}
+            for r0, r1, c0, c1 in _inplace_blocks(
+                p.shape[0], flat["param"].shape[1], runs, self.BLOCK
+            ):
+                if cut != (r0, r1):  # one block's members' values, reused by the next block
+                    cut = (r0, r1)
+                    v = {k: _rows_of(x, r0, r1, p) for k, x in values.items()}
+                size = (r1 - r0) * (c1 - c0)
+                shape = (r1 - r0, c1 - c0)
+                views = {k: t[r0:r1, c0:c1] for k, t in flat.items()}
+                scratch = (a[:size].view(shape), b[:size].view(shape))
+                pv, gv = views.pop("param"), views.pop("grad")
+                rule(pv, gv, views, v, scratch, **options)
+            if active is None:
+                state["step"].copy_(step)
+            else:
+                keep = active.to(p.device)
+                torch.where(keep, step, state["step"], out=state["step"])
+        if rest[0]:
+            self._blocked_step(group, rest[0], rest[1], active)
 
     def _blocked_step(
         self,
@@ -795,3 +902,50 @@ def _blocks(
         per = max(1, size // m)
         for r in range(0, n, per):
             yield slice(r, r + per), views, (slice(r, r + per), slice(None))
+
+
+def _flat_views(p: Tensor, g: Tensor, state: dict[str, Any]) -> dict[str, Tensor] | None:
+    """``p``, ``g`` and ``p``'s state tensors as (N, M) views (no copy), or None when one of
+    them cannot be viewed so (a strided tensor) or ``p`` has no member axis."""
+    tensors = {"param": p, "grad": g, **{k: v for k, v in state.items() if k != "step"}}
+    flat = {k: _flat_view(v, p) for k, v in tensors.items()}
+    if any(v is None or not v.is_contiguous() for v in flat.values()):
+        return None
+    return flat  # type: ignore[return-value]
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """The (start, stop) row ranges where ``flags`` is True, in order."""
+    runs: list[tuple[int, int]] = []
+    for i, on in enumerate(flags):
+        if on and runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        elif on:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _inplace_blocks(
+    n: int, m: int, runs: list[tuple[int, int]] | None, size: int
+) -> Iterator[tuple[int, int, int, int]]:
+    """(row start, row stop, column start, column stop) of the blocks of an (n, m) tensor,
+    ``size`` elements or fewer each, over the row ranges ``runs`` (every row when None): a
+    row longer than ``size`` in column chunks, shorter rows several to a block."""
+    for r0, r1 in runs if runs is not None else [(0, n)]:
+        if m >= size:
+            for i in range(r0, r1):
+                for c in range(0, m, size):
+                    yield i, i + 1, c, min(c + size, m)
+        else:
+            per = max(1, size // max(m, 1))
+            for r in range(r0, r1, per):
+                yield r, min(r + per, r1), 0, m
+
+
+def _rows_of(x: Any, r0: int, r1: int, like: Tensor) -> Any:
+    """A prepared value for rows ``r0:r1``: a number as it is, an (N,) tensor's rows as
+    (rows, 1) in ``like``'s dtype (bool stays bool), as ``per_member`` casts them."""
+    if not isinstance(x, Tensor):
+        return x
+    dtype = torch.bool if x.dtype == torch.bool else like.dtype
+    return x[r0:r1].to(device=like.device, dtype=dtype).view(-1, 1)

@@ -95,6 +95,48 @@ class Lion(MemberOptimizer):
     def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
+    INPLACE = True
+
+    def prepare(
+        self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
+    ) -> dict[str, Any]:
+        """``update``'s per-member numbers, computed as it computes them."""
+        lr, wd = h["lr"], h["weight_decay"]
+        v: dict[str, Any] = {"maximize": h["maximize"], "lr": lr}
+        if isinstance(h["maximize"], Tensor):
+            v["sign"] = torch.where(h["maximize"], -1.0, 1.0)
+        v["decay"] = 1 - lr * wd if isinstance(wd, Tensor) or wd != 0 else None
+        v["neg_lr"] = -lr
+        v["keep1"] = 1 - h["beta1"]
+        v["keep2"] = 1 - h["beta2"]
+        return v
+
+    @staticmethod
+    def update_(
+        p: Tensor,
+        g: Tensor,
+        state: dict[str, Tensor],
+        v: dict[str, Any],
+        scratch: tuple[Tensor, Tensor],
+        **options: Any,
+    ) -> None:
+        """``update`` in place on a block, operation for operation (``a``: the gradient as
+        the rule steps against it; ``b``: the direction)."""
+        a, b = scratch
+        if isinstance(v["maximize"], Tensor):
+            g = torch.mul(g, v["sign"], out=a)
+        elif v["maximize"]:
+            g = torch.neg(g, out=a)
+        if v["decay"] is not None:
+            p.mul_(v["decay"])
+        m = state["exp_avg"]
+        direction = torch.lerp(m, g, v["keep1"], out=b).sign_()
+        if isinstance(v["lr"], Tensor):
+            p.addcmul_(direction, v["neg_lr"])
+        else:
+            p.add_(direction, alpha=-v["lr"])
+        m.lerp_(g, v["keep2"])
+
     @staticmethod
     def update(
         p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any

@@ -113,6 +113,69 @@ class SGD(MemberOptimizer):
             return {}
         return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
+    INPLACE = True
+
+    def inplace_applies(self, state: dict[str, Any], options: dict[str, Any]) -> bool:
+        """In place once the momentum buffer exists (``update`` starts one a scheduler asked
+        for mid-training)."""
+        return not options["momentum"] or "momentum_buffer" in state
+
+    def prepare(
+        self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
+    ) -> dict[str, Any]:
+        """``update``'s per-member numbers, computed as it computes them."""
+        v: dict[str, Any] = {k: h[k] for k in ("lr", "weight_decay", "maximize", "nesterov")}
+        if isinstance(h["maximize"], Tensor):
+            v["sign"] = torch.where(h["maximize"], -1.0, 1.0)
+        if isinstance(h["lr"], Tensor):
+            v["lr"] = -h["lr"]
+        if options["momentum"]:
+            momentum = torch.as_tensor(h["momentum"], dtype=step.dtype, device=step.device)
+            keep = 1 - torch.as_tensor(h["dampening"], dtype=step.dtype, device=step.device)
+            fresh = (step == 1) | (momentum == 0)
+            v["momentum"] = momentum.expand_as(step)
+            v["decay"] = torch.where(fresh, 0.0, momentum)
+            v["weight"] = torch.where(fresh, 1.0, keep)
+        return v
+
+    @staticmethod
+    def update_(
+        p: Tensor,
+        g: Tensor,
+        state: dict[str, Tensor],
+        v: dict[str, Any],
+        scratch: tuple[Tensor, Tensor],
+        **options: Any,
+    ) -> None:
+        """``update`` in place on a block, operation for operation (``a``: the gradient as
+        the rule steps against it; ``b``: Nesterov's look-ahead)."""
+        a, b = scratch
+        maximize, weight_decay, lr = v["maximize"], v["weight_decay"], v["lr"]
+        if isinstance(maximize, Tensor):
+            g = torch.mul(g, v["sign"], out=a)
+        elif maximize:
+            g = torch.neg(g, out=a)
+        if isinstance(weight_decay, Tensor):
+            g = torch.addcmul(g, p, weight_decay, out=a)
+        elif weight_decay != 0:  # rounded as torch's grad.add(param, alpha=weight_decay)
+            g = torch.add(g, p, alpha=weight_decay, out=a)
+        if options["momentum"]:
+            buf = state["momentum_buffer"]
+            buf.mul_(v["decay"])
+            buf.addcmul_(g, v["weight"])
+            nesterov = v["nesterov"]
+            if isinstance(nesterov, Tensor):
+                ahead = torch.addcmul(g, buf, v["momentum"], out=b)
+                g = torch.where(nesterov, ahead, buf, out=b)
+            elif nesterov:
+                g = torch.addcmul(g, buf, v["momentum"], out=b)
+            else:
+                g = buf
+        if isinstance(lr, Tensor):
+            p.addcmul_(g, lr)
+        else:
+            p.add_(g, alpha=-lr)
+
     @staticmethod
     def update(
         p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
