@@ -55,19 +55,22 @@ class _Undo:
 
     def __init__(self, view: StackView, args: tuple, kwargs: dict, first: bool) -> None:
         params, buffers = view.state()
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            inputs = list(args)  # the common call: no structure to walk
+        else:
+            inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self.tensors = [*buffers.values(), *inputs]
         size = sum(t.numel() * t.element_size() for t in self.tensors)
         self.saved: list[torch.Tensor] | None = None
         self.params = list(params.items())
         self.saved_params: list[torch.Tensor] | None = None
         self.versions = [compat.version(p) for _, p in self.params]
-        with torch.no_grad():
-            if first or size <= SNAPSHOT_BYTES:
-                self.saved = [t.clone() for t in self.tensors]
+        if first or size <= SNAPSHOT_BYTES:
+            self.saved = [t.detach().clone() for t in self.tensors]
+        if first:
             weights = sum(p.numel() * p.element_size() for _, p in self.params)
-            if first and weights <= PARAMETER_SNAPSHOT_BYTES:
-                self.saved_params = [p.clone() for _, p in self.params]
+            if weights <= PARAMETER_SNAPSHOT_BYTES:
+                self.saved_params = [p.detach().clone() for _, p in self.params]
 
     def undo(self, failure: BaseException) -> None:
         written = [
