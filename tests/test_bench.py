@@ -104,7 +104,7 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
         if train and HAS_JAX:  # JAX's jit(vmap(step)): checked against the loop, timed
             assert rows["jax"]["compile_s"] > 0 and rows["jax"]["vs_loop"] > 0
     assert doc["machine"]["gemm_gflops"] > 0 and doc["machine"]["bandwidth_gbs"] > 0
-    jax_line = "captured / jax" if HAS_JAX else "jax      contender skipped: "
+    jax_line = "captured / jax" if HAS_JAX else "jax        contender skipped: "
     assert jax_line in printed
     assert plot_path.stat().st_size > 10_000
     assert printed.startswith("$ phalanx bench --workloads W2,W3 --device cpu --quick --threads 1")
@@ -347,7 +347,7 @@ def test_without_jax_the_contender_is_skipped_and_says_so(monkeypatch):
         importlib.util, "find_spec", lambda name, *a: None if name == "jax" else real(name, *a)
     )
     assert jax_contender.missing() == (
-        "jax      contender skipped: jax not installed "
+        "jax        contender skipped: jax not installed "
         "(pip install 'phalanx[bench]' or pip install jax optax)"
     )
     assert "jax" not in [c.name for c in default_contenders()]

@@ -49,7 +49,7 @@ def missing() -> str | None:
     if not absent:
         return None
     return (
-        f"jax      contender skipped: {' and '.join(absent)} not installed "
+        f"jax        contender skipped: {' and '.join(absent)} not installed "
         f"(pip install 'phalanx[bench]' or pip install jax optax)"
     )
 
@@ -70,7 +70,7 @@ def describe() -> str:
     threads = os.environ.get("PJRT_NPROC")
     pool = f"PJRT_NPROC={threads}" if threads else "one thread per core"
     return (
-        f"jax      jax {jax.__version__}, optax {optax.__version__}, {jax.default_backend()} "
+        f"jax        jax {jax.__version__}, optax {optax.__version__}, {jax.default_backend()} "
         f"({pool}): jax.jit(jax.vmap(step)) with optax.adam, blocked on every step"
     )
 
