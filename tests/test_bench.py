@@ -297,6 +297,9 @@ def test_dynamic_measures_the_float32_loops_own_distance_from_float64():
     r = dynamic.run_one(dynamic.DYNAMIC["D3"], epochs=1)
     assert 0 < r["loop_from_float64"] < 1e-3
     assert r["phalanx_from_float64"] <= phalanx.testing.FACTOR * r["loop_from_float64"]
+    # phalanx.optim.Adam(fused=True), the loop's own fused kernel: as close as the loop
+    assert r["phalanx_fused_adam_from_float64"] <= phalanx.testing.FACTOR * r["loop_from_float64"]
+    assert r["epochs"][0]["fused_adam_speedup"] > 0
 
 
 class _JaxTwoSteps(jax_contender.JaxRunner):
