@@ -354,3 +354,17 @@ def test_without_jax_the_contender_is_skipped_and_says_so(monkeypatch):
         "(pip install 'phalanx[bench]' or pip install jax optax)"
     )
     assert "jax" not in [c.name for c in default_contenders()]
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="jax and optax are not installed")
+def test_a_jax_that_does_not_start_is_said_in_the_header(monkeypatch):
+    import jax
+
+    def broken() -> str:
+        raise RuntimeError("Unable to initialize backend 'cpu'\nmore")
+
+    monkeypatch.setattr(jax, "default_backend", broken)
+    assert jax_contender.describe() == (
+        "jax        jax is installed but does not start (Unable to initialize backend 'cpu'): "
+        "its rows are n/a"
+    )

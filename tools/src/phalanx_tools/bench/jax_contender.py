@@ -64,13 +64,18 @@ def use_threads(count: int | None) -> None:
 
 def describe() -> str:
     """One line for the bench's header: the versions and the threads JAX runs on."""
-    import jax
-    import optax
+    try:
+        import jax
+        import optax
 
+        backend = jax.default_backend()
+    except Exception as e:  # installed but broken (a jaxlib that does not load): say so
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"jax        jax is installed but does not start ({reason}): its rows are n/a"
     threads = os.environ.get("PJRT_NPROC")
     pool = f"PJRT_NPROC={threads}" if threads else "one thread per core"
     return (
-        f"jax        jax {jax.__version__}, optax {optax.__version__}, {jax.default_backend()} "
+        f"jax        jax {jax.__version__}, optax {optax.__version__}, {backend} "
         f"({pool}): jax.jit(jax.vmap(step)) with optax.adam, blocked on every step"
     )
 
