@@ -16,8 +16,13 @@ import torch
 
 import phalanx
 from phalanx import BACKENDS
-from phalanx_tools.bench import report
-from phalanx_tools.bench.contenders import Contender, LoopRunner, TorchFuncRunner
+from phalanx_tools.bench import jax_contender, report
+from phalanx_tools.bench.contenders import (
+    Contender,
+    LoopRunner,
+    TorchFuncRunner,
+    default_contenders,
+)
 from phalanx_tools.bench.machine import Machine
 from phalanx_tools.bench.suite import Settings, run_phase
 from phalanx_tools.bench.timing import interleaved
@@ -25,14 +30,15 @@ from phalanx_tools.bench.workloads import WORKLOADS, build, cost
 from phalanx_tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
+HAS_JAX = jax_contender.missing() is None
 CONTENDERS = [
     "loop", "loop+fused", "loop+compile", "torch.func", *(f"phalanx:{b}" for b in BACKENDS),
-    "phalanx:auto", "phalanx:compiled",
+    "phalanx:auto", "phalanx:compiled", *["jax"] * HAS_JAX,
 ]  # fmt: skip
-TRAIN_ONLY = ("loop+compile", "phalanx:compiled")
+TRAIN_ONLY = ("loop+compile", "phalanx:compiled", "jax")
 # The contenders that run W2 and W3 today; "fused" is checked too, but may still be n/a.
 WORKING = ["loop", "loop+fused", "loop+compile", "torch.func", "phalanx:vmap", "phalanx:loop",
-           "phalanx:auto"]  # fmt: skip
+           "phalanx:auto", "jax"]  # fmt: skip
 FAKE_MACHINE = Machine("cpu", "cpu", "cpu", 1, "", "", "", 1, 1, 10.0, 1, 10.0)
 ONE_ROUND = Settings(rounds=2, min_rounds=2, warmup=0, target_s=0.0, budget_s=0.0)
 
@@ -95,7 +101,11 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
             assert compiled["status"] == "ok", compiled["reason"]
             assert compiled["compile_s"] > 0
             assert compiled["note"].startswith(("eager: eager step", "captured: eager step"))
+        if train and HAS_JAX:  # JAX's jit(vmap(step)): checked against the loop, timed
+            assert rows["jax"]["compile_s"] > 0 and rows["jax"]["vs_loop"] > 0
     assert doc["machine"]["gemm_gflops"] > 0 and doc["machine"]["bandwidth_gbs"] > 0
+    jax_line = "captured / jax" if HAS_JAX else "jax        contender skipped: "
+    assert jax_line in printed
     assert plot_path.stat().st_size > 10_000
     assert printed.startswith("$ phalanx bench --workloads W2,W3 --device cpu --quick --threads 1")
     assert "torch 2" in printed and "1 intra-op thread\n" in printed
@@ -287,3 +297,74 @@ def test_dynamic_measures_the_float32_loops_own_distance_from_float64():
     r = dynamic.run_one(dynamic.DYNAMIC["D3"], epochs=1)
     assert 0 < r["loop_from_float64"] < 1e-3
     assert r["phalanx_from_float64"] <= phalanx.testing.FACTOR * r["loop_from_float64"]
+    # phalanx.optim.Adam(fused=True), the loop's own fused kernel: as close as the loop
+    assert r["phalanx_fused_adam_from_float64"] <= phalanx.testing.FACTOR * r["loop_from_float64"]
+    assert r["epochs"][0]["fused_adam_speedup"] > 0
+
+
+class _JaxTwoSteps(jax_contender.JaxRunner):
+    """JAX's step run twice per call: the weights after "one step" are two steps on."""
+
+    def backward(self) -> torch.Tensor:
+        losses = super().backward()
+        super().backward()
+        return losses
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="jax and optax are not installed")
+@pytest.mark.parametrize("workload_id", ["W1", "W3"])  # sliced and per-member inputs
+def test_jax_contender_is_checked_against_the_loop(workload_id):
+    workload = WORKLOADS[workload_id]
+    members, data = build(workload, device="cpu")
+    contenders = [
+        Contender("loop", "baseline", LoopRunner),
+        Contender("jax", "baseline", jax_contender.JaxRunner, train_only=True),
+        Contender("jax twice", "baseline", _JaxTwoSteps, train_only=True),
+    ]
+    result = run_phase(
+        workload, "train", members, data, contenders, device=torch.device("cpu"),
+        settings=ONE_ROUND, machine=FAKE_MACHINE,
+    )  # fmt: skip
+    rows = {row.name: row for row in result.rows}
+    assert rows["jax"].status == "ok", rows["jax"].reason
+    assert rows["jax"].rounds == 2 and rows["jax"].compile_s > 0
+    assert rows["jax twice"].status == "WRONG"
+    assert rows["jax twice"].reason.startswith("'0.weight' after one Adam step")
+    (line,) = report._jax_rows([result])  # no phalanx:compiled row here: no ratio
+    assert line[0] == workload_id and line[1] == "-" and line[3] == "-"
+    assert "captured / jax" in report.format_text([result])
+    assert "| jax |" in report.format_markdown([result])
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="jax and optax are not installed")
+def test_jax_contender_names_the_layer_it_cannot_translate():
+    workload = WORKLOADS["W7"]
+    members, data = build(workload, device="cpu")
+    with pytest.raises(NotImplementedError, match="no translation of Conv2d \\(layer '0'\\)"):
+        jax_contender.JaxRunner(members[:2], data, workload)
+
+
+def test_without_jax_the_contender_is_skipped_and_says_so(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "jax" else real(name, *a)
+    )
+    assert jax_contender.missing() == (
+        "jax        contender skipped: jax not installed "
+        "(pip install 'phalanx[bench]' or pip install jax optax)"
+    )
+    assert "jax" not in [c.name for c in default_contenders()]
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="jax and optax are not installed")
+def test_a_jax_that_does_not_start_is_said_in_the_header(monkeypatch):
+    import jax
+
+    def broken() -> str:
+        raise RuntimeError("Unable to initialize backend 'cpu'\nmore")
+
+    monkeypatch.setattr(jax, "default_backend", broken)
+    assert jax_contender.describe() == (
+        "jax        jax is installed but does not start (Unable to initialize backend 'cpu'): "
+        "its rows are n/a"
+    )

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from phalanx_tools.bench import jax_contender
 from phalanx_tools.bench.contenders import default_contenders, phalanx_adam
 from phalanx_tools.bench.machine import BUSY, measure
 from phalanx_tools.bench.report import format_text, plot, problems, text_table, write_json
@@ -230,10 +231,15 @@ def run(args: argparse.Namespace) -> int:
 
     settings = QUICK if args.quick else FULL
     command = _command(args, workloads, phases)
+    jax_line = ""  # the JAX contender (training only), or the line saying it is skipped
+    if "train" in phases:
+        jax_contender.use_threads(args.threads)  # before JAX's first computation sizes its pool
+        jax_line = "\n" + (jax_contender.missing() or jax_contender.describe())
     with _exact_fp32(), intra_op_threads(args.threads):
         machine = measure(device, quick=args.quick)
         optimizer, optimizer_line = phalanx_adam()
         header = f"{machine.describe()}\noptimizer  phalanx contenders: {optimizer_line}"
+        header += jax_line
         print(f"$ {command}\n{header}\n", flush=True)
         total = len(workloads) * len(phases) * settings.rounds
         with tqdm(total=total, file=sys.stderr, unit="round", dynamic_ncols=True) as bar:

@@ -354,7 +354,9 @@ def default_contenders(
     optimizer: OptimizerFactory | None = None, *, compile_backend: str = "inductor"
 ) -> list[Contender]:
     """loop (the reference, first), loop+fused, loop+compile (training only), torch.func,
-    every phalanx backend, phalanx auto, and phalanx:compiled (the captured training step).
+    every phalanx backend, phalanx auto, phalanx:compiled (the captured training step) and,
+    where jax and optax are installed, jax (``jax.jit(jax.vmap(step))`` with optax's Adam,
+    training only: :mod:`phalanx_tools.bench.jax_contender`).
 
     Args:
         optimizer: the phalanx contenders' optimizer factory; :func:`phalanx_adam` by default.
@@ -364,7 +366,10 @@ def default_contenders(
     Returns:
         The contenders, the loop first.
     """
+    from phalanx_tools.bench import jax_contender  # it imports this module's LR
+
     factory = optimizer or phalanx_adam()[0]
+    with_jax = jax_contender.missing() is None
 
     def phalanx_contender(backend: str) -> Contender:
         build = functools.partial(PhalanxRunner, backend=backend, optimizer=factory)
@@ -383,4 +388,5 @@ def default_contenders(
         Contender("torch.func", "baseline", TorchFuncRunner),
         *(phalanx_contender(b) for b in (*BACKENDS, "auto")),
         Contender("phalanx:compiled", "phalanx", compiled, train_only=True),
+        *[Contender("jax", "baseline", jax_contender.JaxRunner, train_only=True)] * with_jax,
     ]

@@ -22,7 +22,11 @@ CONVENTIONS = (
     "with each member torch.compile'd (training only). compile: seconds spent "
     "tracing and compiling the captured step (phalanx:compiled), which times itself against "
     "the eager step and keeps the faster (its note says which). "
-    "Forward runs under torch.no_grad() in eval mode; the training step in train mode."
+    "Forward runs under torch.no_grad() in eval mode; the training step in train mode. "
+    "jax (where jax and optax are installed): jax.jit(jax.vmap(step)) with optax.adam at "
+    "torch's defaults, from the same weights and data, each step waited for with "
+    "block_until_ready; 'captured / jax' is phalanx:compiled's time over jax's (below 1: "
+    "phalanx is faster)."
 )
 
 DETAIL_HEADERS = [
@@ -129,6 +133,32 @@ def _summary(r: Result) -> list[str]:
     ]
 
 
+JAX_HEADERS = ["workload", "phalanx:compiled", "jax", "captured / jax", "jax compile"]
+
+
+def _jax_rows(results: list[Result]) -> list[list[str]]:
+    """Per training result with a jax row: the captured step's time over JAX's."""
+
+    def time_of(row: Row | None) -> str:
+        if row is None:
+            return "-"
+        return fmt_time(row.median_s) if row.status == "ok" else f"{row.status}: {row.reason}"
+
+    rows = []
+    for r in results:
+        compiled, jax = r.row("phalanx:compiled"), r.row("jax")
+        if r.phase != "train" or jax is None:
+            continue
+        ratio = None
+        if compiled is not None and compiled.median_s and jax.median_s:
+            ratio = compiled.median_s / jax.median_s
+        compile_s = "-" if jax.compile_s is None else f"{jax.compile_s:.1f} s"
+        rows.append(
+            [r.workload, time_of(compiled), time_of(jax), _fmt(ratio, ".2f", "x"), compile_s]
+        )
+    return rows
+
+
 def text_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
@@ -168,12 +198,21 @@ def format_text(results: list[Result]) -> str:
         title = f"{group[0].description}\n{_cost_line(group)}"
         blocks.append(f"{title}\n{text_table(DETAIL_HEADERS, rows)}")
     summary = text_table(SUMMARY_HEADERS, [_summary(r) for r in results])
-    return "\n\n".join([*blocks, f"Summary (time per call, speed-ups)\n{summary}"])
+    blocks.append(f"Summary (time per call, speed-ups)\n{summary}")
+    jax_rows = _jax_rows(results)
+    if jax_rows:
+        title = "The captured step against JAX's jit(vmap(step)) (training step, time per call)"
+        blocks.append(f"{title}\n{text_table(JAX_HEADERS, jax_rows)}")
+    return "\n\n".join(blocks)
 
 
 def format_markdown(results: list[Result]) -> str:
     """The same tables in Markdown: the summary first, then one per workload."""
     parts = ["### Summary", "", _markdown_table(SUMMARY_HEADERS, [_summary(r) for r in results])]
+    jax_rows = _jax_rows(results)
+    if jax_rows:
+        parts += ["", "### The captured step against JAX's jit(vmap(step))", ""]
+        parts.append(_markdown_table(JAX_HEADERS, jax_rows))
     for group in _by_workload(results).values():
         rows = [_detail(r, row, width=None) for r in group for row in r.rows]
         parts += ["", f"### {group[0].description}", "", _cost_line(group) + ".", ""]
