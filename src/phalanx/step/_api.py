@@ -387,8 +387,9 @@ class CompiledStep:
         plan = self._plan(args, mask)
         real = self._tensors(args, target, mask)
         layout = layout_of(real)
-        # Traced on copies (make_fx runs the operations for real), with the RNG put back, so
-        # that tracing leaves no trace in the weights, the buffers or the random stream.
+        # Traced with fake tensors (compat.make_fx), on copies and with the RNG put back all
+        # the same: a backend may run its example inputs, and tracing must leave no trace in
+        # the weights, the buffers or the random stream.
         mutable = ("params", "buffers", "state", "bad_steps", "frozen")
         copies = flatten(layout, {**real, **{k: pytree.tree_map(_clone, real[k]) for k in mutable}})
         step = step_function(plan)
