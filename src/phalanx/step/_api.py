@@ -523,7 +523,9 @@ def _exchange(obj: Any) -> list[Any]:
 
 
 def _clone(v: Any) -> Any:
-    return v.clone() if isinstance(v, Tensor) else v
+    # Detached: a clone of a parameter would be a non-leaf, whose .grad the fake tensor of
+    # the trace reads, with torch's warning about non-leaf gradients.
+    return v.detach().clone() if isinstance(v, Tensor) else v
 
 
 def _reason(error: BaseException) -> str:

@@ -200,13 +200,15 @@ def _structured_losses(
 ) -> torch.Tensor:
     """The (N,) losses of ``loss_fn`` on each member's whole output: a tuple, list, dict,
     Hugging Face ``ModelOutput`` (a registered pytree node) or dataclass of ``(N, ...)``
-    tensors, given to ``loss_fn`` as that member's own output, as the loop gives it."""
-    rebuild: Callable[[Any], Any] = lambda o: o  # noqa: E731
+    tensors (dataclasses registered with ``torch.export.register_dataclass``), given to
+    ``loss_fn`` as that member's own output, as the loop gives it."""
     tree = output
     if dataclasses.is_dataclass(output) and pytree.tree_is_leaf(output):
-        # A plain dataclass: vmap maps over its fields, loss_fn gets the dataclass back.
-        tree = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
-        rebuild = lambda fields: dataclasses.replace(output, **fields)  # noqa: E731
+        raise TypeError(
+            f"{where}: the output is a {type(output).__name__}, a dataclass torch's pytree does "
+            f"not know, so neither vmap nor the stack can map over its tensors; register it "
+            f"once with torch.export.register_dataclass({type(output).__name__})."
+        )
     leaves = pytree.tree_leaves(tree)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     if not tensors:
@@ -223,22 +225,32 @@ def _structured_losses(
             f"returns them."
         )
     dims = pytree.tree_map(lambda x: 0 if isinstance(x, torch.Tensor) else None, tree)
-    per_member = vmap(lambda o, t: loss_fn(rebuild(o), t, **kwargs), in_dims=(dims, target_dim))
+    per_member = vmap(lambda o, t: loss_fn(o, t, **kwargs), in_dims=(dims, target_dim))
     try:
         losses = per_member(tree, target)
     except (TypeError, AttributeError, KeyError, IndexError) as e:
-        hint = (
-            "lambda out, y: F.cross_entropy(out.logits, y), or loss_fn=None to use the loss "
-            "each member computed itself (its output's .loss, from labels=...)"
-            if isinstance(output, Mapping) or hasattr(output, "loss")
-            else "lambda out, y: F.mse_loss(out[0], y)"
-        )
+        hint = f"lambda out, y: F.mse_loss({_first_part(output)}, y)"
+        if hasattr(output, "loss") or (isinstance(output, Mapping) and "loss" in output):
+            hint += (
+                ", or loss_fn=None to use the loss each member computed itself (its "
+                "output's .loss, from labels=...)"
+            )
         raise TypeError(
             f"{where}: loss_fn could not read a member's output, {_describe(output, tree)} "
             f"(not a tensor): {summary(e)}. loss_fn is given each member's whole output as the "
             f"model returns it; read the part the loss needs, e.g. {hint}."
         ) from e
     return _checked(losses, n, where)
+
+
+def _first_part(output: Any) -> str:
+    """How a loss reads the output's first tensor: ``out[0]``, ``out["mean"]``, ``out.logits``."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, Mapping):
+        return f"out.{dataclasses.fields(output)[0].name}"
+    if isinstance(output, Mapping) and output:
+        key = next(iter(output))
+        return f"out.{key}" if hasattr(output, "loss") else f"out[{key!r}]"
+    return "out[0]"
 
 
 def _describe(output: Any, tree: Any, member: bool = True) -> str:
