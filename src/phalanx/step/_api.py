@@ -615,8 +615,12 @@ def compile_step(
         stack: the :class:`phalanx.Stack` to train.
         loss_fn: a loss on one member's ``(B, ...)`` output and target returning a scalar,
             such as ``torch.nn.functional.cross_entropy`` (see :func:`phalanx.member_losses`);
-            or None for the loss each member computes itself (its output's ``.loss``, e.g. a
-            Hugging Face model given ``labels=``): call ``step(inputs, labels=y, ...)``.
+            the loop's own loss on a member's whole output where that is a tuple, dict,
+            registered dataclass or Hugging Face ``ModelOutput`` (``lambda q, y:
+            F.mse_loss(q[0], y) + F.mse_loss(q[1], y)``, ``lambda out, y:
+            F.cross_entropy(out.logits, y)``); or None for the loss each member computes
+            itself (its output's ``.loss``, e.g. a Hugging Face model given ``labels=``):
+            call ``step(inputs, labels=y, ...)``.
         optimizer: a phalanx optimizer (``Adam``, ``AdamW``, ``SGD``, ``Lion``, any
             ``MemberOptimizer`` with an update rule) over ``stack.parameters()``, with any
             per-member hyperparameters, ``skip_nonfinite`` and ``freeze_after``; its own
