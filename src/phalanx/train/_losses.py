@@ -183,9 +183,8 @@ def _checked(losses: Any, n: int, where: str) -> torch.Tensor:
     if not isinstance(losses, torch.Tensor) or losses.shape != (n,):
         got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ValueError(
-            f"{where}: loss_fn must return one scalar tensor per member, giving shape ({n},); "
-            f"got {got}. Reduce each member's loss to a scalar (reduction='mean' or 'sum') and "
-            f"return it alone."
+            f"{where}: loss_fn must return one scalar per member, giving shape ({n},); got "
+            f"{got}. Use reduction='mean' or 'sum', and return the loss alone (a tensor)."
         )
     return losses
 
