@@ -129,10 +129,17 @@ fused_sgd_ = torch._fused_sgd_
 
 
 def make_fx(fn: Any) -> Any:
-    """``torch.fx.experimental.proxy_tensor.make_fx``: traces ``fn`` into one aten graph."""
+    """``torch.fx.experimental.proxy_tensor.make_fx``: traces ``fn`` into one aten graph.
+
+    With fake tensors (shapes without values), as ``torch.compile`` traces: code that reads a
+    value only when it is not traced (Hugging Face's ``is_tracing()`` checks, e.g. GPT-2's
+    search for packed sequences) takes its traceable path, where a trace with real tensors
+    failed on the value. Tensors the step holds as constants stay real
+    (``_allow_non_fake_inputs``).
+    """
     from torch.fx.experimental.proxy_tensor import make_fx as trace
 
-    return trace(fn)
+    return trace(fn, tracing_mode="fake", _allow_non_fake_inputs=True)
 
 
 def inductor_mode_options(mode: str) -> dict[str, Any]:

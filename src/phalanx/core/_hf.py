@@ -115,20 +115,3 @@ def own_loss(output: Any, n: int | None, where: str) -> torch.Tensor:
             f"or 'sum')."
         )
     return loss
-
-
-def not_a_tensor(output: Any, where: str) -> TypeError:
-    """The error for a loss_fn given a structured output (a ModelOutput, a dict, a tuple)."""
-    fields = ""
-    if isinstance(output, Mapping):
-        fields = f" (fields {list(output.keys())})"
-    hint = (
-        "pass loss_fn=None to use the loss each member computed itself (its output's .loss, "
-        "from labels=...), or "
-        if (isinstance(output, Mapping) or hasattr(output, "loss"))
-        else ""
-    )
-    return TypeError(
-        f"{where}: the output is a {type(output).__name__}{fields}, not a tensor; {hint}pass "
-        f"the tensor the loss reads, e.g. member_losses(F.cross_entropy, out.logits, y)."
-    )

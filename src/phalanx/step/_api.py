@@ -387,8 +387,9 @@ class CompiledStep:
         plan = self._plan(args, mask)
         real = self._tensors(args, target, mask)
         layout = layout_of(real)
-        # Traced on copies (make_fx runs the operations for real), with the RNG put back, so
-        # that tracing leaves no trace in the weights, the buffers or the random stream.
+        # Traced with fake tensors (compat.make_fx), on copies and with the RNG put back all
+        # the same: a backend may run its example inputs, and tracing must leave no trace in
+        # the weights, the buffers or the random stream.
         mutable = ("params", "buffers", "state", "bad_steps", "frozen")
         copies = flatten(layout, {**real, **{k: pytree.tree_map(_clone, real[k]) for k in mutable}})
         step = step_function(plan)
@@ -522,7 +523,9 @@ def _exchange(obj: Any) -> list[Any]:
 
 
 def _clone(v: Any) -> Any:
-    return v.clone() if isinstance(v, Tensor) else v
+    # Detached: a clone of a parameter would be a non-leaf, whose .grad the fake tensor of
+    # the trace reads, with torch's warning about non-leaf gradients.
+    return v.detach().clone() if isinstance(v, Tensor) else v
 
 
 def _reason(error: BaseException) -> str:
@@ -612,8 +615,12 @@ def compile_step(
         stack: the :class:`phalanx.Stack` to train.
         loss_fn: a loss on one member's ``(B, ...)`` output and target returning a scalar,
             such as ``torch.nn.functional.cross_entropy`` (see :func:`phalanx.member_losses`);
-            or None for the loss each member computes itself (its output's ``.loss``, e.g. a
-            Hugging Face model given ``labels=``): call ``step(inputs, labels=y, ...)``.
+            the loop's own loss on a member's whole output where that is a tuple, dict,
+            registered dataclass or Hugging Face ``ModelOutput`` (``lambda q, y:
+            F.mse_loss(q[0], y) + F.mse_loss(q[1], y)``, ``lambda out, y:
+            F.cross_entropy(out.logits, y)``); or None for the loss each member computes
+            itself (its output's ``.loss``, e.g. a Hugging Face model given ``labels=``):
+            call ``step(inputs, labels=y, ...)``.
         optimizer: a phalanx optimizer (``Adam``, ``AdamW``, ``SGD``, ``Lion``, any
             ``MemberOptimizer`` with an update rule) over ``stack.parameters()``, with any
             per-member hyperparameters, ``skip_nonfinite`` and ``freeze_after``; its own

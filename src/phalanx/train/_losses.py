@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.func import vmap
 
-from phalanx.core._hf import not_a_tensor, own_loss
+from phalanx._errors import summary
+from phalanx._torch_compat import pytree
+from phalanx.core._hf import own_loss
 from phalanx.train import _smoothing
 
 # Losses that are a mean of per-element terms: computed once on (N, B, ...) with
@@ -98,9 +101,12 @@ def member_losses(
         loss_fn: a loss such as ``torch.nn.functional.cross_entropy`` that returns a scalar
             for one member's ``(B, ...)`` output; or None for the loss each member computed
             itself: the output's ``.loss`` (a Hugging Face ``ModelOutput`` of a call with
-            ``labels=``), or a tuple's first element, ``(N,)``.
-        output: the stack's output, ``(N, B, ...)``; with ``loss_fn=None``, the stack's
-            structured output.
+            ``labels=``), or a tuple's first element, ``(N,)``. For a structured output (a
+            tuple, list, dict, dataclass or ``ModelOutput``) it is given each member's whole
+            output, as the model returns it, and reads what it needs
+            (``lambda out, y: F.mse_loss(out[0], y) + F.mse_loss(out[1], y)``).
+        output: the stack's output, ``(N, B, ...)``, or a tuple, list, dict, dataclass or
+            ``ModelOutput`` of such tensors.
         target: ``(B, ...)`` shared by every member (the default), or ``(N, B, ...)`` with
             ``in_dims=(0, 0)`` for per-member targets.
         in_dims: how ``output`` and ``target`` map over the member axis, as in
@@ -115,6 +121,8 @@ def member_losses(
     Raises:
         ValueError: the target carries the member axis but ``in_dims`` says it is shared, or
             ``loss_fn`` does not return one scalar per member.
+        TypeError: ``loss_fn`` cannot read a member's structured output (it raised a
+            TypeError, AttributeError, KeyError or IndexError on it).
 
     Example:
         >>> stack = phalanx.stack([nn.Linear(4, 3) for _ in range(5)])
@@ -127,8 +135,6 @@ def member_losses(
     where = "phalanx.member_losses()"
     if loss_fn is None:
         return own_loss(output, None, where)
-    if not isinstance(output, torch.Tensor) and in_dims[0] == 0:
-        raise not_a_tensor(output, where)
     if not callable(loss_fn):
         raise TypeError(
             f"{where}: the loss function comes first: member_losses(loss_fn, output, target); "
@@ -149,6 +155,8 @@ def member_losses(
             f"in_dims=(0, None) for a target shared by every member, (0, 0) for per-member "
             f"targets."
         )
+    if not isinstance(output, torch.Tensor) and in_dims[0] == 0:
+        return _structured_losses(loss_fn, output, target, in_dims[1], kwargs, where)
     if _smoothing.is_per_member(kwargs):
         return _smoothing.smoothed_losses(member_losses, loss_fn, output, target, in_dims, kwargs)
     if (
@@ -167,10 +175,92 @@ def member_losses(
     losses = _batched_loss(loss_fn, output, target, in_dims, kwargs)
     if losses is None:
         losses = vmap(lambda o, t: loss_fn(o, t, **kwargs), in_dims=in_dims)(output, target)
-    expected = output.shape[:1] if in_dims[0] == 0 else target.shape[:1]
-    if losses.shape != expected:
+    n = output.shape[0] if in_dims[0] == 0 else target.shape[0]
+    return _checked(losses, n, where)
+
+
+def _checked(losses: Any, n: int, where: str) -> torch.Tensor:
+    if not isinstance(losses, torch.Tensor) or losses.shape != (n,):
+        got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ValueError(
-            f"{where}: loss_fn must return one scalar per member, giving shape "
-            f"{tuple(expected)}; got {tuple(losses.shape)}. Use reduction='mean' or 'sum'."
+            f"{where}: loss_fn must return one scalar per member, giving shape ({n},); got "
+            f"{got}. Use reduction='mean' or 'sum', and return the loss alone (a tensor)."
         )
     return losses
+
+
+def _structured_losses(
+    loss_fn: Callable[..., torch.Tensor],
+    output: Any,
+    target: Any,
+    target_dim: int | None,
+    kwargs: dict[str, Any],
+    where: str,
+) -> torch.Tensor:
+    """The (N,) losses of ``loss_fn`` on each member's whole output: a tuple, list, dict,
+    Hugging Face ``ModelOutput`` (a registered pytree node) or dataclass of ``(N, ...)``
+    tensors (dataclasses registered with ``torch.export.register_dataclass``), given to
+    ``loss_fn`` as that member's own output, as the loop gives it."""
+    tree = output
+    if dataclasses.is_dataclass(output) and pytree.tree_is_leaf(output):
+        raise TypeError(
+            f"{where}: the output is a {type(output).__name__}, a dataclass torch's pytree does "
+            f"not know, so neither vmap nor the stack can map over its tensors; register it "
+            f"once with torch.export.register_dataclass({type(output).__name__})."
+        )
+    leaves = pytree.tree_leaves(tree)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if not tensors:
+        raise TypeError(
+            f"{where}: the output is a {type(output).__name__} holding no tensor that vmap can "
+            f"map over the members; return tensors (or a tuple, list, dict or dataclass of "
+            f"them) from the model, or give member_losses the tensor the loss reads."
+        )
+    n = tensors[0].shape[0] if tensors[0].dim() else 0
+    if any(x.dim() == 0 or x.shape[0] != n for x in tensors):
+        raise ValueError(
+            f"{where}: every tensor of the output ({_describe(output, tree, member=False)}) "
+            f"must carry the member axis first, (N, ...) with the same N, as the stack "
+            f"returns them."
+        )
+    dims = pytree.tree_map(lambda x: 0 if isinstance(x, torch.Tensor) else None, tree)
+    per_member = vmap(lambda o, t: loss_fn(o, t, **kwargs), in_dims=(dims, target_dim))
+    try:
+        losses = per_member(tree, target)
+    except (TypeError, AttributeError, KeyError, IndexError) as e:
+        hint = f"lambda out, y: F.mse_loss({_first_part(output)}, y)"
+        if hasattr(output, "loss") or (isinstance(output, Mapping) and "loss" in output):
+            hint += (
+                ", or loss_fn=None to use the loss each member computed itself (its "
+                "output's .loss, from labels=...)"
+            )
+        raise TypeError(
+            f"{where}: loss_fn could not read a member's output, {_describe(output, tree)} "
+            f"(not a tensor): {summary(e)}. loss_fn is given each member's whole output as the "
+            f"model returns it; read the part the loss needs, e.g. {hint}."
+        ) from e
+    return _checked(losses, n, where)
+
+
+def _first_part(output: Any) -> str:
+    """How a loss reads the output's first tensor: ``out[0]``, ``out["mean"]``, ``out.logits``."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, Mapping):
+        return f"out.{dataclasses.fields(output)[0].name}"
+    if isinstance(output, Mapping) and output:
+        key = next(iter(output))
+        return f"out.{key}" if hasattr(output, "loss") else f"out[{key!r}]"
+    return "out[0]"
+
+
+def _describe(output: Any, tree: Any, member: bool = True) -> str:
+    """``a tuple of tensors (8, 1), (8, 1)``: the type and each tensor leaf's shape, a
+    member's own (the member axis dropped) where ``member``."""
+    fields = ""
+    if isinstance(output, Mapping):
+        fields = f" with fields {list(output.keys())}"
+    elif dataclasses.is_dataclass(output):
+        fields = f" with fields {[f.name for f in dataclasses.fields(output)]}"
+    shapes = [
+        tuple(x.shape[member:]) for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)
+    ]
+    return f"a {type(output).__name__}{fields} of tensors {', '.join(map(str, shapes))}"

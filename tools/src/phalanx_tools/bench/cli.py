@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time the real-model suite instead (14 model classes copied from public code, "
         "each checked against the loop first); with --members N (default 16), --threads, "
-        "--quick and --json",
+        "--quick, --json and --workloads td3_critic,vae,... (a subset of the models)",
     )
     parser.add_argument("--members", type=int, default=16, help="N for --real")
     parser.add_argument(
@@ -212,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         argv += ["--threads", str(args.threads)] if args.threads else []
         argv += ["--quick"] if args.quick else []
         argv += ["--json", args.json] if args.json else []
+        if args.workloads != ",".join(WORKLOADS):  # named by the user: real models
+            argv += ["--models", args.workloads]
         return real_main(argv)
     try:
         workloads = _parse_list(args.workloads, list(WORKLOADS), "--workloads")

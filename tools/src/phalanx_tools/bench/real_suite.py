@@ -398,10 +398,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def stack_losses(model: RealModel, out: Any, batch: Batch) -> torch.Tensor:
-    """The (N,) per-member losses of the stack's output, never mixing members."""
-    if isinstance(out, torch.Tensor) and isinstance(batch.target, torch.Tensor):
-        return phalanx.member_losses(model.loss, out, batch.target, in_dims=(0, batch.target_dim))
-    return torch.func.vmap(model.loss, in_dims=(0, batch.target_dim))(out, batch.target)
+    """The (N,) per-member losses of the stack's output (a tensor, or a tuple or
+    ``ModelOutput`` the authors' loss reads whole), never mixing members."""
+    return phalanx.member_losses(model.loss, out, batch.target, in_dims=(0, batch.target_dim))
 
 
 # ------------------------------------------------------------------------- the check
