@@ -290,9 +290,10 @@ def _recurrence(
     reverse: bool,
 ) -> tuple[torch.Tensor, ...]:
     """``(out, h_n)`` and LSTM's ``c_n``, by the fastest path that is exact here."""
-    if torch.compiler.is_compiling() or compat.transforms_active() or compat.forward_ad_active():
-        # torch.compile fuses the ordinary operations itself, and a torch.func transform or
-        # forward-mode AD cannot see through the hand-written backward.
+    if compat.tracing() or compat.transforms_active() or compat.forward_ad_active():
+        # torch.compile (and compile_step's make_fx trace) fuses the ordinary operations
+        # itself, and a torch.func transform or forward-mode AD cannot see through the
+        # hand-written backward.
         return _steps(mode, gi, h0, c0, w_hh, b_hn, reverse)
     inputs = (gi, h0, c0, w_hh, b_hn)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
