@@ -11,6 +11,9 @@ Usage::
 
     OMP_NUM_THREADS=1 flock /tmp/bench.lock python benchmarks/step_memory.py
     python benchmarks/step_memory.py --workloads w7 --ways loop fused
+
+``fused/k`` runs the step with ``Stack.backward_in_chunks(..., chunk_members=k)``: k members'
+activations alive at once instead of N's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import os
 import subprocess
 import sys
 
-WAYS = ("loop", "fused", "vmap")
+WAYS = ("loop", "fused", "vmap", "fused/4", "fused/2")
+"""``fused/k``: ``Stack.backward_in_chunks(..., chunk_members=k)``, k members at a time."""
 
 
 def _members(workload: str):  # -> (members, x, y)
@@ -74,13 +78,21 @@ def _child(workload: str, way: str) -> dict:
                 F.cross_entropy(m(x), y).backward()
                 o.step()
     else:
-        stack = phalanx.stack(members, backend=way)
+        backend, _, chunk = way.partition("/")
+        stack = phalanx.stack(members, backend=backend)
         del members
         opt = torch.optim.SGD(stack.parameters(), lr=0.01)
 
         def step() -> None:
             opt.zero_grad()
-            phalanx.member_losses(F.cross_entropy, stack(x), y).sum().backward()
+            if chunk:
+                stack.backward_in_chunks(
+                    lambda out, rows: phalanx.member_losses(F.cross_entropy, out, y),
+                    x,
+                    chunk_members=int(chunk),
+                )
+            else:
+                phalanx.member_losses(F.cross_entropy, stack(x), y).sum().backward()
             opt.step()
 
     step()  # warm: gradients allocated
