@@ -109,9 +109,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["w7", "mlp"], choices=["w7", "mlp"])
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+    parser.add_argument(
+        "--before",
+        action="store_true",
+        help="BatchNorm as one call over all members' channels (main's rule before issue 26)",
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        if args.before:
+            from phalanx.backends.rules import _norm
+
+            _norm.ALONE_BYTES = 1 << 60
         print(json.dumps(_child(*args.child)))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -120,7 +129,7 @@ def main() -> None:
         loop = None
         for way in args.ways:
             out = subprocess.run(
-                [sys.executable, __file__, "--child", workload, way],
+                [sys.executable, __file__, "--child", workload, way, *(["--before"] if args.before else [])],
                 capture_output=True, text=True, check=True, env=env,
             )  # fmt: skip
             r = json.loads(out.stdout.strip().splitlines()[-1])

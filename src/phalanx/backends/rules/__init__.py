@@ -11,7 +11,7 @@ definition:
 
 - correctness (both backends): convolutions (``_conv``); embeddings, embedding bags and
   ``one_hot``, every id checked per member (``_embedding``); BatchNorm with a member's
-  arithmetic independent of N (``_norm``); max pooling keeping no indices (``_pool``); ``grid_sample`` (``_sampling``).
+  arithmetic independent of N (``_norm``); ``grid_sample`` (``_sampling``).
 - speed (``fused`` only): Linear and bilinear (``_linear``), attention (``_attention``),
   recurrent layers (``_recurrent``), GroupNorm (``_norm``).
 
@@ -35,7 +35,6 @@ from phalanx.backends.rules import (  # noqa: F401  (each registers its rules)
     _export,
     _linear,
     _norm,
-    _pool,
     _recurrent,
     _sampling,
 )

@@ -14,8 +14,10 @@ member by member instead: each call is the member's own, on a view of its own in
 there is no ``(1, N * C, B * S)`` copy. One batched call keeps four activation-sized tensors
 alive at once forward (the input, that copy, the output and its member-first copy) and four
 backward (the saved copy, the gradient's copy, the kernel's gradient and its scratch); member
-by member, three and three (W7 of DESIGN.md, 16 CNNs at batch 64: 42 MiB less at the peak of
-a training step). Large members pay nothing in time for it: each call is long.
+by member, three and three, and each member's bits are the loop's (the one call's are the
+loop's to float rounding). W7 of DESIGN.md (16 CNNs, batch 64): its training step adds less to
+the resident set at its peak, and takes less time (docs/BENCHMARKS.md, "Peak memory of a
+training step"). Small members keep the one call: one kernel launch instead of N.
 
 GroupNorm (``fused`` only): torch.func's rule is one call over ``(N * B, C)`` without the
 affine, then the members' weights and biases applied by separate ops. Here every member's
