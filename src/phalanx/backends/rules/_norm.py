@@ -9,6 +9,16 @@ tail that rounds differently. Here each channel of each member is one contiguous
 by channel: the same arithmetic for member i whatever N is, so a member kept in a smaller
 stack (successive halving, PBT) continues bit for bit.
 
+Members whose input is large (at least ``ALONE_BYTES`` each, laid out as they are alone) run
+member by member instead: each call is the member's own, on a view of its own input, so
+there is no ``(1, N * C, B * S)`` copy. One batched call keeps four activation-sized tensors
+alive at once forward (the input, that copy, the output and its member-first copy) and four
+backward (the saved copy, the gradient's copy, the kernel's gradient and its scratch); member
+by member, three and three, and each member's bits are the loop's (the one call's are the
+loop's to float rounding). W7 of DESIGN.md (16 CNNs, batch 64): its training step adds less to
+the resident set at its peak, and takes less time (docs/BENCHMARKS.md, "Peak memory of a
+training step"). Small members keep the one call: one kernel launch instead of N.
+
 GroupNorm (``fused`` only): torch.func's rule is one call over ``(N * B, C)`` without the
 affine, then the members' weights and biases applied by separate ops. Here every member's
 channels are one ``(B, N * C)`` input with ``N * num_groups`` groups, the weight and bias
@@ -36,6 +46,9 @@ _BN_NAMES = (
     "eps",
 )
 _BN_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+ALONE_BYTES = 1 << 18
+"""A member's input of at least this many bytes is normalised by a call of its own."""
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -85,6 +98,9 @@ def _batch_norm(
         # they are updated in place through a flat view of them
         or (written and any(t is not None and not t.is_contiguous() for t in stats))
     ):
+        return per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
+    if dims[0] == 0 and xs[0].is_contiguous() and xs[0].nbytes >= ALONE_BYTES:
+        # each member's input, a contiguous view, as it is alone: its own call, no copy
         return per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
     batch, c, sp = xs.shape[1], xs.shape[2], xs.shape[3:]
     # contiguous whatever N is (for one member the reshape alone is a strided view, which the
