@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phalanx import _torch_compat as compat
 from phalanx.backends.rules._registry import Dims, batch_rule, first, member_first, per_member
 
 _BN_NAMES = (
@@ -99,8 +100,14 @@ def _batch_norm(
         or (written and any(t is not None and not t.is_contiguous() for t in stats))
     ):
         return per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
-    if dims[0] == 0 and xs[0].is_contiguous() and xs[0].nbytes >= ALONE_BYTES:
-        # each member's input, a contiguous view, as it is alone: its own call, no copy
+    if (
+        dims[0] == 0
+        and not compat.tracing()
+        and xs[0].is_contiguous()
+        and xs[0].nbytes >= ALONE_BYTES
+    ):
+        # each member's input, a contiguous view, as it is alone: its own call, no copy (not
+        # under a trace: a symbolic size has no value to compare)
         return per_member(n, dims, F.batch_norm, x, mean, var, w, b, training, momentum, eps)
     batch, c, sp = xs.shape[1], xs.shape[2], xs.shape[3:]
     # contiguous whatever N is (for one member the reshape alone is a strided view, which the
