@@ -68,15 +68,21 @@ class Direct:
 
 
 class MemberViews:
-    """Member m's slices of a call's tensors. Where an autograd graph is recorded, every
-    stacked tensor that requires grad is ``unbind`` once per call, so that backward stacks
-    the members' gradients in one pass instead of one zero-filled full-size gradient per
-    slice (as the general path and the loop backend do)."""
+    """Member m's slices of a call's tensors, for the members ``members`` that the call runs.
 
-    def __init__(self, direct: Direct) -> None:
+    Where an autograd graph is recorded, each stacked tensor that requires grad is split
+    once per call, so that backward writes the members' gradients into the stacked gradient
+    in one pass: ``unbind`` when the call runs every member (its backward stacks them), else
+    ``_MemberSlices`` (one zero-filled gradient, the members' slices copied in), instead of
+    one zero-filled full-size gradient per slice, or one per member left out.
+    """
+
+    def __init__(self, direct: Direct, members: list[int], num_members: int) -> None:
         self.graph = torch.is_grad_enabled()
         self._tensors = direct.stacked()
-        self._unbound: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._members = members
+        self._every = len(members) == num_members
+        self._split: dict[int, dict[int, torch.Tensor]] = {}
         self.fn = direct.graph_fn if self.graph else direct.inplace_fn
 
     def of(self, m: int) -> list[torch.Tensor]:
@@ -85,9 +91,11 @@ class MemberViews:
             if not member:
                 out.append(t)
             elif self.graph and t.requires_grad:
-                views = self._unbound.get(i)
+                views = self._split.get(i)
                 if views is None:
-                    views = self._unbound[i] = t.unbind(0)
+                    members = range(t.shape[0]) if self._every else self._members
+                    split = t.unbind(0) if self._every else _MemberSlices.apply(t, members)
+                    views = self._split[i] = dict(zip(members, split))
                 out.append(views[m])
             else:
                 out.append(t[m])
@@ -95,6 +103,26 @@ class MemberViews:
 
     def run(self, m: int, inputs: tuple[Any, ...]) -> Any:
         return self.fn(self.of(m), *inputs)
+
+
+class _MemberSlices(torch.autograd.Function):
+    """``tuple(t[m] for m in members)``, whose backward fills one zero gradient of ``t``'s
+    shape with the members' gradients (``unbind`` would allocate a zero slice for each
+    member left out, then stack them all)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, members: Any) -> Any:
+        ctx.members, ctx.shape = list(members), t.shape
+        return tuple(t[m] for m in ctx.members)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        first = next(g for g in grads if g is not None)
+        out = first.new_zeros(ctx.shape)
+        for m, g in zip(ctx.members, grads):
+            if g is not None:
+                out[m] = g
+        return out, None
 
 
 # -------------------------------------------------------------------------- in-place variants
@@ -125,10 +153,21 @@ unless given ``out=``; the unary ones of ``_UNARY_IN_PLACE`` are new with one ar
 keywords (no ``inplace=True``)."""
 
 
+def _unary(node: fx.Node) -> bool:
+    """``node`` is an out-of-place call of a function of ``_UNARY_IN_PLACE`` on one tensor:
+    ``f(x)``, ``f(x, False)`` or ``f(x, inplace=False)`` (how fx records ``F.relu(x)``)."""
+    if node.target not in _UNARY_IN_PLACE:
+        return False
+    args, kwargs = node.args, node.kwargs
+    return (len(args) == 1 or (len(args) == 2 and args[1] is False)) and (
+        not kwargs or (len(args) == 1 and dict(kwargs) == {"inplace": False})
+    )
+
+
 def _fresh(node: fx.Node) -> bool:
     """Whether the call ``node`` returns a new tensor."""
     if node.target in _UNARY_IN_PLACE:
-        return len(node.args) == 1 and not node.kwargs
+        return _unary(node)
     return node.target in _FRESH_FUNCTIONS and "out" not in node.kwargs
 
 
@@ -183,7 +222,12 @@ def _writes(graph: fx.Graph, live: nn.Module) -> bool:
             node.kwargs.get("inplace") or "out" in node.kwargs
         ):
             return True
-        if node.op == "call_function" and node.target in _UNARY_IN_PLACE and len(node.args) > 1:
+        if (
+            node.op == "call_function"
+            and node.target in _UNARY_IN_PLACE
+            and len(node.args) > 1
+            and node.args[1] is not False
+        ):
             return True  # F.relu(x, True)
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
@@ -269,13 +313,8 @@ def _rewrite(
         elif node.op == "call_function":
             target = node.target
             first = node.args[0] if node.args else None
-            if (
-                inplace
-                and target in _UNARY_IN_PLACE
-                and len(node.args) == 1
-                and not node.kwargs
-                and single_use(first, node)
-            ):
+            if inplace and _unary(node) and single_use(first, node):
+                assert isinstance(first, fx.Node)
                 out = new.call_function(_UNARY_IN_PLACE[target], (env[first],))
             elif (
                 inplace

@@ -247,7 +247,7 @@ def segment_path(
     if reason is None:
         assert isinstance(plan, Plan)
         seg = Segments.of(routing, view.num_members)
-        if per_segment(len(seg.members), seg.rows):
+        if len(seg.members) == 1 or per_segment(len(seg.members), seg.rows):
             direct = direct_of(plan, view, signature)
             if direct is not None:
                 return direct_segments(direct, args, routing, seg), True
@@ -272,7 +272,7 @@ def direct_segments(
     place as they come: rows gathered per segment (a view where the routing keeps the rows in
     order), outputs added into their rows (``index_add_``, weighted, the k choices summed in
     member order) or, in order, joined."""
-    views = MemberViews(direct)
+    views = MemberViews(direct, seg.members, seg.num_members)
     outputs = []
     start = 0
     in_order = routing.in_order
@@ -287,11 +287,12 @@ def direct_segments(
         start += count
     if in_order:
         joined = concat(outputs, seg.count_list)
-        if routing.weights is None:
+        weights = routing.weights
+        if weights is None:
             return joined
         return pytree.tree_map(
             lambda t: (
-                t * routing.weights.to(t.dtype).view(-1, *(1,) * (t.dim() - 1))
+                t * weights.to(t.dtype).view(-1, *(1,) * (t.dim() - 1))
                 if isinstance(t, torch.Tensor)
                 else t
             ),

@@ -100,12 +100,12 @@ def subset_segment(
     if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
         return None
     try:
-        if per_segment(k, k * batch):
+        if k == 1 or per_segment(k, k * batch):
             direct = direct_of(plan, view, signature)
             own = [tuple(a if d is None else a[s] for a, d in zip(args, in_dims))
                    for s in range(k)]  # fmt: skip
             if direct is not None:  # the member's forward as one generated function
-                member_views = MemberViews(direct)
+                member_views = MemberViews(direct, chosen, view.num_members)
                 outs = [member_views.run(m, inputs) for m, inputs in zip(chosen, own)]
             else:
                 views: dict[int, Any] = {}
