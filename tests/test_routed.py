@@ -743,6 +743,13 @@ def test_direct_segments_are_the_members_own_forward_bit_for_bit(monkeypatch, ar
                         for g, o in zip(got, own):
                             assert torch.equal(g[rows], o), (arch, i, grad)
         assert all(torch.equal(a, k) for a, k in zip(args, kept))
+    with torch.no_grad():  # outputs are never the reused buffers of the in-place variant
+        first = leaves(stack(*args, members=index))
+        kept_out = [o.clone() for o in first]
+        bigger = inputs(arch, 80, gen)
+        stack(*bigger, members=torch.randint(0, 4, (80,), generator=gen))
+        stack(*[a[:5] for a in bigger], members=torch.tensor([0, 1, 2, 3, 0]))
+    assert all(torch.equal(o, k) for o, k in zip(first, kept_out))
 
 
 class WritesItsInput(nn.Module):

@@ -196,7 +196,85 @@ def _activation_in_place(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tenso
         return in_place(mod)(t)  # the module's settings read on every call
 
     run.__name__ = f"phalanx_{type(mod).__name__.lower()}_in_place"
+    _IN_PLACE_TARGETS.add(run)
     return run
+
+
+_IN_PLACE_TARGETS: Any = {*_UNARY_IN_PLACE.values(), *_BINARY_INTO.values()}
+"""The in-place targets of the rewrite (the activation modules' are added as they are made;
+a weak set would do, but these functions live as long as their plans)."""
+
+
+class Workspace:
+    """Where no autograd graph is recorded, the output buffers of the Linear layers whose
+    output lives only inside the forward (read by one operation whose result is new, or
+    through in-place operations whose result is): one ``(rows, out)`` buffer per such
+    Linear, grown to the most rows seen and reused by every segment and every call, instead
+    of a new allocation (and, above the allocator's threshold, fresh pages) each time. The
+    values are ``F.linear``'s (``addmm``/``mm`` into the buffer, the kernels it calls for
+    a 2-D input). The stack's lock keeps two calls from sharing it at once."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def linear(self) -> Callable[..., torch.Tensor]:
+        buffers = self.buffers
+
+        def phalanx_linear_into(
+            x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, slot: int
+        ) -> torch.Tensor:
+            if (
+                x.dim() != 2
+                or w.dim() != 2
+                or w.dtype != x.dtype
+                or (b is not None and (b.dim() != 1 or b.dtype != x.dtype))
+            ):
+                return F.linear(x, w, b)  # F.linear's own broadcasting, promotion, errors
+            rows, out_f = x.shape[0], w.shape[0]
+            buf = buffers.get(slot)
+            if (
+                buf is None
+                or buf.shape[0] < rows
+                or buf.shape[1] != out_f
+                or buf.dtype != x.dtype
+                or buf.device != x.device
+            ):
+                buf = buffers[slot] = x.new_empty(rows, out_f)
+            y = buf[:rows]
+            if b is None:
+                return torch.mm(x, w.t(), out=y)
+            return torch.addmm(b, x, w.t(), out=y)
+
+        return phalanx_linear_into
+
+
+def _internal_linears(graph: fx.Graph) -> list[fx.Node]:
+    """The ``F.linear`` nodes of the rewritten in-place graph whose output lives only inside
+    the forward: it, or the in-place chain that writes it, has one user whose result is a
+    new tensor not written into it (see ``Workspace``)."""
+    found = []
+    for node in graph.nodes:
+        if (
+            node.op != "call_function"
+            or node.target is not F.linear
+            or len(node.args) != 3
+            or node.kwargs
+        ):
+            continue
+        cur = node
+        while True:
+            if len(cur.users) != 1:
+                break
+            (user,) = cur.users
+            if user.op != "call_function":
+                break
+            if user.target in _IN_PLACE_TARGETS and user.args and user.args[0] is cur:
+                cur = user  # written in place (or, at run time, a new tensor): follow it
+                continue
+            if user.target in _IN_PLACE_TARGETS or _fresh(user):
+                found.append(node)  # read by an operation whose result is a new tensor
+            break
+    return found
 
 
 # ---------------------------------------------------------------------------------- the rewrite
@@ -335,5 +413,11 @@ def _rewrite(
             env[node] = new.node_copy(node, load)
         elif node.op == "output":
             new.output(fx.node.map_arg(node.args[0], load))
+    if inplace:
+        workspace = Workspace()
+        linear_into = workspace.linear()
+        for slot, node in enumerate(_internal_linears(new)):
+            node.target = linear_into
+            node.args = (*node.args, slot)
     code = fx.GraphModule(holder, new)
     return sources, code.forward
