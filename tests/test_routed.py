@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import phalanx
+from phalanx.routed import _direct as _direct_mod
 from phalanx.routed import _rowwise, _segments, _subsets
 
 BACKENDS = ["loop", "vmap", "fused", "auto"]
@@ -671,3 +672,184 @@ def test_a_dispatch_that_drops_everything_gives_zeros():
     d = phalanx.routing.dispatch(index, 3, weights=torch.ones(2, 2), capacity=0)
     assert d.dropped == 4 and d.dropped_rows == 2
     assert torch.equal(stack(torch.randn(2, 8), members=d), torch.zeros(2, 5))
+
+
+# ------------------------------------------------- the member's forward as one generated function
+
+
+def _direct(stack):
+    plan = stack._view.cache_of("routed")["plan"]
+    return plan.direct
+
+
+ROUTINGS = {  # (index, weighted) on 4 members, 40 rows
+    "top2 weighted": (lambda g: torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(40)]), True),
+    "top2 unweighted": (lambda g: torch.randint(0, 3, (40, 2), generator=g), False),
+    "one each, unsorted": (lambda g: torch.randint(0, 4, (40,), generator=g), False),
+    "one each, weighted": (lambda g: torch.randint(0, 4, (40,), generator=g), True),
+    "sorted, member 1 empty": (lambda g: torch.tensor([0] * 9 + [2] * 20 + [3] * 11), False),
+    "sorted, weighted": (lambda g: torch.tensor([0] * 9 + [1] * 20 + [3] * 11), True),
+    "all rows to one member": (lambda g: torch.full((40,), 2), False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("arch", sorted(ROWWISE))
+def test_direct_segments_match_the_loop(monkeypatch, arch, routing):
+    """From the second call on (the first proves the trace row-wise), the per-segment runs
+    are the member's forward as one generated function: outputs, input, weight and
+    parameter gradients and second derivatives against the loop, member by member."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    runs = _count_plan_runs(monkeypatch, _rowwise)
+    models, stack = build(arch, 4, "auto")
+    gen = torch.Generator().manual_seed(7)
+    make, weighted = ROUTINGS[routing]
+    index = make(gen)
+    weights = torch.rand(index.shape, generator=gen) if weighted else None
+    args = inputs(arch, 40, gen)
+    stack(*args, members=index, weights=weights)  # proves the trace
+    stack(*args, members=index, weights=weights)  # compiles the direct function
+    assert isinstance(_direct(stack), _direct_mod.Direct)
+    runs.clear()
+    check_against_loop(models, stack, args, index, weights, second=True)
+    with torch.no_grad():
+        got = leaves(stack(*args, members=index, weights=weights))
+        ref, *_ = loop_reference(models, args, index, weights, torch.float32)
+        ref64, *_ = loop_reference(models, args, index, weights, torch.float64)
+    for j, (a, b, c) in enumerate(zip(got, ref, ref64)):
+        close(a, b, c, f"no_grad out[{j}]")
+    assert runs == [] and stack.routed_path == "segment"  # no run_plan: the direct function
+
+
+@pytest.mark.parametrize("arch", sorted(ROWWISE))
+def test_direct_segments_are_the_members_own_forward_bit_for_bit(monkeypatch, arch):
+    """One member per row, no weights: each row is bit for bit its member's own forward on
+    the member's rows (the same operations on the same rows), with or without a graph, the
+    in-place variants included; the caller's inputs are left as they were."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    models, stack = build(arch, 4, "auto")
+    gen = torch.Generator().manual_seed(3)
+    for index in (torch.randint(0, 3, (40,), generator=gen), torch.arange(40) // 10):
+        args = inputs(arch, 40, gen)
+        kept = [a.clone() for a in args]
+        stack(*args, members=index)  # proves the trace
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                got = leaves(stack(*args, members=index))
+                for i, m in enumerate(models):
+                    rows = (index == i).nonzero().squeeze(1)
+                    if rows.numel():
+                        own = leaves(m(*[a[rows] for a in args]))
+                        for g, o in zip(got, own):
+                            assert torch.equal(g[rows], o), (arch, i, grad)
+        assert all(torch.equal(a, k) for a, k in zip(args, kept))
+    with torch.no_grad():  # outputs are never the reused buffers of the in-place variant
+        first = leaves(stack(*args, members=index))
+        kept_out = [o.clone() for o in first]
+        bigger = inputs(arch, 80, gen)
+        stack(*bigger, members=torch.randint(0, 4, (80,), generator=gen))
+        stack(*[a[:5] for a in bigger], members=torch.tensor([0, 1, 2, 3, 0]))
+    assert all(torch.equal(o, k) for o, k in zip(first, kept_out))
+
+
+class WritesItsInput(nn.Module):
+    """A forward that writes its input in place (as it may in the loop, on ``x[index == i]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(x, inplace=True))
+
+
+def test_a_forward_that_writes_its_input_gets_copies(monkeypatch):
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    torch.manual_seed(0)
+    models = [WritesItsInput() for _ in range(3)]
+    stack = phalanx.stack(copy.deepcopy(models), backend="auto")
+    x, index = torch.randn(12, 8), torch.arange(12) // 4  # sorted: the rows could be views
+    with torch.no_grad():
+        stack(x.clone(), members=index)
+        stack(x.clone(), members=index)
+        assert _direct(stack).writes
+        before = x.clone()
+        out = stack(x, members=index)
+    assert torch.equal(x, before)  # the caller's rows were copied, not written
+    ref = torch.cat([models[i](x[index == i].clone()) for i in range(3)])
+    assert torch.equal(out, ref)
+
+
+def test_direct_errors_and_edges_after_compiling(monkeypatch):
+    """Bad ids, a routing with empty members and B = 0 after the direct function exists."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    models, stack = build("gaussian", 4, "auto")
+    x = torch.randn(6, 8)
+    stack(x, members=torch.tensor([0, 1, 2, 3, 0, 1]))
+    stack(x, members=torch.tensor([0, 1, 2, 3, 0, 1]))
+    assert isinstance(_direct(stack), _direct_mod.Direct)
+    with pytest.raises(IndexError, match="member index 4"):
+        stack(x, members=torch.tensor([0, 1, 4, 3, 0, 1]))
+    with pytest.raises(IndexError, match="member index -2"):
+        stack(x, members=torch.tensor([0, 1, -2, 3, 0, 1]))
+    mean, logvar = stack(x[:0], members=torch.zeros(0, dtype=torch.long))
+    assert mean.shape == (0, 3) and logvar.shape == (0, 3)
+    index = torch.tensor([[3, 1], [1, 3], [3, 1], [1, 3], [3, 1], [1, 3]])  # 0 and 2 empty
+    check_against_loop(models, stack, (x,), index, torch.rand(6, 2), second=True)
+    d = phalanx.routing.dispatch(index, 4, weights=torch.rand(6, 2), capacity=2)  # drops
+    got = stack(x, members=d)
+    ref = torch.zeros(6, 3)
+    for r in range(6):
+        for j in range(2):
+            if d.keep[r, j]:
+                ref[r] += d.weights[r, j] * models[int(index[r, j])](x[r : r + 1])[0][0]
+    torch.testing.assert_close(got[0], ref)
+
+
+@pytest.mark.parametrize("chosen", [[3, 7], [7, 3], [2, 3, 4], list(range(10))])
+def test_direct_subsets_match_those_members_alone(monkeypatch, chosen):
+    """From the second call on, each chosen member runs its generated forward on the input;
+    gradients reach those members' slices alone (one zero-filled gradient per tensor),
+    second derivatives too."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    torch.manual_seed(0)
+    models = [TwoInputs() for _ in range(10)]
+    stack = phalanx.stack(copy.deepcopy(models), backend="auto")
+    obs, act = torch.randn(6, 8), torch.randn(6, 2)
+    stack(obs, act, subset=chosen)
+    stack(obs, act, subset=chosen)
+    assert isinstance(_direct(stack), _direct_mod.Direct)
+    runs = _count_plan_runs(monkeypatch, _subsets)
+    o, a = obs.clone().requires_grad_(True), act.clone().requires_grad_(True)
+    out = stack(o, a, subset=chosen)
+    assert runs == [] and stack.routed_path == "segment"
+    with torch.no_grad():
+        assert torch.equal(stack(obs, act, subset=chosen), out)  # in place: the same bits
+    refs = [models[i](obs, act) for i in chosen]
+    for got, ref in zip(out, refs):
+        assert torch.equal(got, ref)
+    (g_obs,) = torch.autograd.grad(out.square().sum(), o, create_graph=True)
+    g_obs.square().sum().backward()
+    for p_name, p in stack.module.named_parameters():
+        for i in range(10):
+            if i not in chosen:
+                assert torch.count_nonzero(p.grad[i]) == 0, (p_name, i)
+    oi = obs.clone().requires_grad_(True)  # the same gradient penalty on the loop
+    loop_out = torch.stack([models[i](oi, act) for i in chosen])
+    (gi,) = torch.autograd.grad(loop_out.square().sum(), oi, create_graph=True)
+    torch.testing.assert_close(g_obs, gi)
+    gi.square().sum().backward()
+    for i in chosen:
+        for p_name, p in models[i].named_parameters():
+            torch.testing.assert_close(stack.module.get_parameter(p_name).grad[i], p.grad)
+
+
+def test_compile_direct_refuses_a_module_it_does_not_know():
+    """A leaf module with parameters other than nn.Linear has no direct function."""
+    module = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    traced = torch.fx.symbolic_trace(module)
+    assert _direct_mod.compile_direct(traced.graph, module, traced) is None
+    ok = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Identity(), nn.Linear(4, 2))
+    traced = torch.fx.symbolic_trace(ok)
+    direct = _direct_mod.compile_direct(traced.graph, ok, traced)
+    assert direct is not None and not direct.writes

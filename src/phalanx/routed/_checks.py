@@ -46,6 +46,27 @@ class Routing:
         self.counts = torch.bincount(flat, minlength=num_members)
         self.count_list: list[int] = self.counts.tolist()  # the one host sync
         self.total = int(flat.numel())
+        self._in_order: bool | None = None
+
+    @property
+    def in_order(self) -> bool:
+        """One member per row, none dropped, and the rows already in member order: the
+        sorted rows are the input's own (``entries`` is ``0..B-1``), so no gather and no
+        scatter is needed."""
+        if self._in_order is None:
+            self._in_order = (  # a stable sort of a sorted index keeps every row in place
+                self.index.dim() == 1
+                and self.keep is None
+                and torch.equal(self.member_of, self.index)
+            )
+        return self._in_order
+
+    def gather(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The positional tensor inputs' rows in segment order (a copy: a member may write
+        its input in place, as it may in the loop, where it gets ``x[index == i]``)."""
+        return tuple(
+            a.index_select(0, self.source_rows) if isinstance(a, torch.Tensor) else a for a in args
+        )
 
 
 def routing_from(

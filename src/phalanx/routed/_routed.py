@@ -64,25 +64,24 @@ def routed_forward(
     """``stack(*args, members=..., weights=..., **kwargs)``; see the module docstring."""
     rows, device = routed_inputs(args)
     routing = routing_from(members, weights, rows, view.num_members, device)
-    gathered = tuple(
-        a.index_select(0, routing.source_rows) if isinstance(a, torch.Tensor) else a for a in args
-    )
-    out = None
+    ran = None
     cache = view.cache_of("routed")
     batched = requested in ("fused", "auto") and view.generators is None  # own generators: loop
     if batched and routing.total and not torch.compiler.is_compiling():
-        out = segment_path(view, requested, gathered, kwargs, routing)
-    cache["last_path"] = "segment" if out is not None else "general"  # for tests and benches
-    if out is None:
-        out = general_path(view, gathered, kwargs, routing)
-    return _combine(out, routing)
+        ran = segment_path(view, requested, args, kwargs, routing)
+    cache["last_path"] = "segment" if ran is not None else "general"  # for tests and benches
+    if ran is None:
+        return _combine(general_path(view, routing.gather(args), kwargs, routing), routing)
+    out, combined = ran
+    return out if combined else _combine(out, routing)
 
 
 def _combine(out: Any, routing: Routing) -> Any:
     """Sorted outputs back in the input's order; with weights, summed over the k choices."""
     total_entries = routing.rows * routing.k
     dropped = routing.keep is not None and routing.total < total_entries
-    if not dropped:
+    in_order = routing.in_order  # the sorted rows are the input's: nothing to put back
+    if not dropped and not in_order:
         inverse = torch.empty_like(routing.entries)
         inverse[routing.entries] = torch.arange(routing.total, device=inverse.device)
 
@@ -92,6 +91,8 @@ def _combine(out: Any, routing: Routing) -> Any:
         if dropped:  # dropped entries contribute zero
             full = t.new_zeros(total_entries, *t.shape[1:])
             y = full.index_copy(0, routing.entries, t)
+        elif in_order:
+            y = t
         else:
             y = t.index_select(0, inverse)
         if routing.index.dim() == 2:

@@ -19,9 +19,11 @@ from torch import nn
 from phalanx import _torch_compat as compat
 from phalanx._errors import summary
 from phalanx._module_tree import meta_copy
+from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
 from phalanx.backends._state import _INTERNALS, hooked
 from phalanx.routed._checks import Routing
+from phalanx.routed._direct import Direct, MemberViews, compile_direct
 from phalanx.routed._general import concat
 from phalanx.routed._rowwise_ops import (
     IN_PLACE,
@@ -88,6 +90,19 @@ class Plan:
         self.refused: dict[Any, str] = {}  # per input signature
         self.steps: list[Step] | None = None  # the graph compiled against the live modules
         self.placeholders = 0
+        self.proven: set[Any] = set()  # input signatures run_plan has run through
+        self.direct: Direct | bool | None = True  # True until compiled; None: not compilable
+
+
+def direct_of(plan: Plan, view: StackView, signature: Any) -> Direct | None:
+    """The member's forward as one generated function (``_direct``), once ``run_plan`` has
+    proven the trace row-wise for inputs of this signature; None before, or where the
+    rewrite does not apply."""
+    if signature not in plan.proven:
+        return None
+    if plan.direct is True:
+        plan.direct = compile_direct(plan.graph, view.module, plan.constants)
+    return plan.direct if isinstance(plan.direct, Direct) else None
 
 
 def _loader(value: Any, index: dict[Any, int]) -> Loader:
@@ -210,15 +225,17 @@ def plan_of(view: StackView) -> Plan | str:
 def segment_path(
     view: StackView,
     requested: str,
-    gathered: tuple[Any, ...],
+    args: tuple[Any, ...],
     kwargs: dict[str, Any],
     routing: Routing,
-) -> Any:
-    """The trace run over the sorted rows (``run_segments``), or None (then the general path
-    runs)."""
-    reason = blocked(view, gathered, kwargs)
+) -> tuple[Any, bool] | None:
+    """The trace run over the sorted rows, or None (then the general path runs): the
+    outputs, and whether they are already in the input's order and combined over the k
+    choices (the per-segment runs scatter each segment's rows into place) or still in
+    segment order (``_routed._combine`` puts them back)."""
+    reason = blocked(view, args, kwargs)
     plan: Plan | str | None = None
-    signature = tuple((a.dim(), a.dtype) for a in gathered)
+    signature = tuple((a.dim(), a.dtype) for a in args)
     if reason is None:
         plan = plan_of(view)
         if isinstance(plan, str):
@@ -229,14 +246,100 @@ def segment_path(
             reason = plan.refused.get(signature)
     if reason is None:
         assert isinstance(plan, Plan)
+        seg = Segments.of(routing, view.num_members)
+        if len(seg.members) == 1 or per_segment(len(seg.members), seg.rows):
+            direct = direct_of(plan, view, signature)
+            if direct is not None:
+                return direct_segments(direct, args, routing, seg), True
+        gathered = routing.gather(args)
         try:
-            return run_segments(plan, view, gathered, Segments.of(routing, view.num_members))
+            out = run_segments(plan, view, gathered, seg)
         except NotRowwise as e:
             reason = str(e)
             plan.refused[signature] = reason
+        else:
+            plan.proven.add(signature)
+            return out, False
     if requested == "fused":
         _warn_once(view, reason)
     return None
+
+
+def direct_segments(
+    direct: Direct, args: tuple[torch.Tensor, ...], routing: Routing, seg: Segments
+) -> Any:
+    """Each member's own forward on its own rows (``_direct``), each segment's outputs put in
+    place as they come: rows gathered per segment (a view where the routing keeps the rows in
+    order), outputs added into their rows (``index_add_``, weighted, the k choices summed in
+    member order) or, in order, joined."""
+    views = MemberViews(direct, seg.members, seg.num_members)
+    outputs = []
+    start = 0
+    in_order = routing.in_order
+    views_of_input = in_order and not direct.writes
+    for m, count in zip(seg.members, seg.count_list):
+        if views_of_input:
+            rows = tuple(a.narrow(0, start, count) for a in args)
+        else:
+            source = routing.source_rows.narrow(0, start, count)
+            rows = tuple(a.index_select(0, source) for a in args)
+        outputs.append(views.run(m, rows))
+        start += count
+    if in_order:
+        joined = concat(outputs, seg.count_list)
+        weights = routing.weights
+        if weights is None:
+            return joined
+        return pytree.tree_map(
+            lambda t: (
+                t * weights.to(t.dtype).view(-1, *(1,) * (t.dim() - 1))
+                if isinstance(t, torch.Tensor)
+                else t
+            ),
+            joined,
+        )
+    return scatter(outputs, routing, seg)
+
+
+def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
+    """The segments' outputs (segment order) in the input's order: ``(B, ...)`` with
+    weights (each row the weighted sum of its k outputs, in member order), ``(B, k, ...)``
+    or ``(B, ...)`` without; dropped entries zero."""
+    flat0, spec0 = pytree.tree_flatten(outputs[0])
+    flats = [flat0]
+    for out in outputs[1:]:
+        flat, spec = pytree.tree_flatten(out)
+        if spec != spec0:
+            concat(outputs, seg.count_list)  # raises the error naming the structures
+        flats.append(flat)
+    weights = None if routing.weights is None else routing.weights.reshape(-1)
+    k, rows = routing.k, routing.rows
+    summed = weights is not None
+    joined = []
+    for j, t0 in enumerate(flat0):
+        column = [flat[j] for flat in flats]
+        if not isinstance(t0, torch.Tensor):
+            joined.append(concat(column, seg.count_list))  # equal values, else its error
+            continue
+        for t, c in zip(column, seg.count_list):
+            if t.dim() == 0 or t.shape[0] != c:
+                concat(column, seg.count_list)  # raises the error naming the shapes
+        size = rows if summed else rows * k
+        out = t0.new_zeros(size, *t0.shape[1:])
+        start = 0
+        for t, c in zip(column, seg.count_list):
+            entries = routing.entries.narrow(0, start, c)
+            if summed:
+                assert weights is not None
+                w = weights.index_select(0, entries).to(t.dtype)
+                t = t * w.view(-1, *(1,) * (t.dim() - 1))
+                entries = routing.source_rows.narrow(0, start, c)
+            out.index_add_(0, entries, t)
+            start += c
+        if not summed and routing.index.dim() == 2:
+            out = out.view(rows, k, *t0.shape[1:])
+        joined.append(out)
+    return pytree.tree_unflatten(joined, spec0)
 
 
 def run_segments(plan: Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segments) -> Any:

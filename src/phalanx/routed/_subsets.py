@@ -11,7 +11,8 @@ from torch import nn
 
 from phalanx._torch_compat import pytree
 from phalanx.backends._state import PerMemberAttributes
-from phalanx.routed._rowwise import NotRowwise, blocked, plan_of, run_plan
+from phalanx.routed._direct import MemberViews
+from phalanx.routed._rowwise import NotRowwise, blocked, direct_of, plan_of, run_plan
 from phalanx.routed._segments import Segments, per_segment
 
 if TYPE_CHECKING:
@@ -99,17 +100,19 @@ def subset_segment(
     if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
         return None
     try:
-        if per_segment(k, k * batch):
-            views: dict[int, Any] = {}
-            outs = [
-                run_plan(
-                    plan,
-                    view,
-                    tuple(a if d is None else a[s] for a, d in zip(args, in_dims)),
-                    Segments.one(m, batch, view.num_members, views),
-                )
-                for s, m in enumerate(chosen)
-            ]
+        if k == 1 or per_segment(k, k * batch):
+            direct = direct_of(plan, view, signature)
+            own = [tuple(a if d is None else a[s] for a, d in zip(args, in_dims))
+                   for s in range(k)]  # fmt: skip
+            if direct is not None:  # the member's forward as one generated function
+                member_views = MemberViews(direct, chosen, view.num_members)
+                outs = [member_views.run(m, inputs) for m, inputs in zip(chosen, own)]
+            else:
+                views: dict[int, Any] = {}
+                outs = [
+                    run_plan(plan, view, inputs, Segments.one(m, batch, view.num_members, views))
+                    for m, inputs in zip(chosen, own)
+                ]
             out = pytree.tree_map(
                 lambda *ts: torch.stack(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *outs
             )
@@ -128,5 +131,6 @@ def subset_segment(
     except NotRowwise as e:
         plan.refused[signature] = str(e)
         return None
+    plan.proven.add(signature)
     view.cache_of("routed")["last_path"] = "segment"
     return out
