@@ -128,18 +128,21 @@ fused_sgd_ = torch._fused_sgd_
 # --------------------------------------------------------------------------- the captured step
 
 
-def make_fx(fn: Any) -> Any:
+def make_fx(fn: Any, *, fake: bool = False) -> Any:
     """``torch.fx.experimental.proxy_tensor.make_fx``: traces ``fn`` into one aten graph.
 
-    With fake tensors (shapes without values), as ``torch.compile`` traces: code that reads a
-    value only when it is not traced (Hugging Face's ``is_tracing()`` checks, e.g. GPT-2's
-    search for packed sequences) takes its traceable path, where a trace with real tensors
-    failed on the value. Tensors the step holds as constants stay real
-    (``_allow_non_fake_inputs``).
+    With ``fake``, on fake tensors (shapes without values), as ``torch.compile`` traces: code
+    that reads a value only when it is not traced (Hugging Face's ``is_tracing()`` checks,
+    e.g. GPT-2's search for packed sequences) takes its traceable path, where a trace with
+    real tensors fails on the value. Tensors the step holds as constants stay real
+    (``_allow_non_fake_inputs``). Without it, on the real tensors: the graph inductor then
+    compiles was measured faster (W1's captured step 1.34 ms against 3.33 ms fake).
     """
     from torch.fx.experimental.proxy_tensor import make_fx as trace
 
-    return trace(fn, tracing_mode="fake", _allow_non_fake_inputs=True)
+    if fake:
+        return trace(fn, tracing_mode="fake", _allow_non_fake_inputs=True)
+    return trace(fn)
 
 
 def inductor_mode_options(mode: str) -> dict[str, Any]:

@@ -387,11 +387,18 @@ class CompiledStep:
         plan = self._plan(args, mask)
         real = self._tensors(args, target, mask)
         layout = layout_of(real)
-        # Traced with fake tensors (compat.make_fx), on copies and with the RNG put back all
-        # the same: a backend may run its example inputs, and tracing must leave no trace in
-        # the weights, the buffers or the random stream.
+        # Traced on copies and with the RNG put back: a backend may run its example inputs,
+        # and tracing must leave no trace in the weights, the buffers or the random stream.
+        # On the real copies first (the faster graph), then, where that fails on a value the
+        # trace cannot read (GPT-2's packed-sequence check), on fake tensors.
         mutable = ("params", "buffers", "state", "bad_steps", "frozen")
-        copies = flatten(layout, {**real, **{k: pytree.tree_map(_clone, real[k]) for k in mutable}})
+
+        def fresh_copies() -> list[Tensor]:
+            return flatten(
+                layout, {**real, **{k: pytree.tree_map(_clone, real[k]) for k in mutable}}
+            )
+
+        copies = fresh_copies()
         step = step_function(plan)
         returned: list[str] = []
 
@@ -402,7 +409,15 @@ class CompiledStep:
 
         rng = _rng_state()
         try:
-            graph = compat.make_fx(flat_step)(*copies)
+            try:
+                graph = compat.make_fx(flat_step)(*copies)
+            except Exception as on_values:
+                _set_rng_state(rng)
+                copies = fresh_copies()
+                try:
+                    graph = compat.make_fx(flat_step, fake=True)(*copies)
+                except Exception:
+                    raise on_values from None
         finally:
             _set_rng_state(rng)
         layout = dataclasses.replace(layout, outputs=tuple(returned))
