@@ -678,8 +678,7 @@ def test_a_dispatch_that_drops_everything_gives_zeros():
 
 
 def _direct(stack):
-    plan = stack._view.cache_of("routed")["plan"]
-    return plan.direct
+    return stack.routed_plan.direct
 
 
 ROUTINGS = {  # (index, weighted) on 4 members, 40 rows

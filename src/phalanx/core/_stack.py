@@ -351,6 +351,12 @@ class Stack(nn.Module):
         the first."""
         return self._view.cache_of("routed").get("last_path")
 
+    @property
+    def routed_plan(self) -> Any:
+        """The plan the routed calls hold (the traced member, its row-wise proof and its
+        generated forward ``.direct``), for inspection; None before the first routed call."""
+        return self._view.cache_of("routed").get("plan")
+
     def retire(self, message: str) -> None:
         """Makes this stack refuse to train (a forward with grad raises ``message``); under
         ``torch.no_grad()`` it still evaluates its weights. ``keep_members`` retires the

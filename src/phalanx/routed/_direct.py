@@ -382,7 +382,7 @@ def _rewrite(
                 out = new.call_function(_activation_in_place(mod), (env[node.args[0]],))
                 fresh.add(out)
             else:
-                name = f"m{len(holder._modules)}"
+                name = f"m{sum(1 for _ in holder.children())}"
                 holder.add_module(name, mod)
                 out = new.call_module(name, *fx.node.map_arg((node.args, node.kwargs), load))
                 if type(mod) in IN_PLACE and not getattr(mod, "inplace", False):
