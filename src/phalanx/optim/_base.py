@@ -697,7 +697,10 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             ):
                 if cut != (r0, r1):  # one block's members' values, reused by the next block
                     cut = (r0, r1)
-                    v = {k: _rows_of(x, r0, r1, p) for k, x in values.items()}
+                    v = {  # (rows, 1) in p's dtype, as the pure rule's per_member casts them
+                        k: per_member(x[r0:r1], flat["param"]) if isinstance(x, Tensor) else x
+                        for k, x in values.items()
+                    }
                 size = (r1 - r0) * (c1 - c0)
                 shape = (r1 - r0, c1 - c0)
                 views = {k: t[r0:r1, c0:c1] for k, t in flat.items()}
@@ -940,12 +943,3 @@ def _inplace_blocks(
             per = max(1, size // max(m, 1))
             for r in range(r0, r1, per):
                 yield r, min(r + per, r1), 0, m
-
-
-def _rows_of(x: Any, r0: int, r1: int, like: Tensor) -> Any:
-    """A prepared value for rows ``r0:r1``: a number as it is, an (N,) tensor's rows as
-    (rows, 1) in ``like``'s dtype (bool stays bool), as ``per_member`` casts them."""
-    if not isinstance(x, Tensor):
-        return x
-    dtype = torch.bool if x.dtype == torch.bool else like.dtype
-    return x[r0:r1].to(device=like.device, dtype=dtype).view(-1, 1)
