@@ -11,6 +11,7 @@ from torch.func import functional_call
 from phalanx import _torch_compat as compat
 from phalanx._torch_compat import pytree
 from phalanx.backends._keywords import member_kwargs
+from phalanx.backends._outputs import refuse_opaque
 from phalanx.backends._recompute import MemberRecompute
 from phalanx.backends._state import PerMemberAttributes
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 def stack_outputs(outputs: list[Any], where: str) -> Any:
     """Stacks N member outputs (tensors, tuples, dicts of tensors) along a new dim 0."""
     flat0, spec0 = pytree.tree_flatten(outputs[0])
+    refuse_opaque(flat0, where)
     columns: list[list[Any]] = [[leaf] for leaf in flat0]
     for i, out in enumerate(outputs[1:], start=1):
         flat, spec = pytree.tree_flatten(out)

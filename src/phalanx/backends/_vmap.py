@@ -27,6 +27,7 @@ from phalanx._errors import summary
 from phalanx._torch_compat import pytree
 from phalanx.backends import BackendRefusal, _recompute
 from phalanx.backends._keywords import member_kwargs
+from phalanx.backends._outputs import OpaqueOutput, refuse_opaque
 from phalanx.backends._state import hooked, put_back, snapshot, stored_tensors, written
 from phalanx.backends.rules import CORRECTNESS, EXPORT, BatchedOps, Route, deferred
 
@@ -74,6 +75,7 @@ def vmapped(
         member_kwargs = {**shared_kwargs, **own_kwargs} if own_kwargs else kwargs
         out = functional_call(view.module, (params, buffers), member_args, member_kwargs)
         leaves, spec = pytree.tree_flatten(out)
+        refuse_opaque(leaves, "Stack.forward()")
         layout["spec"] = spec
         layout["leaves"] = [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
         return tuple(t for t in leaves if isinstance(t, torch.Tensor))
@@ -87,6 +89,8 @@ def vmapped(
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
         put_back(stored_tensors(before))
         failure = e
+    if isinstance(failure, OpaqueOutput):
+        raise failure  # the output itself: no backend can stack it
     if failure is not None:
         # Outside the except block: a member's own error is raised as the loop raises it,
         # not as one that happened while handling torch.func's.

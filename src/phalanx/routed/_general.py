@@ -12,6 +12,7 @@ from torch.func import functional_call
 from phalanx import _torch_compat as compat
 from phalanx._torch_compat import pytree
 from phalanx.backends._loop import check_writes, member_rows, writable
+from phalanx.backends._outputs import refuse_opaque
 from phalanx.backends._state import PerMemberAttributes
 from phalanx.routed._checks import WHERE, Routing
 
@@ -51,6 +52,7 @@ def general_path(
 def concat(outputs: list[Any], counts: list[int]) -> Any:
     """The members' segment outputs joined along dim 0, leaf by leaf."""
     flat0, spec0 = pytree.tree_flatten(outputs[0])
+    refuse_opaque(flat0, WHERE)
     columns: list[list[Any]] = [[leaf] for leaf in flat0]
     for out in outputs[1:]:
         flat, spec = pytree.tree_flatten(out)

@@ -12,6 +12,7 @@ from torch.func import vmap
 
 from phalanx._errors import summary
 from phalanx._torch_compat import pytree
+from phalanx.backends._outputs import refuse_opaque
 from phalanx.core._hf import own_loss
 from phalanx.train import _smoothing
 
@@ -202,13 +203,8 @@ def _structured_losses(
     tensors (dataclasses registered with ``torch.export.register_dataclass``), given to
     ``loss_fn`` as that member's own output, as the loop gives it."""
     tree = output
-    if dataclasses.is_dataclass(output) and pytree.tree_is_leaf(output):
-        raise TypeError(
-            f"{where}: the output is a {type(output).__name__}, a dataclass torch's pytree does "
-            f"not know, so neither vmap nor the stack can map over its tensors; register it "
-            f"once with torch.export.register_dataclass({type(output).__name__})."
-        )
     leaves = pytree.tree_leaves(tree)
+    refuse_opaque(leaves, where)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     if not tensors:
         raise TypeError(
