@@ -42,45 +42,39 @@ def adam_update(
     Returns:
         "param", "exp_avg", "exp_avg_sq" and, with ``max_exp_avg_sq``, "max_exp_avg_sq".
     """
+    h = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    v = adam_values({**h, "maximize": maximize}, step, decoupled=decoupled)
     g = maximized(g, maximize)
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        if decoupled:
-            p = p * per_member(1 - lr * weight_decay, p)
-        elif isinstance(weight_decay, Tensor):
-            g = torch.addcmul(g, p, per_member(weight_decay, p))
-        else:  # rounded as torch's grad.add(param, alpha=weight_decay): one fused multiply-add
-            g = g.add(p, alpha=weight_decay)
-    exp_avg = torch.lerp(exp_avg, g, per_member(1 - beta1, g))
+    if v["decoupled"] is not None:
+        p = p * per_member(v["decoupled"], p)
+    elif isinstance(v["coupled"], Tensor):
+        g = torch.addcmul(g, p, per_member(v["coupled"], p))
+    elif v["coupled"] is not None:  # rounded as torch's grad.add(param, alpha=weight_decay)
+        g = g.add(p, alpha=v["coupled"])
+    exp_avg = torch.lerp(exp_avg, g, per_member(v["keep1"], g))
     exp_avg_sq = exp_avg_sq * per_member(beta2, g)
     if isinstance(beta2, Tensor):
         # addcmul's value must be a number: fold (1 - beta2) into the first factor, which
         # rounds the same as torch's value * grad * grad.
-        exp_avg_sq = torch.addcmul(exp_avg_sq, g * per_member(1 - beta2, g), g)
+        exp_avg_sq = torch.addcmul(exp_avg_sq, g * per_member(v["keep2"], g), g)
     else:
-        exp_avg_sq = torch.addcmul(exp_avg_sq, g, g, value=1 - beta2)
+        exp_avg_sq = torch.addcmul(exp_avg_sq, g, g, value=v["keep2"])
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if max_exp_avg_sq is not None:
         new["max_exp_avg_sq"] = torch.maximum(max_exp_avg_sq, exp_avg_sq)
         denom = new["max_exp_avg_sq"].sqrt()
     else:
         denom = exp_avg_sq.sqrt()
-    # Bias corrections per member, in float64 as torch's Python floats: a member's count is
-    # its own, and a parameter without a gradient in some steps has its own count, as in torch.
-    bias_correction1 = 1 - powers(beta1, step)
-    bias_correction2 = 1 - powers(beta2, step)
-    denom = denom / per_member(bias_correction2.sqrt(), p)
+    denom = denom / per_member(v["bias_correction2_sqrt"], p)
     denom = denom + per_member(eps, denom)
-    # lr / bias_correction1 as a tensor division: a Python float over a tensor is
-    # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
-    # torch.optim's float division (and from the per-member path's tensor division).
-    lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
-    new["param"] = torch.addcdiv(p, exp_avg * per_member(-(lr_t / bias_correction1), p), denom)
+    new["param"] = torch.addcdiv(p, exp_avg * per_member(v["step_size"], p), denom)
     return new
 
 
 def adam_values(h: dict[str, Any], step: Tensor, *, decoupled: bool) -> dict[str, Any]:
-    """The numbers ``adam_update`` derives from its hyperparameters and the (N,) counts, as it
-    derives them (numbers stay numbers; (N,) tensors in the math dtype), for ``adam_update_``."""
+    """The numbers the Adam rule derives from its hyperparameters and the (N,) counts (numbers
+    stay numbers; (N,) tensors in the math dtype): written once, read by ``adam_update`` and,
+    cut to a block's rows, by ``adam_update_``."""
     lr, wd, maximize = h["lr"], h["weight_decay"], h["maximize"]
     v: dict[str, Any] = {"maximize": maximize, "eps": h["eps"], "beta2": h["beta2"]}
     if isinstance(maximize, Tensor):
@@ -90,9 +84,14 @@ def adam_values(h: dict[str, Any], step: Tensor, *, decoupled: bool) -> dict[str
         v["decoupled" if decoupled else "coupled"] = 1 - lr * wd if decoupled else wd
     v["keep1"] = 1 - h["beta1"]
     v["keep2"] = 1 - h["beta2"]
+    # Bias corrections per member, in float64 as torch's Python floats: a member's count is
+    # its own, and a parameter without a gradient in some steps has its own count, as in torch.
     bias_correction1 = 1 - powers(h["beta1"], step)
     bias_correction2 = 1 - powers(h["beta2"], step)
     v["bias_correction2_sqrt"] = bias_correction2.sqrt()
+    # lr / bias_correction1 as a tensor division: a Python float over a tensor is
+    # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
+    # torch.optim's float division (and from the per-member path's tensor division).
     lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
     v["step_size"] = -(lr_t / bias_correction1)
     return v

@@ -100,16 +100,8 @@ class Lion(MemberOptimizer):
     def prepare(
         self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
     ) -> dict[str, Any]:
-        """``update``'s per-member numbers, computed as it computes them."""
-        lr, wd = h["lr"], h["weight_decay"]
-        v: dict[str, Any] = {"maximize": h["maximize"], "lr": lr}
-        if isinstance(h["maximize"], Tensor):
-            v["sign"] = torch.where(h["maximize"], -1.0, 1.0)
-        v["decay"] = 1 - lr * wd if isinstance(wd, Tensor) or wd != 0 else None
-        v["neg_lr"] = -lr
-        v["keep1"] = 1 - h["beta1"]
-        v["keep2"] = 1 - h["beta2"]
-        return v
+        """``update``'s per-member numbers (``lion_values``)."""
+        return lion_values(h)
 
     @staticmethod
     def update_(
@@ -142,14 +134,29 @@ class Lion(MemberOptimizer):
         p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
     ) -> dict[str, Tensor]:
         """Lion's step of a stacked parameter, nothing written."""
-        lr, wd, maximize = h["lr"], h["weight_decay"], h["maximize"]
-        g = maximized(g, maximize)
-        if isinstance(wd, Tensor) or wd != 0:
-            p = p * per_member(1 - lr * wd, p)
+        v = lion_values(h)
+        g = maximized(g, v["maximize"])
+        if v["decay"] is not None:
+            p = p * per_member(v["decay"], p)
         m = state["exp_avg"]
-        direction = torch.lerp(m, g, per_member(1 - h["beta1"], g)).sign()
-        if isinstance(lr, Tensor):
-            p = torch.addcmul(p, direction, per_member(-lr, p))
+        direction = torch.lerp(m, g, per_member(v["keep1"], g)).sign()
+        if isinstance(v["lr"], Tensor):
+            p = torch.addcmul(p, direction, per_member(v["neg_lr"], p))
         else:
-            p = p.add(direction, alpha=-lr)
-        return {"param": p, "exp_avg": torch.lerp(m, g, per_member(1 - h["beta2"], g))}
+            p = p.add(direction, alpha=-v["lr"])
+        return {"param": p, "exp_avg": torch.lerp(m, g, per_member(v["keep2"], g))}
+
+
+def lion_values(h: dict[str, Any]) -> dict[str, Any]:
+    """The numbers Lion derives from its hyperparameters (numbers stay numbers; (N,) tensors
+    in the math dtype): written once, read by ``Lion.update`` and, cut to a block's rows, by
+    ``Lion.update_``."""
+    lr, wd = h["lr"], h["weight_decay"]
+    v: dict[str, Any] = {"maximize": h["maximize"], "lr": lr}
+    if isinstance(h["maximize"], Tensor):
+        v["sign"] = torch.where(h["maximize"], -1.0, 1.0)
+    v["decay"] = 1 - lr * wd if isinstance(wd, Tensor) or wd != 0 else None
+    v["neg_lr"] = -lr
+    v["keep1"] = 1 - h["beta1"]
+    v["keep2"] = 1 - h["beta2"]
+    return v

@@ -123,20 +123,8 @@ class SGD(MemberOptimizer):
     def prepare(
         self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
     ) -> dict[str, Any]:
-        """``update``'s per-member numbers, computed as it computes them."""
-        v: dict[str, Any] = {k: h[k] for k in ("lr", "weight_decay", "maximize", "nesterov")}
-        if isinstance(h["maximize"], Tensor):
-            v["sign"] = torch.where(h["maximize"], -1.0, 1.0)
-        if isinstance(h["lr"], Tensor):
-            v["lr"] = -h["lr"]
-        if options["momentum"]:
-            momentum = torch.as_tensor(h["momentum"], dtype=step.dtype, device=step.device)
-            keep = 1 - torch.as_tensor(h["dampening"], dtype=step.dtype, device=step.device)
-            fresh = (step == 1) | (momentum == 0)
-            v["momentum"] = momentum.expand_as(step)
-            v["decay"] = torch.where(fresh, 0.0, momentum)
-            v["weight"] = torch.where(fresh, 1.0, keep)
-        return v
+        """``update``'s per-member numbers (``sgd_values``)."""
+        return sgd_values(h, step, momentum=options["momentum"])
 
     @staticmethod
     def update_(
@@ -189,26 +177,28 @@ class SGD(MemberOptimizer):
             g = g.add(p, alpha=weight_decay)
         new: dict[str, Tensor] = {}
         if options["momentum"]:
-            step = state["step"]
-            momentum = torch.as_tensor(h["momentum"], dtype=step.dtype, device=step.device)
-            keep = 1 - torch.as_tensor(h["dampening"], dtype=step.dtype, device=step.device)
+            v = sgd_values(h, state["step"], momentum=True)
             # torch starts a buffer as a copy of the gradient (and uses the bare gradient
             # when momentum is 0): a zero buffer, decay 0 and gradient weight 1 give the same
             # bits. A buffer absent so far (momentum was 0 until a scheduler changed it)
             # starts now for every member.
             buf = state.get("momentum_buffer")
-            fresh = (step == 1) | (momentum == 0)
+            decay, weight = v["decay"], v["weight"]
             if buf is None:
-                buf, fresh = torch.zeros_like(p), torch.ones_like(fresh)
-            buf = buf * per_member(torch.where(fresh, 0.0, momentum), buf)
-            buf = torch.addcmul(buf, g, per_member(torch.where(fresh, 1.0, keep), buf))
+                buf, decay, weight = (
+                    torch.zeros_like(p),
+                    torch.zeros_like(decay),
+                    torch.ones_like(weight),
+                )
+            buf = buf * per_member(decay, buf)
+            buf = torch.addcmul(buf, g, per_member(weight, buf))
             new["momentum_buffer"] = buf
             nesterov = h["nesterov"]
             if isinstance(nesterov, Tensor):
-                ahead = torch.addcmul(g, buf, per_member(momentum, buf))
+                ahead = torch.addcmul(g, buf, per_member(v["momentum"], buf))
                 g = torch.where(per_member(nesterov, buf), ahead, buf)
             elif nesterov:
-                g = torch.addcmul(g, buf, per_member(momentum, buf))
+                g = torch.addcmul(g, buf, per_member(v["momentum"], buf))
             else:
                 g = buf
         if isinstance(lr, Tensor):
@@ -254,3 +244,22 @@ class SGD(MemberOptimizer):
                 maximize=bool(values["maximize"]),
                 is_first_step=first,
             )
+
+
+def sgd_values(h: dict[str, Any], step: Tensor, *, momentum: bool) -> dict[str, Any]:
+    """The numbers SGD derives from its hyperparameters and the (N,) counts (numbers stay
+    numbers; (N,) tensors in the counts' dtype): written once, read by ``SGD.update`` and,
+    cut to a block's rows, by ``SGD.update_`` (whose ``lr``, a tensor, is negated)."""
+    v: dict[str, Any] = {k: h[k] for k in ("lr", "weight_decay", "maximize", "nesterov")}
+    if isinstance(h["maximize"], Tensor):
+        v["sign"] = torch.where(h["maximize"], -1.0, 1.0)
+    if isinstance(h["lr"], Tensor):
+        v["lr"] = -h["lr"]
+    if momentum:
+        factor = torch.as_tensor(h["momentum"], dtype=step.dtype, device=step.device)
+        keep = 1 - torch.as_tensor(h["dampening"], dtype=step.dtype, device=step.device)
+        fresh = (step == 1) | (factor == 0)
+        v["momentum"] = factor.expand_as(step)
+        v["decay"] = torch.where(fresh, 0.0, factor)
+        v["weight"] = torch.where(fresh, 1.0, keep)
+    return v
