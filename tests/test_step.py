@@ -693,3 +693,87 @@ def test_member_losses_equal_each_members_own_loss(case):
     (expected_grad,) = torch.autograd.grad(expected.sum(), base)
     assert_close(losses, expected, dtype=torch.float64, msg=f"{case} losses")
     assert_close(grad, expected_grad, dtype=torch.float64, msg=f"{case} gradients")
+
+
+def test_a_fused_optimizer_applies_its_kernel_to_the_captured_gradients(monkeypatch):
+    """Adam(fused=True): the graph ends at the clipped gradients and torch's fused kernel
+    applies them outside it (its bits, once per step), with masks, isolation and freezing as
+    the eager fused step has them; each member to rounding torch's fused Adam alone."""
+    from phalanx import _torch_compat as compat
+
+    members = make_members(ARCH["question2"], N)
+    torch.manual_seed(3)
+    data = []
+    for k in range(5):
+        x = torch.randn(N, 6, 10)
+        if k >= 2:
+            x[2, 0, 0] = float("nan")  # member 2 diverges from step 2 on
+        data.append((x, torch.randint(0, 2, (N, 6))))
+    masks = [None, torch.tensor([True, False, True, True]), None, None, None]
+
+    def build():
+        stack = phalanx.stack(copy.deepcopy(members))
+        opt = phalanx.optim.Adam(
+            stack.parameters(), lr=LR, skip_nonfinite=True, freeze_after=2, fused=True
+        )
+        return stack, opt
+
+    calls = []
+    kernel = compat.fused_adam_
+    monkeypatch.setattr(compat, "fused_adam_", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    stack, opt = build()
+    step = compile_step(
+        stack, F.cross_entropy, opt, in_dims=0, max_norm=1.0, backend="aot_eager",
+        prefer="captured", warmup_steps=1,
+    )  # fmt: skip
+    eager_stack, eager_opt = build()
+    for k, ((x, y), mask) in enumerate(zip(data, masks)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NonFiniteWarning)
+            before = len(calls)
+            step(x, y, mask=mask)
+            assert len(calls) > before, f"step {k}: torch's fused kernel did not run"
+            eager_opt.zero_grad()
+            losses = phalanx.member_losses(
+                F.cross_entropy, eager_stack(x, in_dims=0), y, in_dims=(0, 0)
+            )
+            losses.sum().backward()
+            phalanx.clip_grad_norm_(eager_stack.parameters(), 1.0)
+            eager_opt.step(mask=mask, loss=losses.detach())
+    assert step.choice == "captured" and step.last_norms is not None
+    assert all(p.grad is None for p in stack.parameters())  # it keeps no gradients
+    assert_close(stack.state_dict(), eager_stack.state_dict(), trajectory=True, msg="weights")
+    for p, q in zip(stack.parameters(), eager_stack.parameters()):
+        for key, value in eager_opt.state[q].items():
+            assert_close(opt.state[p][key], value, trajectory=True, msg=f"optimizer {key}")
+    assert opt.bad_steps.tolist() == eager_opt.bad_steps.tolist() == [0, 0, 2, 0]
+    assert opt.frozen.tolist() == eager_opt.frozen.tolist() == [False, False, True, False]
+    assert opt.state[next(iter(stack.parameters()))]["step"].tolist() == [5, 4, 2, 5]
+
+
+def test_a_fused_optimizer_captured_step_equals_the_fused_loop():
+    """Member by member against torch.optim.Adam(fused=True) on each member alone."""
+    members = make_members(ARCH["question2"], N)
+    data = _data("question2", None)
+    stack = phalanx.stack(copy.deepcopy(members))
+    opt = phalanx.optim.Adam(stack.parameters(), lr=LR, eps=EPS, fused=True)
+    step = compile_step(
+        stack, F.cross_entropy, opt, backend="aot_eager", prefer="captured", warmup_steps=1
+    )
+    for x, y in data:
+        step(x, y)
+    assert step.choice == "captured"
+    loops = {}
+    for dtype in (torch.float32, torch.float64):
+        models = [copy.deepcopy(m).to(dtype) for m in members]
+        opts = [
+            torch.optim.Adam(m.parameters(), lr=float(LR[i]), eps=EPS, fused=True)
+            for i, m in enumerate(models)
+        ]
+        for x, y in data:
+            for m, o in zip(models, opts):
+                o.zero_grad()
+                F.cross_entropy(m(x.to(dtype)), y).backward()
+                o.step()
+        loops[dtype] = models
+    _assert_rounding_close(stack, loops[torch.float32], loops[torch.float64])

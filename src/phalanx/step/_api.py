@@ -12,7 +12,9 @@ it goes through ``torch.compile``, which knows which inputs are static.
 
 The update is the optimizer's own rule (``MemberOptimizer.update``, the pure function its
 eager step runs), so any phalanx optimizer is captured: Adam, AdamW, SGD, Lion and every
-rule added later.
+rule added later. An optimizer built with ``fused=True`` promises torch's fused kernel's
+bits, which a trace cannot hold (the kernel is one opaque call): there the graph ends at the
+clipped gradients and the optimizer's own step applies them, as in the eager step.
 
 Capture does not pay everywhere (inductor's code for some shapes is slower than the eager
 kernels), so by default the step times itself: after the warm-up it alternates captured and
@@ -137,6 +139,10 @@ class CompiledStep:
         # medians (a list with this rank's object alone outside torch.distributed).
         self._clock: Callable[[], float] = time.perf_counter
         self._exchange: Callable[[Any], list[Any]] = _exchange
+        # fused=True: torch's fused kernel applies the graph's gradients (its bits, its speed)
+        self._outside = bool(getattr(optimizer, "fused", False)) and isinstance(
+            optimizer, MemberOptimizer
+        )
         self._why_not = _unsupported_optimizer(optimizer)
         if self._why_not is not None:
             self._fall_back(self._why_not)
@@ -367,14 +373,14 @@ class CompiledStep:
             buffer_names=tuple(name for name, _ in stack.named_buffers()),
             in_dims=dims,
             target_dim=self.target_in_dims,
-            update=type(opt).update,
+            update=None if self._outside else type(opt).update,
             options=tuple(
                 opt.options(self._groups[id(p)]) if id(p) in self._groups else {} for _, p in named
             ),
             max_norm=self.max_norm is not None,
             norm_type=self.norm_type,
-            masked=mask is not None,
-            isolate=bool(opt.skip_nonfinite),
+            masked=mask is not None and not self._outside,
+            isolate=bool(opt.skip_nonfinite) and not self._outside,
             freeze_after=opt.freeze_after,
             keywords=self._keywords,
             kw_in_dims=self.kw_in_dims,
@@ -402,10 +408,13 @@ class CompiledStep:
         step = step_function(plan)
         returned: list[str] = []
 
+        grads: list[int] = []
+
         def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
             out = step(unflatten(layout, flat))
             returned[:] = [k for k in OUTPUTS if out[k] is not None]
-            return tuple(out[k] for k in returned)  # type: ignore[misc]
+            grads[:] = [k for k, _ in out.get("grads", ())]
+            return (*(out[k] for k in returned), *(g for _, g in out.get("grads", ())))
 
         rng = _rng_state()
         try:
@@ -420,7 +429,7 @@ class CompiledStep:
                     raise on_values from None
         finally:
             _set_rng_state(rng)
-        layout = dataclasses.replace(layout, outputs=tuple(returned))
+        layout = dataclasses.replace(layout, outputs=tuple(returned), grads=tuple(grads))
         graph = simplify(graph)
         run = compile_graph(graph, copies, real, self.backend, self.mode)
         self._trace_s = time.perf_counter() - start
@@ -434,7 +443,15 @@ class CompiledStep:
         if t["params"][0].is_cuda:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
-            out = dict(zip(entry.layout.outputs, entry.run(flatten(entry.layout, t))))
+            flat = entry.run(flatten(entry.layout, t))
+        out = dict(zip(entry.layout.outputs, flat))
+        if self._outside:  # the optimizer's own step (torch's fused kernel) applies them
+            for k, g in zip(entry.layout.grads, flat[len(entry.layout.outputs) :], strict=True):
+                t["params"][k].grad = g
+            opt: Any = self.optimizer
+            opt.step(mask=mask, loss=out["losses"])
+            for p in t["params"]:
+                p.grad = None
         entry.calls += 1
         if "norms" in out:
             self.last_norms = out["norms"]
@@ -461,7 +478,7 @@ class CompiledStep:
         params = list(stacked.values())
         states: list[dict[str, Tensor]] = []
         for p in params:
-            if not p.requires_grad:
+            if not p.requires_grad or self._outside:  # the graph reads no optimizer state
                 states.append({})
                 continue
             states.append(opt.ensure_state(self._groups[id(p)], p))
@@ -469,13 +486,13 @@ class CompiledStep:
             "params": params,
             "buffers": list(buffers.values()),
             "state": states,
-            "hypers": self._hyper_tensors(params),
+            "hypers": [{} for _ in params] if self._outside else self._hyper_tensors(params),
             "args": list(args),
             "target": target,
-            "mask": mask,
+            "mask": None if self._outside else mask,
             "max_norm": self._max_norm_tensor(params[0].device),
-            "bad_steps": opt.bad_steps if opt.skip_nonfinite else None,
-            "frozen": opt.frozen if opt.skip_nonfinite else None,
+            "bad_steps": opt.bad_steps if opt.skip_nonfinite and not self._outside else None,
+            "frozen": opt.frozen if opt.skip_nonfinite and not self._outside else None,
         }
 
     def _max_norm_tensor(self, device: torch.device) -> Tensor | None:

@@ -42,7 +42,9 @@ class Plan:
         buffer_names: the stack's buffer names.
         in_dims: per positional input, None (shared) or 0 (per-member).
         target_dim: None (a target shared by every member) or 0 (per-member).
-        update: the optimizer's rule, ``MemberOptimizer.update`` of its class (pure).
+        update: the optimizer's rule, ``MemberOptimizer.update`` of its class (pure); None
+            where the optimizer's own step applies the gradients the graph returns (an
+            optimizer with ``fused=True``: torch's fused kernel, which a trace cannot hold).
         options: per parameter, the ``options`` of its group that ``update`` branches on.
         max_norm: clip each member's gradient norm (the value is an input tensor).
         norm_type: the p of the clipping norm.
@@ -60,7 +62,7 @@ class Plan:
     buffer_names: tuple[str, ...]
     in_dims: tuple[int | None, ...]
     target_dim: int | None
-    update: Callable[..., dict[str, Tensor]]
+    update: Callable[..., dict[str, Tensor]] | None
     options: tuple[dict[str, Any], ...]
     max_norm: bool
     norm_type: float
@@ -100,6 +102,9 @@ class Layout:
         masked, clipped, isolated: whether the mask, the (N,) max_norm, and the optimizer's
             ``bad_steps`` and ``frozen`` counters are inputs.
         outputs: the names of ``OUTPUTS`` the graph returns, in that order.
+        grads: where the optimizer's step applies the update outside the graph
+            (``Plan.update`` None), the parameters whose gradients the graph returns after
+            the outputs, by index.
     """
 
     num_params: int
@@ -112,6 +117,7 @@ class Layout:
     clipped: bool
     isolated: bool
     outputs: tuple[str, ...] = ()
+    grads: tuple[int, ...] = ()
 
 
 def layout_of(t: dict[str, Any]) -> Layout:
@@ -194,6 +200,7 @@ def _update(
     """One update of stacked parameter ``k``, nothing written yet: the optimizer's own rule,
     with the (N,) hyperparameters the graph takes as inputs and "step" counting this step."""
     step = state["step"] + 1
+    assert plan.update is not None
     new = plan.update(p, g, {**state, "step": step}, h, **plan.options[k])
     unknown = sorted(set(new) - {"param", *state})
     if unknown:
@@ -204,7 +211,7 @@ def _update(
     return {**new, "step": step}
 
 
-def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | None]]:
+def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """The step as a function of a dict of tensors, for ``make_fx``.
 
     The dict holds "params" (P stacked tensors), "buffers", "state" (per parameter, its
@@ -215,11 +222,12 @@ def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | N
     The function writes the new parameters, optimizer state, buffers and counters into the
     given tensors and returns "losses" (N,), "norms" (N,) (clipping), "skipped" and "frozen"
     (N,) bool (isolation: members skipped, members frozen by this step), None when not asked
-    for.
+    for. Without an update rule (``plan.update`` None) it writes the buffers only and returns
+    "grads" too: (index, gradient after clipping) of each parameter that has one.
     """
     names = plan.param_names
 
-    def step(t: dict[str, Any]) -> dict[str, Tensor | None]:
+    def step(t: dict[str, Any]) -> dict[str, Any]:
         params: list[Tensor] = t["params"]
         n = params[0].shape[0]
         leaves = [p.detach().requires_grad_(r) for p, r in zip(params, plan.trainable)]
@@ -240,6 +248,9 @@ def step_function(plan: Plan) -> Callable[[dict[str, Any]], dict[str, Tensor | N
         norms = None
         if plan.max_norm and grads:
             norms = _clip(grads, t["max_norm"], plan.norm_type, n)
+        if plan.update is None:  # the optimizer's own step applies them
+            return {"losses": losses, "norms": norms, "skipped": None, "frozen": None,
+                    "grads": [(k, g) for (k, _), g in zip(with_grad, grads)]}  # fmt: skip
         active, skipped, newly_frozen = t["mask"], None, None
         if plan.isolate:
             finite = finite_members(grads, n, losses.device) & losses.isfinite()

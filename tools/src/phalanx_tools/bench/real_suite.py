@@ -651,8 +651,11 @@ class _Step:
         elif kind == "compile_step":
             from phalanx_tools.bench.contenders import phalanx_adam
 
+            # fused=True, as the fused-Adam loop it is compared with: the graph ends at the
+            # gradients and torch's fused kernel applies them (member i bit for bit its
+            # Adam(fused=True) given the graph's gradients)
             self.stack = phalanx.stack(members, backend="auto")
-            self.opt = phalanx_adam()[0](self.stack.parameters(), lr=LR)
+            self.opt = phalanx_adam()[0](self.stack.parameters(), lr=LR, fused=True)
             self.compiled = phalanx.compile_step(
                 self.stack, model.loss, self.opt, in_dims=batch.in_dims,
                 target_in_dims=batch.target_dim, backend=compile_backend,
