@@ -168,8 +168,9 @@ def test_captured_step_equals_eager_step_and_loop(case):
         assert step.last_norms is not None and step.last_norms.shape == (N,)
 
 
-def test_mask_isolation_and_freezing_match_the_eager_step():
-    """Masked members keep everything; a NaN member is skipped, counted, warned and frozen."""
+def _diverging_member():
+    """Members, five per-member batches in which member 2 diverges from step 2 on, and the
+    masks of the five steps (member 1 masked out of step 1)."""
     members = make_members(ARCH["question2"], N)
     torch.manual_seed(3)
     data = []
@@ -178,7 +179,25 @@ def test_mask_isolation_and_freezing_match_the_eager_step():
         if k >= 2:
             x[2, 0, 0] = float("nan")  # member 2 diverges from step 2 on
         data.append((x, torch.randint(0, 2, (N, 6))))
-    masks = [None, torch.tensor([True, False, True, True]), None, None, None]
+    return members, data, [None, torch.tensor([True, False, True, True]), None, None, None]
+
+
+def _assert_same_training(stack, opt, eager_stack, eager_opt):
+    """Weights, optimizer state, counters and step counts after ``_diverging_member``'s
+    five steps: the captured run equals the eager one, member 2 skipped twice and frozen."""
+    assert_close(stack.state_dict(), eager_stack.state_dict(), trajectory=True, msg="weights")
+    for p, q in zip(stack.parameters(), eager_stack.parameters()):
+        for key, value in eager_opt.state[q].items():
+            assert_close(opt.state[p][key], value, trajectory=True, msg=f"optimizer {key}")
+    assert opt.bad_steps.tolist() == eager_opt.bad_steps.tolist() == [0, 0, 2, 0]
+    assert opt.frozen.tolist() == eager_opt.frozen.tolist() == [False, False, True, False]
+    # The masked-out member 1 of step 1 took one step fewer than the others.
+    assert opt.state[next(iter(stack.parameters()))]["step"].tolist() == [5, 4, 2, 5]
+
+
+def test_mask_isolation_and_freezing_match_the_eager_step():
+    """Masked members keep everything; a NaN member is skipped, counted, warned and frozen."""
+    members, data, masks = _diverging_member()
 
     def build():
         stack = phalanx.stack(copy.deepcopy(members))
@@ -208,14 +227,7 @@ def test_mask_isolation_and_freezing_match_the_eager_step():
         with pytest.warns(NonFiniteWarning) if k in expected_warning else _no_warning():
             eager_opt.step(mask=mask, loss=losses.detach())
     assert step.choice == "captured"
-    assert_close(stack.state_dict(), eager_stack.state_dict(), trajectory=True, msg="weights")
-    for p, q in zip(stack.parameters(), eager_stack.parameters()):
-        for key, value in eager_opt.state[q].items():
-            assert_close(opt.state[p][key], value, trajectory=True, msg=f"optimizer {key}")
-    assert opt.bad_steps.tolist() == eager_opt.bad_steps.tolist() == [0, 0, 2, 0]
-    assert opt.frozen.tolist() == eager_opt.frozen.tolist() == [False, False, True, False]
-    # The masked-out member 1 of step 1 took one step fewer than the others.
-    assert opt.state[next(iter(stack.parameters()))]["step"].tolist() == [5, 4, 2, 5]
+    _assert_same_training(stack, opt, eager_stack, eager_opt)
 
 
 class _no_warning:
@@ -701,15 +713,7 @@ def test_a_fused_optimizer_applies_its_kernel_to_the_captured_gradients(monkeypa
     the eager fused step has them; each member to rounding torch's fused Adam alone."""
     from phalanx import _torch_compat as compat
 
-    members = make_members(ARCH["question2"], N)
-    torch.manual_seed(3)
-    data = []
-    for k in range(5):
-        x = torch.randn(N, 6, 10)
-        if k >= 2:
-            x[2, 0, 0] = float("nan")  # member 2 diverges from step 2 on
-        data.append((x, torch.randint(0, 2, (N, 6))))
-    masks = [None, torch.tensor([True, False, True, True]), None, None, None]
+    members, data, masks = _diverging_member()
 
     def build():
         stack = phalanx.stack(copy.deepcopy(members))
@@ -742,13 +746,7 @@ def test_a_fused_optimizer_applies_its_kernel_to_the_captured_gradients(monkeypa
             eager_opt.step(mask=mask, loss=losses.detach())
     assert step.choice == "captured" and step.last_norms is not None
     assert all(p.grad is None for p in stack.parameters())  # it keeps no gradients
-    assert_close(stack.state_dict(), eager_stack.state_dict(), trajectory=True, msg="weights")
-    for p, q in zip(stack.parameters(), eager_stack.parameters()):
-        for key, value in eager_opt.state[q].items():
-            assert_close(opt.state[p][key], value, trajectory=True, msg=f"optimizer {key}")
-    assert opt.bad_steps.tolist() == eager_opt.bad_steps.tolist() == [0, 0, 2, 0]
-    assert opt.frozen.tolist() == eager_opt.frozen.tolist() == [False, False, True, False]
-    assert opt.state[next(iter(stack.parameters()))]["step"].tolist() == [5, 4, 2, 5]
+    _assert_same_training(stack, opt, eager_stack, eager_opt)
 
 
 def test_a_fused_optimizer_captured_step_equals_the_fused_loop():
