@@ -51,6 +51,12 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    return value
+
+
 def _fingerprint(module: nn.Module) -> tuple | str:
     """What a trace bakes in: the module tree (each submodule's identity and type, and
     whether it holds hooks, which ``checked_plan`` reads from the plan) and, for
@@ -70,7 +76,7 @@ def _fingerprint(module: nn.Module) -> tuple | str:
             if k in _INTERNALS:
                 continue
             if _plain(v):
-                own.append((k, v))
+                own.append((k, _frozen(v)))  # a copy: a list changed in place is a change
             elif callable(v) and not isinstance(v, (nn.Module, torch.Tensor)):
                 own.append((k, id(v)))
             else:
