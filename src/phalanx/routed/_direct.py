@@ -63,14 +63,24 @@ class Direct:
         self.writes = writes
         self.workspace = Workspace()
         self._views: dict[bool, dict[int, list[torch.Tensor]]] = {}
-        self._stamp: list[tuple[Any, ...]] | None = None
+        self._stamp: tuple[Any, ...] | None = None
+        self._objects: list[torch.Tensor] | None = None
 
     def stacked(self) -> list[tuple[bool, torch.Tensor]]:
-        """The tensors of this call: per source, (whether it is a stacked member tensor, it)."""
-        return [
-            (False, name) if mod is None else (True, getattr(mod, name))
-            for mod, name in self.sources
-        ]
+        """The tensors of this call: per source, (whether it is a stacked member tensor, it),
+        read from the module's own parameters and buffers as ``getattr`` finds them."""
+        out: list[tuple[bool, torch.Tensor]] = []
+        for mod, name in self.sources:
+            if mod is None:
+                out.append((False, name))
+                continue
+            t = compat.own_parameters(mod).get(name)
+            if t is None:
+                t = compat.own_buffers(mod).get(name)
+                if t is None:
+                    t = getattr(mod, name)  # anything else getattr answers (a property)
+            out.append((True, t))
+        return out
 
     def views_of(self, tensors: list[tuple[bool, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Member by member, the slices of ``tensors`` (this call's ``stacked()``) for calls
@@ -81,18 +91,18 @@ class Direct:
         them afresh. Values changed in place (an optimizer step, ``copy_``,
         ``load_state_dict``) need nothing: the slices are views. Slices made in inference
         mode are kept apart from the others."""
-        stamp = [
-            (t, t.data_ptr(), t.shape, t.stride(), t.dtype) if member else (t,)
-            for member, t in tensors
-        ]
-        old = self._stamp
+        stamp = tuple(
+            (t.data_ptr(), t.shape, t.stride(), t.dtype) for member, t in tensors if member
+        )
+        objects = self._objects
         if (
-            old is None
-            or len(old) != len(stamp)
-            or not all(a[0] is b[0] and a[1:] == b[1:] for a, b in zip(old, stamp))
+            stamp != self._stamp
+            or objects is None
+            or len(objects) != len(tensors)
+            or not all(a is b for a, (_, b) in zip(objects, tensors))
         ):
             self._views = {}
-            self._stamp = stamp
+            self._stamp, self._objects = stamp, [t for _, t in tensors]
         return self._views.setdefault(torch.is_inference_mode_enabled(), {})
 
 

@@ -97,19 +97,23 @@ def _immutable(value: Any) -> bool:
     return isinstance(value, _IMMUTABLE)
 
 
-Witness = tuple[nn.Module, list[tuple[nn.Module, type, int, list[tuple[str, Any]], bool, list]]]
+Witness = tuple[nn.Module, list[tuple[nn.Module, type, int, list[tuple[str, Any]], list, list]]]
 """The objects a fingerprint was taken from (``_witness``): the root and, per module of the
-walk, its type, the size of its ``__dict__``, its own attributes, its hook flag and its
+walk, its type, the size of its ``__dict__``, its own attributes, its hook dicts and its
 children."""
 
 
 def _witness(module: nn.Module) -> Witness | None:
     """What ``_unchanged`` compares by identity on every call instead of taking the
     fingerprint again; None where an attribute the fingerprint reads is mutable (a list,
-    whose contents could change under the same identity): then every call takes it."""
+    whose contents could change under the same identity) or a module holds hooks: then
+    every call takes it."""
     walk = []
     for m in module.modules():
-        own = []
+        hooks = compat.module_hooks(m)
+        if any(hooks.values()):
+            return None
+        own = [*hooks.items(), ("_modules", compat.own_children(m))]
         for k, v in m.__dict__.items():
             if k in _INTERNALS and k != "training":
                 continue
@@ -119,32 +123,38 @@ def _witness(module: nn.Module) -> Witness | None:
                 return None
             own.append((k, v))
         children = list(compat.own_children(m).items())
-        walk.append((m, type(m), len(m.__dict__), own, compat.has_hooks(m), children))
+        walk.append((m, type(m), len(m.__dict__), own, list(hooks.values()), children))
     return module, walk
 
 
 def _unchanged(witness: Witness, module: nn.Module) -> bool:
     """Whether the module tree is the one ``witness`` was taken from, every module with the
     same type, the same attribute objects (``is``: a value set again, even equal, answers
-    False, and the caller takes the fingerprint), the same hook flag and the same children
-    under the same names: then its fingerprint is the same, without walking it afresh."""
+    False, and the caller takes the fingerprint), the same hook dicts still empty and the
+    same children under the same names: then its fingerprint is the same, without walking
+    it afresh."""
     root, walk = witness
     if module is not root:
         return False
-    has_hooks, own_children = compat.has_hooks, compat.own_children
     for m, kind, size, own, hooks, children in walk:
         d = m.__dict__
-        if type(m) is not kind or len(d) != size or has_hooks(m) is not hooks:
+        if type(m) is not kind or len(d) != size:
             return False
-        for k, v in own:
+        for k, v in own:  # the hook dicts and the children's dict among them
             if d.get(k, _MISSING) is not v:
                 return False
-        now = own_children(m)
-        if len(now) != len(children):
-            return False
-        for (k, c), (k2, c2) in zip(children, now.items()):
-            if c is not c2 or k != k2:
+        for h in hooks:
+            if h:
                 return False
+        if children:
+            now = compat.own_children(m)
+            if len(now) != len(children):
+                return False
+            for (k, c), (k2, c2) in zip(children, now.items()):
+                if c is not c2 or k != k2:
+                    return False
+        elif compat.own_children(m):
+            return False
     return True
 
 
