@@ -112,9 +112,9 @@ class MemberViews:
     Where an autograd graph is recorded, the stacked tensors that require grad are split
     once per call, so that backward writes the members' gradients into the stacked gradients
     in one pass: ``unbind`` when the call runs every member (its backward stacks them), else
-    one ``_MemberSlices`` over all of them (per tensor one zero-filled gradient, the
-    members' slices copied in), instead of one zero-filled full-size gradient per slice, or
-    one per member left out. Where none is recorded, member m's slices are the ones
+    one ``_MemberSlices`` over all of them (per tensor one stack of the members' gradients
+    and zero slices), instead of one zero-filled full-size gradient per slice, or one per
+    member left out. Where none is recorded, member m's slices are the ones
     ``Direct.member_views`` keeps between calls.
     """
 
@@ -166,9 +166,9 @@ class MemberViews:
 
 class _MemberSlices(torch.autograd.Function):
     """``t[m] for m in members`` for each of the tensors ``ts`` (flat, tensor by tensor), whose
-    backward fills one zero gradient of each tensor's shape with its members' gradients
-    (``unbind`` would allocate a zero slice for each member left out, then stack them all),
-    one autograd node for all the tensors of a call."""
+    backward stacks, per tensor, its members' gradients and one zero slice for every member
+    left out (``unbind``'s backward would allocate a zero slice for each), one autograd node
+    for all the tensors of a call."""
 
     @staticmethod
     def forward(ctx: Any, members: Any, *ts: torch.Tensor) -> Any:
@@ -186,11 +186,12 @@ class _MemberSlices(torch.autograd.Function):
             if first is None:
                 out.append(None)
                 continue
-            full = first.new_zeros(shape)
+            zero = first.new_zeros(first.shape)  # one member's slice, read for each other
+            parts = [zero] * shape[0]
             for m, g in zip(ctx.members, own):
                 if g is not None:
-                    full[m] = g
-            out.append(full)
+                    parts[m] = g
+            out.append(torch.stack(parts))  # each byte written once (no fill, then copies)
         return tuple(out)
 
 
