@@ -401,8 +401,9 @@ def direct_segments(
 
 def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
     """The segments' outputs (segment order) in the input's order: ``(B, ...)`` with
-    weights (each row the weighted sum of its k outputs, in member order), ``(B, k, ...)``
-    or ``(B, ...)`` without; dropped entries zero."""
+    weights (each row the weighted sum of its k outputs, in member order, added into
+    zeros), ``(B, k, ...)`` or ``(B, ...)`` without (copied into place, as the loop's
+    ``out[rows] = y``); dropped entries zero."""
     flat0, spec0 = pytree.tree_flatten(outputs[0])
     flats = [flat0]
     for out in outputs[1:]:
@@ -413,6 +414,7 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
     weights = None if routing.weights is None else routing.weights.reshape(-1)
     k, rows = routing.k, routing.rows
     summed = weights is not None
+    covered = not summed and routing.total == rows * k  # each output row written once
     joined = []
     for j, t0 in enumerate(flat0):
         column = [flat[j] for flat in flats]
@@ -423,7 +425,7 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
             if t.dim() == 0 or t.shape[0] != c:
                 concat(column, seg.count_list)  # raises the error naming the shapes
         size = rows if summed else rows * k
-        out = t0.new_zeros(size, *t0.shape[1:])
+        out = (t0.new_empty if covered else t0.new_zeros)(size, *t0.shape[1:])
         start = 0
         for t, c in zip(column, seg.count_list):
             entries = routing.entries.narrow(0, start, c)
@@ -432,7 +434,10 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
                 w = weights.index_select(0, entries).to(t.dtype)
                 t = t * w.view(-1, *(1,) * (t.dim() - 1))
                 entries = routing.source_rows.narrow(0, start, c)
-            out.index_add_(0, entries, t)
+            if covered:
+                out.index_copy_(0, entries, t)  # the loop's out[rows] = y, no zero fill
+            else:
+                out.index_add_(0, entries, t)
             start += c
         if not summed and routing.index.dim() == 2:
             out = out.view(rows, k, *t0.shape[1:])
