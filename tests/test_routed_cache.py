@@ -329,3 +329,16 @@ def test_a_list_changed_in_place_between_calls():
         m.shifts[0] = -1.0  # the same list, its contents changed: retraced
     with torch.no_grad():
         assert torch.equal(stack(x, subset=[0, 2]), own_subset(models, [0, 2], (x,)))
+
+
+def test_a_stack_on_meta_runs_subsets_for_shapes():
+    """A stack moved to ``meta`` traces shapes: its subset calls run the segment path (the
+    autocast check asked torch about ``meta``, which raised) and keep no stale slices."""
+    _, stack = members(Critic)
+    stack.to("meta")
+    args = tuple(a.to("meta") for a in critic_inputs(30, 0))
+    for grad in (True, True, False, False):
+        with torch.set_grad_enabled(grad):
+            out = stack(*args, subset=[1, 3])
+        assert out.shape == (2, 30, 1) and out.is_meta
+    assert stack.routed_path == "segment"

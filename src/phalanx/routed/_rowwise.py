@@ -473,7 +473,8 @@ def blocked(
         return _HOOKED
     if compat.transforms_active() or compat.forward_ad_active():
         return "a torch.func transform or forward-mode AD is around the stack"
-    if torch.is_autocast_enabled(gathered[0].device.type):
+    device_type = gathered[0].device.type
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):  # meta: no autocast
         return "autocast is on"
     return None
 
