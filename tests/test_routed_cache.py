@@ -333,7 +333,7 @@ def test_a_list_changed_in_place_between_calls():
 
 def test_a_stack_on_meta_runs_subsets_for_shapes():
     """A stack moved to ``meta`` traces shapes: its subset calls run the segment path (the
-    autocast check asked torch about ``meta``, which raised) and keep no stale slices."""
+    autocast check asked torch about ``meta``, which raised), with and without a graph."""
     _, stack = members(Critic)
     stack.to("meta")
     args = tuple(a.to("meta") for a in critic_inputs(30, 0))
