@@ -14,6 +14,8 @@ import torch
 
 # torch's pytree has no public module in 2.13 (torch.utils._pytree is what torch.func and
 # torch.compile use themselves).
+from torch.autograd import forward_ad as _forward_ad
+from torch.nn.modules import module as _nn_module
 from torch.utils import _pytree as pytree
 
 __all__ = ["CHECKED_ON", "pytree"]  # and every function below
@@ -33,9 +35,7 @@ def transforms_active() -> bool:
 
 def forward_ad_active() -> bool:
     """True inside ``torch.autograd.forward_ad.dual_level()``."""
-    from torch.autograd import forward_ad
-
-    return getattr(forward_ad, "_current_level", -1) >= 0
+    return getattr(_forward_ad, "_current_level", -1) >= 0
 
 
 def has_tangents(tensors: Iterable[torch.Tensor]) -> bool:
@@ -47,17 +47,17 @@ def has_tangents(tensors: Iterable[torch.Tensor]) -> bool:
     return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
 def global_module_hooks() -> bool:
     """True when a global module hook (``register_module_forward_hook`` ...) is registered."""
-    from torch.nn.modules import module
-
-    names = (
-        "_global_forward_hooks",
-        "_global_forward_pre_hooks",
-        "_global_backward_hooks",
-        "_global_backward_pre_hooks",
-    )
-    return any(getattr(module, name, None) for name in names)
+    return any(getattr(_nn_module, name, None) for name in _GLOBAL_HOOKS)
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:
@@ -90,6 +90,11 @@ def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
 def own_buffers(module: torch.nn.Module) -> dict[str, Any]:
     """``module._buffers``: the module's own buffer slots (values may be None)."""
     return module._buffers
+
+
+def own_children(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._modules``: the module's own child slots, by name (values may be None)."""
+    return module._modules
 
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

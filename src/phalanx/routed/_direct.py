@@ -36,7 +36,8 @@ from phalanx.routed._rowwise_ops import IN_PLACE, in_place
 
 
 class Direct:
-    """A member's forward as ``fn(tensors, *inputs)``, ``tensors`` member m's tensors.
+    """A member's forward as ``fn(tensors, *inputs)`` (``fn(tensors, buffers, *inputs)`` for
+    the in-place variant), ``tensors`` member m's tensors.
 
     Attributes:
         sources: where each tensor comes from on every call: ``(module, name)`` of a
@@ -47,6 +48,8 @@ class Direct:
         writes: whether the forward itself may write a tensor in place (an in-place method,
             ``inplace=True``): then its inputs must be copies of the caller's rows, never
             views of them.
+        workspace: the in-place variant's reused Linear outputs (``Workspace``), held here so
+            that a copy of the stack (``copy.deepcopy``) holds its own.
     """
 
     def __init__(
@@ -58,71 +61,138 @@ class Direct:
     ) -> None:
         self.sources, self.graph_fn, self.inplace_fn = sources, graph_fn, inplace_fn
         self.writes = writes
+        self.workspace = Workspace()
+        self._views: dict[bool, dict[int, list[torch.Tensor]]] = {}
+        self._stamp: tuple[Any, ...] | None = None
+        self._objects: list[torch.Tensor] | None = None
 
     def stacked(self) -> list[tuple[bool, torch.Tensor]]:
-        """The tensors of this call: per source, (whether it is a stacked member tensor, it)."""
-        return [
-            (False, name) if mod is None else (True, getattr(mod, name))
-            for mod, name in self.sources
-        ]
+        """The tensors of this call: per source, (whether it is a stacked member tensor, it),
+        read from the module's own parameters and buffers as ``getattr`` finds them."""
+        out: list[tuple[bool, torch.Tensor]] = []
+        for mod, name in self.sources:
+            if mod is None:
+                out.append((False, name))
+                continue
+            t = compat.own_parameters(mod).get(name)
+            if t is None:
+                t = compat.own_buffers(mod).get(name)
+                if t is None:
+                    t = getattr(mod, name)  # anything else getattr answers (a property)
+            out.append((True, t))
+        return out
+
+    def views_of(self, tensors: list[tuple[bool, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Member by member, the slices of ``tensors`` (this call's ``stacked()``) for calls
+        that record no autograd graph, each made once (``MemberViews.of``) and kept while
+        every stacked tensor is the same object over the same memory (``data_ptr``, shape,
+        strides and dtype unchanged): a tensor replaced (``module.weight = ...``), given new
+        memory (``.data = ...``, ``Module.to``, ``set_``, ``swap_tensors``) or reshaped makes
+        them afresh. Values changed in place (an optimizer step, ``copy_``,
+        ``load_state_dict``) need nothing: the slices are views. Slices made in inference
+        mode are kept apart from the others."""
+        stamp = tuple(
+            (t.data_ptr(), t.shape, t.stride(), t.dtype) for member, t in tensors if member
+        )
+        objects = self._objects
+        if (
+            stamp != self._stamp
+            or objects is None
+            or len(objects) != len(tensors)
+            or not all(a is b for a, (_, b) in zip(objects, tensors))
+        ):
+            self._views = {}
+            self._stamp, self._objects = stamp, [t for _, t in tensors]
+        return self._views.setdefault(torch.is_inference_mode_enabled(), {})
 
 
 class MemberViews:
     """Member m's slices of a call's tensors, for the members ``members`` that the call runs.
 
-    Where an autograd graph is recorded, each stacked tensor that requires grad is split
-    once per call, so that backward writes the members' gradients into the stacked gradient
+    Where an autograd graph is recorded, the stacked tensors that require grad are split
+    once per call, so that backward writes the members' gradients into the stacked gradients
     in one pass: ``unbind`` when the call runs every member (its backward stacks them), else
-    ``_MemberSlices`` (one zero-filled gradient, the members' slices copied in), instead of
-    one zero-filled full-size gradient per slice, or one per member left out.
+    one ``_MemberSlices`` over all of them (per tensor one stack of the members' gradients
+    and zero slices), instead of one zero-filled full-size gradient per slice, or one per
+    member left out. Where none is recorded, member m's slices are the ones
+    ``Direct.member_views`` keeps between calls.
     """
 
     def __init__(self, direct: Direct, members: list[int], num_members: int) -> None:
         self.graph = torch.is_grad_enabled()
+        self._direct = direct
         self._tensors = direct.stacked()
         self._members = members
         self._every = len(members) == num_members
-        self._split: dict[int, dict[int, torch.Tensor]] = {}
+        self._split: dict[int, dict[int, torch.Tensor]] | None = None
         self.fn = direct.graph_fn if self.graph else direct.inplace_fn
+        self._kept = None if self.graph else direct.views_of(self._tensors)
+
+    def _split_all(self) -> dict[int, dict[int, torch.Tensor]]:
+        graded = [i for i, (member, t) in enumerate(self._tensors) if member and t.requires_grad]
+        split: dict[int, dict[int, torch.Tensor]] = {}
+        if self._every:
+            for i in graded:
+                t = self._tensors[i][1]
+                split[i] = dict(enumerate(t.unbind(0)))
+        elif graded:
+            members = self._members
+            flat = _MemberSlices.apply(members, *(self._tensors[i][1] for i in graded))
+            k = len(members)
+            for j, i in enumerate(graded):
+                split[i] = dict(zip(members, flat[j * k : (j + 1) * k]))
+        return split
 
     def of(self, m: int) -> list[torch.Tensor]:
-        out = []
-        for i, (member, t) in enumerate(self._tensors):
-            if not member:
-                out.append(t)
-            elif self.graph and t.requires_grad:
-                views = self._split.get(i)
-                if views is None:
-                    members = range(t.shape[0]) if self._every else self._members
-                    split = t.unbind(0) if self._every else _MemberSlices.apply(t, members)
-                    views = self._split[i] = dict(zip(members, split))
-                out.append(views[m])
-            else:
-                out.append(t[m])
-        return out
+        kept = self._kept
+        if kept is not None:
+            views = kept.get(m)
+            if views is None:
+                views = kept[m] = [t[m] if member else t for member, t in self._tensors]
+            return views
+        if self._split is None:
+            self._split = self._split_all()
+        split = self._split
+        return [
+            split[i][m] if i in split else (t[m] if member else t)
+            for i, (member, t) in enumerate(self._tensors)
+        ]
 
     def run(self, m: int, inputs: tuple[Any, ...]) -> Any:
-        return self.fn(self.of(m), *inputs)
+        if self._kept is None:
+            return self.fn(self.of(m), *inputs)
+        return self.fn(self.of(m), self._direct.workspace.buffers, *inputs)
 
 
 class _MemberSlices(torch.autograd.Function):
-    """``tuple(t[m] for m in members)``, whose backward fills one zero gradient of ``t``'s
-    shape with the members' gradients (``unbind`` would allocate a zero slice for each
-    member left out, then stack them all)."""
+    """``t[m] for m in members`` for each of the tensors ``ts`` (flat, tensor by tensor), whose
+    backward stacks, per tensor, its members' gradients and one zero slice for every member
+    left out (``unbind``'s backward would allocate a zero slice for each), one autograd node
+    for all the tensors of a call."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, members: Any) -> Any:
-        ctx.members, ctx.shape = list(members), t.shape
-        return tuple(t[m] for m in ctx.members)
+    def forward(ctx: Any, members: Any, *ts: torch.Tensor) -> Any:
+        ctx.members, ctx.shapes = list(members), [t.shape for t in ts]
+        ctx.set_materialize_grads(False)  # members' slices that no output reads stay None
+        return tuple(t[m] for t in ts for m in ctx.members)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        first = next(g for g in grads if g is not None)
-        out = first.new_zeros(ctx.shape)
-        for m, g in zip(ctx.members, grads):
-            if g is not None:
-                out[m] = g
-        return out, None
+        k = len(ctx.members)
+        out: list[torch.Tensor | None] = [None]
+        for j, shape in enumerate(ctx.shapes):
+            own = grads[j * k : (j + 1) * k]
+            first = next((g for g in own if g is not None), None)
+            if first is None:
+                out.append(None)
+                continue
+            zero = first.new_zeros(first.shape)  # one member's slice, read for each other
+            parts = [zero] * shape[0]
+            for m, g in zip(ctx.members, own):
+                if g is not None:
+                    parts[m] = g
+            out.append(torch.stack(parts))  # each byte written once (no fill, then copies)
+        return tuple(out)
 
 
 # -------------------------------------------------------------------------- in-place variants
@@ -212,40 +282,56 @@ class Workspace:
     Linear, grown to the most rows seen and reused by every segment and every call, instead
     of a new allocation (and, above the allocator's threshold, fresh pages) each time. The
     values are ``F.linear``'s (``addmm``/``mm`` into the buffer, the kernels it calls for
-    a 2-D input). The stack's lock keeps two calls from sharing it at once."""
+    a 2-D input). No buffer is ever a forward's output nor read by one (the Linears chosen
+    by ``_internal_linears``), so a result the caller keeps never changes on the next call.
+    The buffers are passed to the generated function on each call (``Direct.workspace``), so
+    a copy of the stack has its own; the stack's lock keeps two calls from sharing them at
+    once. Buffers made in inference mode (inference tensors, which no call outside it may
+    write) are kept apart from the others."""
 
     def __init__(self) -> None:
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def linear(self) -> Callable[..., torch.Tensor]:
-        buffers = self.buffers
+    def __deepcopy__(self, memo: dict[int, Any]) -> Workspace:
+        return Workspace()  # scratch: a copy starts empty rather than copying the buffers
 
-        def phalanx_linear_into(
-            x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, slot: int
-        ) -> torch.Tensor:
-            if (
-                x.dim() != 2
-                or w.dim() != 2
-                or w.dtype != x.dtype
-                or (b is not None and (b.dim() != 1 or b.dtype != x.dtype))
-            ):
-                return F.linear(x, w, b)  # F.linear's own broadcasting, promotion, errors
-            rows, out_f = x.shape[0], w.shape[0]
-            buf = buffers.get(slot)
-            if (
-                buf is None
-                or buf.shape[0] < rows
-                or buf.shape[1] != out_f
-                or buf.dtype != x.dtype
-                or buf.device != x.device
-            ):
-                buf = buffers[slot] = x.new_empty(rows, out_f)
-            y = buf[:rows]
-            if b is None:
-                return torch.mm(x, w.t(), out=y)
-            return torch.addmm(b, x, w.t(), out=y)
 
-        return phalanx_linear_into
+def phalanx_linear_into(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    slot: int,
+    buffers: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """``F.linear(x, w, b)`` written into the reused buffer ``buffers[slot]`` (a
+    ``Workspace``'s), or ``F.linear`` itself where its input is not a 2-D matrix of the
+    weight's dtype."""
+    if (
+        x.dim() != 2
+        or w.dim() != 2
+        or w.dtype != x.dtype
+        or (b is not None and (b.dim() != 1 or b.dtype != x.dtype))
+    ):
+        return F.linear(x, w, b)  # F.linear's own broadcasting, promotion, errors
+    rows, out_f = x.shape[0], w.shape[0]
+    key = (slot, torch.is_inference_mode_enabled())
+    entry = buffers.get(key)  # (the buffer, its rows of the last call: a slice costs 2 us)
+    if entry is None or entry[0].dtype != x.dtype or entry[0].device != x.device:
+        entry = None
+    else:
+        buf, y = entry
+        if y.shape[0] != rows or buf.shape[1] != out_f:
+            if buf.shape[0] < rows or buf.shape[1] != out_f:
+                entry = None
+            else:
+                entry = buffers[key] = (buf, buf if buf.shape[0] == rows else buf[:rows])
+    if entry is None:
+        buf = x.new_empty(rows, out_f)
+        entry = buffers[key] = (buf, buf)
+    y = entry[1]
+    if b is None:
+        return torch.mm(x, w.t(), out=y)
+    return torch.addmm(b, x, w.t(), out=y)
 
 
 def _internal_linears(graph: fx.Graph) -> list[fx.Node]:
@@ -414,10 +500,10 @@ def _rewrite(
         elif node.op == "output":
             new.output(fx.node.map_arg(node.args[0], load))
     if inplace:
-        workspace = Workspace()
-        linear_into = workspace.linear()
+        with new.inserting_after(tensors):
+            buffers = new.placeholder("phalanx_buffers")  # the Workspace's, on every call
         for slot, node in enumerate(_internal_linears(new)):
-            node.target = linear_into
-            node.args = (*node.args, slot)
+            node.target = phalanx_linear_into
+            node.args = (*node.args, slot, buffers)
     code = fx.GraphModule(holder, new)
     return sources, code.forward

@@ -51,35 +51,114 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    return value
+
+
 def _fingerprint(module: nn.Module) -> tuple | str:
-    """What a trace bakes in: the module tree (each submodule's identity and type) and, for
+    """What a trace bakes in: the module tree (each submodule's identity and type, and
+    whether it holds hooks, which ``checked_plan`` reads from the plan) and, for
     the modules the trace runs through (fx calls torch.nn's own layers as they are, reading
     their settings on every call), their mode and plain attributes; a string (the reason)
     when such a module holds an attribute whose changes a trace could not see."""
 
     leaf = _LEAF.is_leaf_module
+    has_hooks = compat.has_hooks
     parts: list[Any] = []
     for path, m in module.named_modules():
         if leaf(m, path):
-            parts.append((path, id(m)))
+            parts.append((path, id(m), has_hooks(m)))
             continue
         own = []
         for k, v in m.__dict__.items():
             if k in _INTERNALS:
                 continue
             if _plain(v):
-                own.append((k, v))
+                own.append((k, _frozen(v)))  # a copy: a list changed in place is a change
             elif callable(v) and not isinstance(v, (nn.Module, torch.Tensor)):
                 own.append((k, id(v)))
             else:
                 return (
                     f"{type(m).__name__} {path or 'the member'} holds {k!r}, a {type(v).__name__}"
                 )
-        parts.append((path, id(m), type(m), m.training, tuple(own)))
+        parts.append((path, id(m), type(m), m.training, has_hooks(m), tuple(own)))
     return tuple(parts)
 
 
 _LEAF = torch.fx.Tracer()
+_IMMUTABLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _immutable(value: Any) -> bool:
+    if type(value) is tuple:
+        return all(_immutable(v) for v in value)
+    return isinstance(value, _IMMUTABLE)
+
+
+Witness = tuple[nn.Module, list[tuple[nn.Module, type, int, list[tuple[str, Any]], list, list]]]
+"""The objects a fingerprint was taken from (``_witness``): the root and, per module of the
+walk, its type, the size of its ``__dict__``, its own attributes, its hook dicts and its
+children."""
+
+
+def _witness(module: nn.Module) -> Witness | None:
+    """What ``_unchanged`` compares by identity on every call instead of taking the
+    fingerprint again; None where an attribute the fingerprint reads is mutable (a list,
+    whose contents could change under the same identity) or a module holds hooks: then
+    every call takes it."""
+    walk = []
+    for m in module.modules():
+        hooks = compat.module_hooks(m)
+        if any(hooks.values()):
+            return None
+        own = [*hooks.items(), ("_modules", compat.own_children(m))]
+        for k, v in m.__dict__.items():
+            if k in _INTERNALS and k != "training":
+                continue
+            if not _immutable(v) and not (
+                callable(v) and not isinstance(v, (nn.Module, torch.Tensor))
+            ):
+                return None
+            own.append((k, v))
+        children = list(compat.own_children(m).items())
+        walk.append((m, type(m), len(m.__dict__), own, list(hooks.values()), children))
+    return module, walk
+
+
+def _unchanged(witness: Witness, module: nn.Module) -> bool:
+    """Whether the module tree is the one ``witness`` was taken from, every module with the
+    same type, the same attribute objects (``is``: a value set again, even equal, answers
+    False, and the caller takes the fingerprint), the same hook dicts still empty and the
+    same children under the same names: then its fingerprint is the same, without walking
+    it afresh."""
+    root, walk = witness
+    if module is not root:
+        return False
+    for m, kind, size, own, hooks, children in walk:
+        d = m.__dict__
+        if type(m) is not kind or len(d) != size:
+            return False
+        for k, v in own:  # the hook dicts and the children's dict among them
+            if d.get(k, _MISSING) is not v:
+                return False
+        for h in hooks:
+            if h:
+                return False
+        if children:
+            now = compat.own_children(m)
+            if len(now) != len(children):
+                return False
+            for (k, c), (k2, c2) in zip(children, now.items()):
+                if c is not c2 or k != k2:
+                    return False
+        elif compat.own_children(m):
+            return False
+    return True
+
+
+_MISSING = object()
 
 
 class Plan:
@@ -92,6 +171,8 @@ class Plan:
         self.placeholders = 0
         self.proven: set[Any] = set()  # input signatures run_plan has run through
         self.direct: Direct | bool | None = True  # True until compiled; None: not compilable
+        self.hooked = False  # a module of the tree held hooks when the fingerprint was taken
+        self.witness: Witness | None = None  # what the fingerprint was taken from
 
 
 def direct_of(plan: Plan, view: StackView, signature: Any) -> Direct | None:
@@ -204,11 +285,14 @@ def _compile(plan: Plan, live: nn.Module) -> list[Step]:
 def plan_of(view: StackView) -> Plan | str:
     """The member's forward traced once (again only when a baked-in attribute changed)."""
     cache = view.cache_of("routed")
+    plan = cache.get("plan")
+    if plan is not None and plan.witness is not None and _unchanged(plan.witness, view.module):
+        return plan  # the tree the fingerprint was taken from, unchanged
     fingerprint = _fingerprint(view.module)
     if isinstance(fingerprint, str):
         return fingerprint
-    plan = cache.get("plan")
     if plan is not None and plan.fingerprint == fingerprint:
+        plan.witness = _witness(view.module)
         return plan
 
     try:
@@ -218,7 +302,27 @@ def plan_of(view: StackView) -> Plan | str:
         plan.refused[None] = f"torch.fx cannot trace the member's forward ({summary(e)})"
     else:
         plan = Plan(fingerprint, traced.graph, traced)
+    plan.hooked = bool(hooked(view.module))  # the fingerprint holds each module's hook flag
+    plan.witness = _witness(view.module)
     cache["plan"] = plan
+    return plan
+
+
+_HOOKED = "the member holds hooks, which must run once per member"
+
+
+def checked_plan(view: StackView, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan | str:
+    """The plan for this call, or the reason the segment path does not apply: ``blocked``'s
+    checks and ``plan_of`` in one walk of the module tree (the fingerprint, checked on every
+    call, holds each module's hook flag)."""
+    reason = blocked(view, args, kwargs, hooks=False)
+    if reason is not None:
+        return reason
+    plan = plan_of(view)
+    if isinstance(plan, str):
+        return _HOOKED if hooked(view.module) else plan
+    if plan.hooked or compat.global_module_hooks():
+        return _HOOKED
     return plan
 
 
@@ -233,17 +337,11 @@ def segment_path(
     outputs, and whether they are already in the input's order and combined over the k
     choices (the per-segment runs scatter each segment's rows into place) or still in
     segment order (``_routed._combine`` puts them back)."""
-    reason = blocked(view, args, kwargs)
-    plan: Plan | str | None = None
+    plan = checked_plan(view, args, kwargs)
+    reason = plan if isinstance(plan, str) else None
     signature = tuple((a.dim(), a.dtype) for a in args)
-    if reason is None:
-        plan = plan_of(view)
-        if isinstance(plan, str):
-            reason = plan
-        elif None in plan.refused:
-            reason = plan.refused[None]
-        else:
-            reason = plan.refused.get(signature)
+    if not isinstance(plan, str):
+        reason = plan.refused[None] if None in plan.refused else plan.refused.get(signature)
     if reason is None:
         assert isinstance(plan, Plan)
         seg = Segments.of(routing, view.num_members)
@@ -303,8 +401,9 @@ def direct_segments(
 
 def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
     """The segments' outputs (segment order) in the input's order: ``(B, ...)`` with
-    weights (each row the weighted sum of its k outputs, in member order), ``(B, k, ...)``
-    or ``(B, ...)`` without; dropped entries zero."""
+    weights (each row the weighted sum of its k outputs, in member order, added into
+    zeros), ``(B, k, ...)`` or ``(B, ...)`` without (copied into place, as the loop's
+    ``out[rows] = y``); dropped entries zero."""
     flat0, spec0 = pytree.tree_flatten(outputs[0])
     flats = [flat0]
     for out in outputs[1:]:
@@ -315,6 +414,7 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
     weights = None if routing.weights is None else routing.weights.reshape(-1)
     k, rows = routing.k, routing.rows
     summed = weights is not None
+    covered = not summed and routing.total == rows * k  # each output row written once
     joined = []
     for j, t0 in enumerate(flat0):
         column = [flat[j] for flat in flats]
@@ -325,7 +425,7 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
             if t.dim() == 0 or t.shape[0] != c:
                 concat(column, seg.count_list)  # raises the error naming the shapes
         size = rows if summed else rows * k
-        out = t0.new_zeros(size, *t0.shape[1:])
+        out = (t0.new_empty if covered else t0.new_zeros)(size, *t0.shape[1:])
         start = 0
         for t, c in zip(column, seg.count_list):
             entries = routing.entries.narrow(0, start, c)
@@ -334,7 +434,10 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
                 w = weights.index_select(0, entries).to(t.dtype)
                 t = t * w.view(-1, *(1,) * (t.dim() - 1))
                 entries = routing.source_rows.narrow(0, start, c)
-            out.index_add_(0, entries, t)
+            if covered:
+                out.index_copy_(0, entries, t)  # the loop's out[rows] = y, no zero fill
+            else:
+                out.index_add_(0, entries, t)
             start += c
         if not summed and routing.index.dim() == 2:
             out = out.view(rows, k, *t0.shape[1:])
@@ -357,16 +460,21 @@ def run_segments(plan: Plan, view: StackView, args: tuple[torch.Tensor, ...], se
     return concat(outputs, seg.count_list)
 
 
-def blocked(view: StackView, gathered: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def blocked(
+    view: StackView, gathered: tuple[Any, ...], kwargs: dict[str, Any], hooks: bool = True
+) -> str | None:
+    """Why the segment path does not apply to this call, or None; ``hooks=False`` leaves
+    the hooks to the caller (``checked_plan``)."""
     if kwargs:
         return "keyword inputs (shared by every member) are not part of the segment path"
     if not all(isinstance(a, torch.Tensor) for a in gathered):
         return "a positional input is not a tensor"
-    if hooked(view.module):
-        return "the member holds hooks, which must run once per member"
+    if hooks and hooked(view.module):
+        return _HOOKED
     if compat.transforms_active() or compat.forward_ad_active():
         return "a torch.func transform or forward-mode AD is around the stack"
-    if torch.is_autocast_enabled(gathered[0].device.type):
+    device_type = gathered[0].device.type
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):  # meta: no autocast
         return "autocast is on"
     return None
 

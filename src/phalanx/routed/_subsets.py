@@ -12,7 +12,7 @@ from torch import nn
 from phalanx._torch_compat import pytree
 from phalanx.backends._state import PerMemberAttributes
 from phalanx.routed._direct import MemberViews
-from phalanx.routed._rowwise import NotRowwise, blocked, direct_of, plan_of, run_plan
+from phalanx.routed._rowwise import NotRowwise, checked_plan, direct_of, run_plan
 from phalanx.routed._segments import Segments, per_segment
 
 if TYPE_CHECKING:
@@ -93,17 +93,18 @@ def subset_segment(
     if len(rows) != 1 or not (batch := rows.pop()):
         return None
     k = len(chosen)
-    if blocked(view, args, kwargs) is not None:
-        return None
-    plan = plan_of(view)
+    plan = checked_plan(view, args, kwargs)
     signature = ("subset", *((a.dim() - (d is not None), a.dtype) for a, d in zip(args, in_dims)))
     if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
         return None
     try:
         if k == 1 or per_segment(k, k * batch):
             direct = direct_of(plan, view, signature)
-            own = [tuple(a if d is None else a[s] for a, d in zip(args, in_dims))
-                   for s in range(k)]  # fmt: skip
+            if all(d is None for d in in_dims):  # the shared inputs themselves
+                own = [args] * k
+            else:
+                own = [tuple(a if d is None else a[s] for a, d in zip(args, in_dims))
+                       for s in range(k)]  # fmt: skip
             if direct is not None:  # the member's forward as one generated function
                 member_views = MemberViews(direct, chosen, view.num_members)
                 outs = [member_views.run(m, inputs) for m, inputs in zip(chosen, own)]
@@ -113,9 +114,13 @@ def subset_segment(
                     run_plan(plan, view, inputs, Segments.one(m, batch, view.num_members, views))
                     for m, inputs in zip(chosen, own)
                 ]
-            out = pytree.tree_map(
-                lambda *ts: torch.stack(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *outs
-            )
+            if all(isinstance(o, torch.Tensor) for o in outs):
+                out = torch.stack(outs)
+            else:
+                out = pytree.tree_map(
+                    lambda *ts: torch.stack(ts) if isinstance(ts[0], torch.Tensor) else ts[0],
+                    *outs,
+                )
         else:
             gathered = tuple(
                 a.expand(k, *a.shape).reshape(k * batch, *a.shape[1:]) if d is None
