@@ -10,7 +10,7 @@ import sys
 import pytest
 
 SCRIPT = """
-import torch, phalanx, phalanx.core._memory as m
+import torch, phalanx, phalanx.backends._memory as m
 from torch import nn
 phalanx.stack([nn.Embedding({rows}, 1024) for _ in range(2)])
 print(m._done)
@@ -27,6 +27,44 @@ def test_large_stacks_keep_freed_memory(rows, env, expected):
         pytest.skip("glibc's mallopt")
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT.format(rows=rows)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == expected, out.stderr
+
+
+ACTIVATIONS = """
+import torch, phalanx, phalanx.backends._memory as m
+from torch import nn
+torch.manual_seed(0)
+stack = phalanx.stack([nn.Conv2d(1, 8, 3) for _ in range(2)], backend={backend!r})
+before = m._done
+stack(torch.randn({batch}, 1, 32, 32))  # all members' output: batch * 2 * 8 * 30 * 30 floats
+print(before, m._done)
+"""
+
+
+@pytest.mark.parametrize(
+    ("batch", "backend", "env", "expected"),
+    [
+        (600, "fused", {}, "False True"),  # 35 MB of activations for the two members
+        (600, "vmap", {}, "False True"),
+        (600, "loop", {}, "False False"),  # each member's own 17 MB: malloc reuses them
+        (300, "fused", {}, "False False"),
+        (600, "fused", {"PHALANX_CPU_ALLOCATOR": "system"}, "False False"),
+    ],
+    ids=["fused", "vmap", "loop", "small", "opted_out"],
+)
+def test_large_batched_activations_keep_freed_memory(batch, backend, env, expected):
+    # W7 of DESIGN.md: small weights, 44 MB of activations for its 16 members; the
+    # page faults of mapping them afresh each step were the fused step's loss to the loop
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt")
+    out = subprocess.run(
+        [sys.executable, "-c", ACTIVATIONS.format(batch=batch, backend=backend)],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
