@@ -72,10 +72,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("pool", POOLS.values(), ids=POOLS.keys())
 @pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
 @pytest.mark.parametrize("awkward", [False, True], ids=["random", "ties"])
-def test_max_pool_gives_the_loops_bits(pool, per_member, awkward, monkeypatch):
+@pytest.mark.parametrize("block", [_pool.BLOCK_BYTES, 1], ids=["one-block", "image-blocks"])
+def test_max_pool_gives_the_loops_bits(pool, per_member, awkward, block, monkeypatch):
     # BatchNorm member by member (W7's size takes that path; the small members here would
     # take the one call, which is the loop's to rounding only)
     monkeypatch.setattr(_norm, "ALONE_BYTES", 0)
+    monkeypatch.setattr(_pool, "BLOCK_BYTES", block)
     calls = _counted(monkeypatch)
     torch.manual_seed(0)
     members = [_member(pool) for _ in range(3)]
@@ -107,7 +109,10 @@ def test_max_pool_gives_the_loops_bits(pool, per_member, awkward, monkeypatch):
 
 @pytest.mark.parametrize("pool", POOLS.values(), ids=POOLS.keys())
 @pytest.mark.parametrize("awkward", [False, True], ids=["random", "ties-nan-inf"])
-def test_second_derivatives_are_the_loops(pool, awkward, monkeypatch):
+@pytest.mark.parametrize("block", [_pool.BLOCK_BYTES, 5300], ids=["one-block", "blocks"])
+def test_second_derivatives_are_the_loops(pool, awkward, block, monkeypatch):
+    # 5300 bytes: the 12 images of 1056 bytes in blocks of 5, 5 and 2
+    monkeypatch.setattr(_pool, "BLOCK_BYTES", block)
     calls = _counted(monkeypatch)
     torch.manual_seed(1)
     members = [_Scaled(pool) for _ in range(3)]

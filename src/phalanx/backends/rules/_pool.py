@@ -6,7 +6,8 @@ channels: on W7 of DESIGN.md's first pool, ``(64, 16, 26, 26)`` per member, 4.4 
 0.5 ms (1.7 ms with the copies into and out of that layout), one thread. Both kernels take,
 for each output, the first element of the window that is greater than every one before it or
 NaN (``val > max || isnan(val)``, scanned row by row), so the values and the indices are the
-member's own bit for bit; they come back contiguous, as the member's are. The backward is
+member's own bit for bit; they come back contiguous, as the member's are (the input is
+copied to channels-last and the outputs back in blocks of images, ``BLOCK_BYTES``). The backward is
 torch's ``max_pool2d_with_indices_backward`` on those indices, the loop's own formula, and is
 itself differentiable as the loop's is (second derivatives).
 
@@ -44,15 +45,31 @@ _POOL_DEFAULTS = {
 }
 
 
+BLOCK_BYTES = 4 << 20
+"""The input is pooled in blocks of images of at most this many bytes (at least one image):
+each block's channels-last copy and outputs stay in cache on their way back. Measured on W7
+(one member's first pool input is 2.8 MB): its fused training step 1.12x the loop's speed in
+blocks, 1.07x as one call (interleaved in one process, one thread)."""
+
+
 class _ChannelsLastMaxPool(torch.autograd.Function):
     """``max_pool2d_with_indices`` of a contiguous ``(B, C, H, W)`` input, computed in the
     channels-last layout, values and indices handed back contiguous."""
 
     @staticmethod
     def forward(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        cl = x.contiguous(memory_format=torch.channels_last)
-        values, indices = torch.ops.aten.max_pool2d_with_indices(cl, *args)
-        return values.contiguous(), indices.contiguous()
+        rows = max(1, BLOCK_BYTES // max(1, x[0].nbytes))
+        values = indices = None
+        for r in range(0, x.shape[0], rows):
+            cl = x[r : r + rows].contiguous(memory_format=torch.channels_last)
+            v, i = torch.ops.aten.max_pool2d_with_indices(cl, *args)
+            if values is None or indices is None:
+                values = v.new_empty((x.shape[0], *v.shape[1:]))
+                indices = i.new_empty(values.shape)
+            values[r : r + rows].copy_(v)
+            indices[r : r + rows].copy_(i)
+        assert values is not None and indices is not None
+        return values, indices
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
