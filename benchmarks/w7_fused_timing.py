@@ -8,10 +8,13 @@ Two questions, one mode each:
   again with that set) with glibc's defaults.
 - ``pool`` (default): the fused stack with the channels-last max-pool rule
   (``rules/_pool.py``) and without it (torch.func's rule), against the loop.
+- ``adam``: the same, with the step of ``phalanx bench``'s contenders: the loop sums the 16
+  losses for one backward and steps ``torch.optim.Adam``, the stack ``phalanx.optim.Adam``.
 
 Usage::
 
     OMP_NUM_THREADS=1 flock /tmp/bench.lock python benchmarks/w7_fused_timing.py pool 11
+    OMP_NUM_THREADS=1 flock /tmp/bench.lock python benchmarks/w7_fused_timing.py adam 11
     OMP_NUM_THREADS=1 flock /tmp/bench.lock python benchmarks/w7_fused_timing.py faults
     PHALANX_CPU_ALLOCATOR=system OMP_NUM_THREADS=1 flock /tmp/bench.lock \\
         python benchmarks/w7_fused_timing.py faults
@@ -39,13 +42,20 @@ rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 11
 members, x, y = _members("w7")
 loop_members = copy.deepcopy(members)
 loop_opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in loop_members]
-ways = ("channels-last pool", "torch.func pool") if mode == "pool" else ("fused",)
+loop_adam = torch.optim.Adam([p for m in loop_members for p in m.parameters()], lr=1e-3)
+ways = ("channels-last pool", "torch.func pool") if mode != "faults" else ("fused",)
 stacks = {k: phalanx.stack(copy.deepcopy(members), backend="fused") for k in ways}
-opts = {k: torch.optim.SGD(s.parameters(), lr=0.01) for k, s in stacks.items()}
+opt = phalanx.optim.Adam if mode == "adam" else torch.optim.SGD
+opts = {k: opt(s.parameters(), lr=1e-3 if mode == "adam" else 0.01) for k, s in stacks.items()}
 pool_rule = SPEED[F.max_pool2d]
 
 
 def loop() -> None:
+    if mode == "adam":
+        loop_adam.zero_grad(set_to_none=True)
+        torch.stack([F.cross_entropy(m(x), y) for m in loop_members]).sum().backward()
+        loop_adam.step()
+        return
     for m, o in zip(loop_members, loop_opts):
         o.zero_grad()
         F.cross_entropy(m(x), y).backward()
@@ -57,7 +67,7 @@ def fused(k: str) -> None:
         SPEED.pop(F.max_pool2d, None)
     else:
         SPEED[F.max_pool2d] = pool_rule
-    opts[k].zero_grad()
+    opts[k].zero_grad(set_to_none=True)
     phalanx.member_losses(F.cross_entropy, stacks[k](x), y).sum().backward()
     opts[k].step()
 
