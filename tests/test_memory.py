@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 SCRIPT = """
 import torch, phalanx, phalanx.backends._memory as m
@@ -72,3 +73,26 @@ def test_large_batched_activations_keep_freed_memory(batch, backend, env, expect
         check=True,
     )
     assert out.stdout.strip() == expected, out.stderr
+
+
+def test_without_glibc_mallopt_is_looked_up_once(monkeypatch):
+    # a rule asks on every call with large activations: where there is no mallopt (macOS,
+    # musl), the slow library lookup must not run every step
+    import phalanx.backends._memory as m
+
+    monkeypatch.setattr(m, "_done", False)
+    monkeypatch.setattr(m, "_unavailable", False)
+    monkeypatch.delenv("PHALANX_CPU_ALLOCATOR", raising=False)
+    lookups = []
+
+    def find_library(name):
+        lookups.append(name)
+        return "libc-not-here.so"
+
+    monkeypatch.setattr(m.ctypes.util, "find_library", find_library)
+    big = m.LARGE + 1
+    assert m.reuse_freed_memory(big) is False
+    assert m.reuse_freed_memory(big) is False
+    m.note_batched([torch.empty(big // 4 + 1)])
+    assert lookups == ["c"]
+    assert m._done is False

@@ -37,6 +37,7 @@ LARGE = 32 << 20  # glibc's largest mmap threshold: blocks above it are always m
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _done = False
+_unavailable = False  # no glibc mallopt here: not looked up again (find_library is slow)
 
 
 def reuse_freed_memory(largest_bytes: int) -> bool:
@@ -45,18 +46,24 @@ def reuse_freed_memory(largest_bytes: int) -> bool:
     Returns:
         True when malloc now keeps freed memory (set now or earlier in this process).
     """
-    global _done
+    global _done, _unavailable
     if _done:
         return True
-    if largest_bytes <= LARGE or os.environ.get("PHALANX_CPU_ALLOCATOR") == "system":
+    if (
+        _unavailable
+        or largest_bytes <= LARGE
+        or os.environ.get("PHALANX_CPU_ALLOCATOR") == "system"
+    ):
         return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to tune
+        _unavailable = True
         return False
     if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
+        _unavailable = True
         return False
     _done = True
     logger.info(
