@@ -14,10 +14,10 @@ from phalanx import _torch_compat as compat
 from phalanx._module_tree import copy_modes, meta_copy, unshare_submodules
 from phalanx.backends import CHOICES, StackView, get_backend
 from phalanx.backends._keywords import KwInDims, keyword_dims
+from phalanx.backends._memory import reuse_freed_memory
 from phalanx.backends._random import MemberGenerators, copy_generators, generator_slots
 from phalanx.core._hf import check_call, guard_stacked
 from phalanx.core._input_warnings import check_inputs, record_outputs
-from phalanx.core._memory import reuse_freed_memory
 from phalanx.core._memory_format import to_member_format
 from phalanx.core._validate import (
     architecture_differences,

@@ -13,7 +13,8 @@ definition:
   ``one_hot``, every id checked per member (``_embedding``); BatchNorm with a member's
   arithmetic independent of N (``_norm``); ``grid_sample`` (``_sampling``).
 - speed (``fused`` only): Linear and bilinear (``_linear``), attention (``_attention``),
-  recurrent layers (``_recurrent``), GroupNorm (``_norm``).
+  recurrent layers (``_recurrent``), GroupNorm (``_norm``), 2-D max-pooling in the
+  channels-last layout (``_pool``).
 
 Every rule hands its outputs back member-first with each member's output laid out as the
 function's own (``member_first``): a member's code that branches on ``is_contiguous()`` or
@@ -35,6 +36,7 @@ from phalanx.backends.rules import (  # noqa: F401  (each registers its rules)
     _export,
     _linear,
     _norm,
+    _pool,
     _recurrent,
     _sampling,
 )

@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from phalanx import _torch_compat as compat
+from phalanx.backends._memory import note_batched
 
 Dims = Sequence[int | None]
 """The batch dim of each argument of a rule, None where the argument is not batched."""
@@ -244,7 +245,11 @@ def function(name: str, func: Callable[..., Any], rule: BatchRule) -> Any:
         return tuple(result)
 
     def vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
-        return rule(info.batch_size, in_dims, *args)
+        out = rule(info.batch_size, in_dims, *args)
+        # all members' activations, freed and allocated again every step: kept for reuse
+        # once one is large enough for malloc to map it afresh each time (``_memory``)
+        note_batched((*args, *(out[0] if isinstance(out[0], tuple) else (out[0],))))
+        return out
 
     return type(
         name,
