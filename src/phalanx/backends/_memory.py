@@ -1,21 +1,35 @@
-"""CPU memory that large stacked tensors reuse from step to step instead of faulting in afresh.
+"""CPU memory that stacked tensors and batched activations reuse from step to step.
 
 Every training step allocates gradients and temporaries the size of the stacked weights, and
-activations the size of all members' together, and frees them again. glibc's malloc serves any block over 32 MiB (its largest mmap threshold)
-with a fresh ``mmap`` and returns it with ``munmap`` when freed, so each step maps, zero-fills
-and page-faults those megabytes anew. Measured here on the EmbeddingBag classifier of the
-real-model zoo (16 members, 41 MB stacked embedding, 1 thread, a busy machine): a training
-step of 44.8 ms with glibc's defaults, 27.6-31.1 ms with freed memory kept for reuse; and on
-W7 of DESIGN.md (16 CNNs, batch 64), whose weights are small but whose first block's
-activations are 44 MB for all members, the page faults were the whole difference between the
-fused step and the loop (the same user time; 87,000 minor faults a step against the loop's
-4,000, docs/TRAIN_STEP.md). A stack whose stacked tensors are that large (checked when it is
-built), or whose batched activations are (checked by the batching rules, :func:`note_batched`),
-therefore asks malloc, once per process, to serve large blocks from its heap and keep what is
-freed
-(``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD, ...)``), as PyTorch's CUDA caching
-allocator does on the GPU. The cost: the process keeps its peak memory instead of returning
-it to the system. Set ``PHALANX_CPU_ALLOCATOR=system`` to keep glibc's defaults.
+activations the size of all members' together (N times a member's), and frees them again.
+glibc's malloc serves any block over 32 MiB (its largest mmap threshold) with a fresh
+``mmap`` and returns it with ``munmap`` when freed; smaller blocks come from its heap, but it
+gives the heap's top back to the system (``M_TRIM_THRESHOLD``, twice the largest block it has
+mapped) as soon as that much is free, which a step's activations are once the backward has
+consumed them. Either way, each step maps, zero-fills and page-faults those megabytes anew,
+where the loop's N times smaller temporaries stay in the heap. Measured here (16 members,
+1 thread, a busy machine): the EmbeddingBag classifier of the real-model zoo (41 MB stacked
+embedding) 44.8 ms a step with glibc's defaults, 27.6-31.1 ms with freed memory kept; the TD3
+critic (4 MiB stacked weights, 4 MiB activations) 3600-6200 minor page faults a step against
+the loop's none, 0.82x the fused-Adam loop's speed, 0.93x with freed memory kept; W7 of
+DESIGN.md (16 CNNs, batch 64), whose weights are small but whose first block's activations
+are 44 MB for all members: 87,000 minor faults a step against the loop's 4,000, the whole
+difference between the fused step and the loop (docs/TRAIN_STEP.md).
+
+So phalanx asks malloc, once per process, to keep what is freed (``mallopt(M_TRIM_THRESHOLD,
+...)``, as PyTorch's CUDA caching allocator does on the GPU), at the level the largest
+tensor needs: a stacked tensor when the stack is built, a batched activation when a batching
+rule sees one (:func:`note_batched`):
+
+- over :data:`SMALL` (glibc's default mmap threshold): blocks up to 32 MiB come from the
+  heap (``M_MMAP_THRESHOLD`` fixed at glibc's own largest), larger ones are still mapped and
+  returned when freed;
+- over :data:`LARGE`: every block comes from the heap (``M_MMAP_MAX`` 0).
+
+The cost: the process keeps its peak heap instead of returning it to the system. Peak
+resident memory of a step measured no different within this machine's noise (W7, fused:
+638-670 MiB kept against 597-667 MiB with glibc's defaults, docs/MEMORY.md). Set
+``PHALANX_CPU_ALLOCATOR=system`` to keep glibc's defaults.
 """
 
 from __future__ import annotations
@@ -33,10 +47,14 @@ from phalanx import _torch_compat as compat
 
 logger = logging.getLogger("phalanx")
 
-LARGE = 32 << 20  # glibc's largest mmap threshold: blocks above it are always mmapped
+#: glibc's default mmap threshold: tensors above it churn blocks glibc maps or trims.
+SMALL = 128 << 10
+#: glibc's largest mmap threshold: blocks above it are always mapped.
+LARGE = 32 << 20
 _M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
-_done = False
+_done = 0  # 0: glibc's defaults; 1: blocks up to LARGE kept; 2: every block kept
 _unavailable = False  # no glibc mallopt here: not looked up again (find_library is slow)
 
 
@@ -47,14 +65,9 @@ def reuse_freed_memory(largest_bytes: int) -> bool:
         True when malloc now keeps freed memory (set now or earlier in this process).
     """
     global _done, _unavailable
-    if _done:
-        return True
-    if (
-        _unavailable
-        or largest_bytes <= LARGE
-        or os.environ.get("PHALANX_CPU_ALLOCATOR") == "system"
-    ):
-        return False
+    level = 2 if largest_bytes > LARGE else 1 if largest_bytes > SMALL else 0
+    if level <= _done or _unavailable or os.environ.get("PHALANX_CPU_ALLOCATOR") == "system":
+        return _done > 0
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -62,25 +75,27 @@ def reuse_freed_memory(largest_bytes: int) -> bool:
     except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to tune
         _unavailable = True
         return False
-    if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
-        _unavailable = True
-        return False
-    _done = True
+    mapped = mallopt(_M_MMAP_MAX, 0) if level == 2 else mallopt(_M_MMAP_THRESHOLD, LARGE)
+    if not (mapped and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
+        _unavailable = _done == 0
+        return _done > 0
+    _done = level
     logger.info(
-        "phalanx: stacked tensors or batched activations of %.0f MB on the CPU: malloc now "
-        "keeps freed memory for reuse (PHALANX_CPU_ALLOCATOR=system keeps glibc's defaults)",
+        "phalanx: stacked tensors or batched activations of %.1f MB on the CPU: malloc now "
+        "keeps freed memory %sfor reuse (PHALANX_CPU_ALLOCATOR=system keeps glibc's defaults)",
         largest_bytes / 1e6,
+        "" if level == 2 else f"(blocks up to {LARGE >> 20} MiB) ",
     )
     return True
 
 
 def note_batched(tensors: Iterable[Any]) -> None:
-    """Keeps freed CPU memory for reuse once a batched CPU tensor over ``LARGE`` is seen.
+    """Keeps freed CPU memory for reuse at the level a batched CPU tensor needs.
 
     Called by the batching rules with the physical tensors (all members') of each call: the
     activations of a vmapped forward are allocated and freed every step like the gradients.
     """
-    if _done or compat.tracing():
+    if _done == 2 or _unavailable or compat.tracing():
         return
     largest = max(
         (
@@ -90,5 +105,5 @@ def note_batched(tensors: Iterable[Any]) -> None:
         ),
         default=0,
     )
-    if largest > LARGE:
+    if largest > (LARGE if _done else SMALL):
         reuse_freed_memory(largest)
