@@ -543,6 +543,48 @@ def test_fused_true_is_torchs_fused_kernel_on_each_member_alone_bit_for_bit(
                 assert torch.equal(p[i], r), f"{cls} N={n}: member {i} param {j}"
 
 
+@pytest.mark.parametrize(("cls", "kwargs"), FUSED_CASES[::2], ids=lambda v: str(v))
+def test_fused_true_writes_what_the_tensors_hold_now_after_they_change_between_steps(
+    cls, kwargs
+) -> None:
+    """The members' views torch's kernel takes are kept across steps: a parameter given new
+    memory (``.data`` assigned), a state loaded, a copy of the optimizer each step what they
+    hold now, bit for bit torch's fused optimizer on each member alone."""
+    n, shapes = 3, [(5, 7), (9,)]
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(n, *s, generator=g) for s in shapes]
+    params = [nn.Parameter(b.clone()) for b in base]
+    opt = getattr(phalanx.optim, cls)(params, **kwargs, fused=True)
+    refs = [[nn.Parameter(b[i].clone()) for b in base] for i in range(n)]
+    ref_opts = [getattr(torch.optim, cls)(r, **kwargs, fused=True) for r in refs]
+    noise = torch.Generator().manual_seed(1)
+
+    def step(ps, o, rs, ros) -> None:
+        z = [torch.randn(n, *s, generator=noise) for s in shapes]
+        for p, zj in zip(ps, z, strict=True):
+            p.grad = 0.5 * p.detach() + zj
+        o.step()
+        for i in range(n):
+            for r, zj in zip(rs[i], z, strict=True):
+                r.grad = 0.5 * r.detach() + zj[i]
+            ros[i].step()
+
+    for t in range(6):
+        if t == 2:  # new memory for a parameter, and for a state loaded into the optimizer
+            params[0].data = params[0].data.clone()
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        step(params, opt, refs, ref_opts)
+    twin = copy.deepcopy({"params": params, "opt": opt})  # a copy steps its own tensors
+    twin_refs = copy.deepcopy({"refs": refs, "opts": ref_opts})
+    step(twin["params"], twin["opt"], twin_refs["refs"], twin_refs["opts"])
+    step(params, opt, refs, ref_opts)
+    for ps, rs in ((params, refs), (twin["params"], twin_refs["refs"])):
+        for i in range(n):
+            for j, (p, r) in enumerate(zip(ps, rs[i], strict=True)):
+                assert torch.equal(p[i], r), f"{cls}: member {i} param {j}"
+    assert not torch.equal(params[0], twin["params"][0])  # the two runs did part
+
+
 def test_fused_true_on_a_strided_parameter_warns_and_runs_the_default_arithmetic() -> None:
     w = nn.Parameter(torch.randn(4, 3, 2).transpose(1, 2))  # members' views not contiguous
     ref = nn.Parameter(w.detach().clone())

@@ -291,11 +291,11 @@ class Adam(MemberOptimizer):
         states = [self.state[p] for p in params]
 
         def views(tensors: list[Tensor]) -> list[Tensor]:
-            return [t[i] for t in tensors for i in members]
+            return [rows[i] for rows in map(self._kept_rows, tensors) for i in members]
 
         kernel(
             views(params),
-            views(grads),
+            [g[i] for g in grads for i in members],  # new every step: not kept
             views([s["exp_avg"] for s in states]),
             views([s["exp_avg_sq"] for s in states]),
             views([s["max_exp_avg_sq"] for s in states]) if group["amsgrad"] else [],

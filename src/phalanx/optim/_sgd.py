@@ -222,15 +222,17 @@ class SGD(MemberOptimizer):
         for p, g in zip(params, grads, strict=True):
             state = self.state[p]
             steps = state["step"].tolist()
+            if momentum != 0 and "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            p_rows = self._kept_rows(p)
+            buf_rows = self._kept_rows(state["momentum_buffer"]) if momentum != 0 else []
             for i in members:
                 first = momentum != 0 and steps[i] == 1
                 ps, gs, bufs = calls.setdefault(first, ([], [], []))
-                ps.append(p[i])
-                gs.append(g[i])
+                ps.append(p_rows[i])
+                gs.append(g[i])  # new every step: not kept
                 if momentum != 0:
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    bufs.append(state["momentum_buffer"][i])
+                    bufs.append(buf_rows[i])
         for first, (ps, gs, bufs) in calls.items():
             compat.fused_sgd_(
                 ps,
