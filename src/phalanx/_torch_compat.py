@@ -70,6 +70,14 @@ def version(t: torch.Tensor) -> int:
     return t._version
 
 
+def memory_stamp(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a view of ``t`` made now depends on: its memory (data pointer, offset), shape,
+    strides, dtype and device. A view kept across calls views what ``t`` holds while ``t`` is
+    the same object with the same stamp; ``.data = ...``, ``Module.to``, ``set_`` or a resize
+    change it. Values written in place (an optimizer step, ``copy_``) do not."""
+    return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
+
+
 def is_wrapped(t: torch.Tensor) -> bool:
     """True for a torch.func wrapper (a batched or grad-tracking tensor), False for a plain one."""
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)

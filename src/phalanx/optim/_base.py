@@ -665,8 +665,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         cache: dict[int, tuple[Tensor, tuple, list[Tensor]]]
         cache = self.__dict__.setdefault("_rows", {})
         self.__dict__.setdefault("_rows_used", set()).add(id(t))
-        key = (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device,
-               torch.is_inference_mode_enabled())  # fmt: skip
+        key = (compat.memory_stamp(t), torch.is_inference_mode_enabled())
         entry = cache.get(id(t))
         if entry is None or entry[0] is not t or entry[1] != key:
             entry = cache[id(t)] = (t, key, [t[i] for i in range(t.shape[0])])

@@ -85,15 +85,13 @@ class Direct:
     def views_of(self, tensors: list[tuple[bool, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Member by member, the slices of ``tensors`` (this call's ``stacked()``) for calls
         that record no autograd graph, each made once (``MemberViews.of``) and kept while
-        every stacked tensor is the same object over the same memory (``data_ptr``, shape,
-        strides and dtype unchanged): a tensor replaced (``module.weight = ...``), given new
+        every stacked tensor is the same object over the same memory (``compat.memory_stamp``
+        unchanged): a tensor replaced (``module.weight = ...``), given new
         memory (``.data = ...``, ``Module.to``, ``set_``, ``swap_tensors``) or reshaped makes
         them afresh. Values changed in place (an optimizer step, ``copy_``,
         ``load_state_dict``) need nothing: the slices are views. Slices made in inference
         mode are kept apart from the others."""
-        stamp = tuple(
-            (t.data_ptr(), t.shape, t.stride(), t.dtype) for member, t in tensors if member
-        )
+        stamp = tuple(compat.memory_stamp(t) for member, t in tensors if member)
         objects = self._objects
         if (
             stamp != self._stamp
