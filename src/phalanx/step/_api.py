@@ -351,7 +351,9 @@ class CompiledStep:
             self._eager_reasons.add(reason)
             warn(f"{_WHERE}: {reason}; this call runs the eager step.")
 
-    def _plan(self, args: tuple, mask: Tensor | None) -> Plan:
+    def _plan(self, args: tuple, tensors: dict[str, Any]) -> Plan:
+        """What the graph computes, read from the step's settings and its input tensors
+        (:meth:`_tensors`: a mask or a skip record there is one the graph applies)."""
         stack, opt = self.stack, self.optimizer
         assert isinstance(opt, MemberOptimizer)  # _unsupported_optimizer let no other through
         named = list(stack.named_parameters())
@@ -379,8 +381,8 @@ class CompiledStep:
             ),
             max_norm=self.max_norm is not None,
             norm_type=self.norm_type,
-            masked=mask is not None and not self._outside,
-            isolate=bool(opt.skip_nonfinite) and not self._outside,
+            masked=tensors["mask"] is not None,
+            isolate=tensors["bad_steps"] is not None,
             freeze_after=opt.freeze_after,
             keywords=self._keywords,
             kw_in_dims=self.kw_in_dims,
@@ -390,8 +392,8 @@ class CompiledStep:
         """Traces the step into one aten graph and compiles it: the entry's ``run``."""
         logger.info("phalanx.compile_step(): tracing and compiling the training step")
         start = time.perf_counter()
-        plan = self._plan(args, mask)
         real = self._tensors(args, target, mask)
+        plan = self._plan(args, real)
         layout = layout_of(real)
         # Traced on copies and with the RNG put back: a backend may run its example inputs,
         # and tracing must leave no trace in the weights, the buffers or the random stream.
@@ -413,8 +415,9 @@ class CompiledStep:
         def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
             out = step(unflatten(layout, flat))
             returned[:] = [k for k in OUTPUTS if out[k] is not None]
-            grads[:] = [k for k, _ in out.get("grads", ())]
-            return (*(out[k] for k in returned), *(g for _, g in out.get("grads", ())))
+            pairs = out.get("grads", ())
+            grads[:] = [k for k, _ in pairs]
+            return (*(out[k] for k in returned), *(g for _, g in pairs))
 
         rng = _rng_state()
         try:
@@ -476,23 +479,27 @@ class CompiledStep:
         opt: Any = self.optimizer
         stacked, buffers = self.stack.stacked_state()
         params = list(stacked.values())
-        states: list[dict[str, Tensor]] = []
-        for p in params:
-            if not p.requires_grad or self._outside:  # the graph reads no optimizer state
-                states.append({})
-                continue
-            states.append(opt.ensure_state(self._groups[id(p)], p))
-        return {
+        data = {
             "params": params,
             "buffers": list(buffers.values()),
-            "state": states,
-            "hypers": [{} for _ in params] if self._outside else self._hyper_tensors(params),
             "args": list(args),
             "target": target,
-            "mask": None if self._outside else mask,
             "max_norm": self._max_norm_tensor(params[0].device),
-            "bad_steps": opt.bad_steps if opt.skip_nonfinite and not self._outside else None,
-            "frozen": opt.frozen if opt.skip_nonfinite and not self._outside else None,
+        }
+        if self._outside:  # the graph ends at the gradients: it reads no optimizer tensor
+            return {**data, "state": [{} for _ in params], "hypers": [{} for _ in params],
+                    "mask": None, "bad_steps": None, "frozen": None}  # fmt: skip
+        states = [
+            opt.ensure_state(self._groups[id(p)], p) if p.requires_grad else {} for p in params
+        ]
+        isolate = bool(opt.skip_nonfinite)
+        return {
+            **data,
+            "state": states,
+            "hypers": self._hyper_tensors(params),
+            "mask": mask,
+            "bad_steps": opt.bad_steps if isolate else None,
+            "frozen": opt.frozen if isolate else None,
         }
 
     def _max_norm_tensor(self, device: torch.device) -> Tensor | None:
