@@ -242,3 +242,90 @@ def test_gru_and_rnn_run_as_one_recurrence_for_all_members(mode, monkeypatch):
     check(mode, dict(num_layers=2, batch_first=True, bidirectional=True), per_member=True,
           states=True, penalty=True)  # fmt: skip
     assert taken, "the batched recurrence did not run"
+
+
+@pytest.fixture
+def lstm_as_one_recurrence(monkeypatch):
+    """LSTMs run eagerly through the one recurrence for all members (as they do traced)."""
+    from phalanx.backends.rules import _recurrent
+
+    monkeypatch.setattr(_recurrent, "ONE_RECURRENCE", _recurrent.ONE_RECURRENCE | {"lstm"})
+    taken = []
+    recurrence = _recurrent._recurrence
+    monkeypatch.setattr(_recurrent, "_recurrence", lambda *a: taken.append(1) or recurrence(*a))
+    return taken
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=_id)
+def test_lstm_as_one_recurrence_matches_the_loop(kw, lstm_as_one_recurrence):
+    check("LSTM", kw, per_member=False, states=False)
+    assert lstm_as_one_recurrence, "the batched recurrence did not run"
+
+
+@pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per_member"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_lstm_as_one_recurrence_with_states_and_second_derivatives(
+    per_member, train, lstm_as_one_recurrence
+):
+    kw = dict(num_layers=2, batch_first=True, bidirectional=True)
+    check("LSTM", kw, per_member=per_member, states=True, train=train, penalty=train)
+    assert lstm_as_one_recurrence, "the batched recurrence did not run"
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_lstm_with_projections_stays_member_by_member(lstm_as_one_recurrence):
+    """proj_size adds a fifth weight per layer the recurrence does not take: torch's kernel."""
+    test_proj_size_matches_the_loop()
+    assert not lstm_as_one_recurrence
+
+
+def test_compile_step_captures_an_lstm_as_one_recurrence(monkeypatch):
+    """Traced, an LSTM is the one recurrence (oneDNN's kernel, which inductor cannot compile,
+    is not in the graph); the captured training step equals the loop's to float rounding,
+    member by member."""
+    from phalanx.backends.rules import _recurrent
+
+    batched = []
+    original = _recurrent.batched
+    monkeypatch.setattr(_recurrent, "batched", lambda *a: batched.append(a[0]) or original(*a))
+
+    class Forecaster(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(IN, HIDDEN, 2, batch_first=True)
+            self.head = nn.Linear(HIDDEN, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.lstm(x)[0][:, -1])
+
+    torch.manual_seed(0)
+    members = [Forecaster() for _ in range(N)]
+    data = [(torch.randn(N, B, T, IN), torch.randn(N, B, 1)) for _ in range(3)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="fused")
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2, eps=1.0)
+    step = phalanx.compile_step(stack, torch.nn.functional.mse_loss, opt, in_dims=0,
+                                target_in_dims=0, backend="aot_eager", prefer="captured",
+                                warmup_steps=1)  # fmt: skip
+    for x, y in data:
+        step(x, y)
+    assert step.choice == "captured" and "lstm" in batched
+
+    def loop(dtype):
+        models = [copy.deepcopy(m).to(dtype) for m in members]
+        opts = [torch.optim.Adam(m.parameters(), lr=1e-2, eps=1.0) for m in models]
+        for x, y in data:
+            for i, (m, o) in enumerate(zip(models, opts)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(m(x[i].to(dtype)), y[i].to(dtype)).backward()
+                o.step()
+        return models
+
+    loop32, loop64 = loop(torch.float32), loop(torch.float64)
+    for name, ours in stack.stacked_state()[0].items():
+        assert_equal_to_loop(
+            ours.detach(),
+            torch.stack([m.get_parameter(name).detach() for m in loop32]),
+            torch.stack([m.get_parameter(name).detach() for m in loop64]),
+            what=name,
+            per_member=True,
+        )

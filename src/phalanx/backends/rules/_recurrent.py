@@ -1,8 +1,9 @@
-"""Recurrent layers (``fused``): one recurrence for all members for nn.GRU and nn.RNN.
+"""Recurrent layers (``fused``): one recurrence for all members for nn.GRU and nn.RNN, and
+for nn.LSTM under a trace.
 
 torch.func has no batching rule for ``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``;
-their routes (the end of this file) run torch's own kernels member by member, or, for GRU and
-RNN on a tensor input, the recurrence below.
+their routes (the end of this file) run torch's own kernels member by member, or, on a tensor
+input, the recurrence below (:data:`ONE_RECURRENCE`: GRU and RNN always, LSTM when traced).
 
 Per layer and direction, the input projection of every timestep of every member is one
 batched GEMM ``(N, G * H, in) x (N, in, T * B)``, with the biases folded in; then each
@@ -16,8 +17,9 @@ The recurrence is one autograd node with a hand-written backward through time. S
 derivatives are exact: when the backward itself is differentiated (``create_graph=True``),
 it recomputes the recurrence with ordinary operations from the saved inputs and
 differentiates that. Under torch.compile or a torch.func transform of the user's the
-ordinary operations run directly. LSTMs run member by member with torch's kernel (oneDNN's
-fused LSTM on a CPU is faster than this recurrence at the zoo's sizes).
+ordinary operations run directly. Eagerly, LSTMs run member by member with torch's kernel
+(oneDNN's fused LSTM on a CPU is faster than this recurrence at the zoo's sizes); traced, as
+one recurrence, which inductor compiles where it cannot compile oneDNN's kernel.
 """
 
 from __future__ import annotations
@@ -314,7 +316,14 @@ def _project(seq: torch.Tensor, w_ih: torch.Tensor, bias: torch.Tensor | None) -
     return y.view(n, -1, steps, b).permute(2, 0, 1, 3).contiguous()
 
 
-_MODES = {"gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
+_MODES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
+
+#: The layers that run as one recurrence for all members eagerly too. Under a trace every
+#: layer does (torch.compile and compile_step's inductor fuse its operations, and inductor
+#: cannot compile oneDNN's LSTM: compile_step would run eager). An LSTM runs eagerly with
+#: oneDNN's kernel member by member, which is faster here (the zoo's lstm_forecaster, 16
+#: members: a training step 51 ms against 64 ms as one recurrence, the loop's 49 ms).
+ONE_RECURRENCE = frozenset({"gru", "rnn_tanh", "rnn_relu"})
 
 
 def batched(
@@ -322,24 +331,29 @@ def batched(
     n: int,
     dims: tuple,
     x: torch.Tensor,
-    hx: torch.Tensor,
+    hx: list[torch.Tensor],
     weights: list[torch.Tensor],
     rest: tuple,
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]] | None:
-    """``torch.gru`` / ``rnn_tanh`` / ``rnn_relu`` of every member in one recurrence, or None
-    where this path does not apply (then torch's kernels run member by member).
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None:
+    """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` of every member in one
+    recurrence, or None where this path does not apply (then torch's kernels run member by
+    member).
 
-    ``x``, ``hx`` and ``weights`` are the physical tensors of a vmap rule, ``dims`` their
-    batch dims (x, hx, then the weights); ``rest`` is (has_biases, num_layers, dropout,
-    train, bidirectional, batch_first).
+    ``x``, ``hx`` (the initial states: LSTM's h and c, the others' h) and ``weights`` are the
+    physical tensors of a vmap rule, ``dims`` their batch dims (x, each state, then the
+    weights); ``rest`` is (has_biases, num_layers, dropout, train, bidirectional,
+    batch_first).
     """
     mode = _MODES.get(name)
-    if mode is None or len(rest) != 6:
+    if mode is None or len(rest) != 6 or len(hx) != (2 if mode == "LSTM" else 1):
         return None
     has_biases, layers, dropout, train, bidirectional, batch_first = rest
-    xd, hd, wds = dims[0], dims[1], dims[2:]
+    xd, hds, wds = dims[0], dims[1 : 1 + len(hx)], dims[1 + len(hx) :]
+    dirs = 2 if bidirectional else 1
+    per = 4 if has_biases else 2
     if (
-        any(d is None for d in wds)
+        len(weights) != layers * dirs * per  # LSTM's projections (proj_size) carry a fifth
+        or any(d is None for d in wds)
         or x.dim() - (xd is not None) != 3
         or (train and dropout > 0 and layers > 1)
         or torch.is_autocast_enabled(x.device.type)
@@ -348,17 +362,18 @@ def batched(
     ):
         return None
     xs = x.movedim(xd, 0) if xd is not None else x.expand(n, *x.shape)
-    h0s = hx.movedim(hd, 0) if hd is not None else hx.expand(n, *hx.shape)  # (N, L * D, B, H)
     if xs.shape[2 if batch_first else 1] == 0:
         return None
-    dirs = 2 if bidirectional else 1
     ws = [w.movedim(d, 0) for w, d in zip(weights, wds)]
-    per = 4 if has_biases else 2
     hidden = ws[1].shape[-1]
-    # (T, N, in, B), and states (L * D, N, H, B)
+    # (T, N, in, B), and states (L * D, N, H, B): from (N, L * D, B, H)
     seq = xs.permute(2, 0, 3, 1) if batch_first else xs.permute(1, 0, 3, 2)
-    h0 = h0s.permute(1, 0, 3, 2)
+    h0, *c0 = (
+        (s.movedim(d, 0) if d is not None else s.expand(n, *s.shape)).permute(1, 0, 3, 2)
+        for s, d in zip(hx, hds)
+    )
     h_n: list[torch.Tensor] = []
+    c_n: list[torch.Tensor] = []
     for layer in range(layers):
         outs = []
         for d in range(dirs):
@@ -373,14 +388,17 @@ def batched(
                     b_hn = b_hh[:, two:]
                 else:
                     bias = b_ih + b_hh
-            got = _recurrence(mode, _project(seq, w_ih, bias), h0[k], None, w_hh, b_hn, d == 1)
+            c = c0[0][k] if c0 else None
+            got = _recurrence(mode, _project(seq, w_ih, bias), h0[k], c, w_hh, b_hn, d == 1)
             outs.append(got[0])  # (T, N, H, B)
             h_n.append(got[1])
+            c_n.extend(got[2:])
         seq = outs[0] if dirs == 1 else torch.cat(outs, 2)
     out = seq.permute(1, 3, 0, 2) if batch_first else seq.permute(1, 0, 3, 2)
-    states = torch.stack(h_n).permute(1, 0, 3, 2)  # (N, L * D, B, H)
+    states = [torch.stack(h).permute(1, 0, 3, 2) for h in (h_n, c_n) if h]  # (N, L * D, B, H)
     # each member's contiguous, as torch's own outputs are
-    return (out.contiguous(), states.contiguous()), (0, 0)
+    got = tuple(t.contiguous() for t in (out, *states))
+    return got, (0,) * len(got)
 
 
 # ------------------------------------------------------------------------------- the routes
@@ -410,10 +428,11 @@ def _recurrent(func: Callable[..., Any], pairs: bool) -> Route:
                 return tuple(out)
 
             def rule(n: int, d: Dims, *xs: Any) -> Any:
-                if at == 1 and not pairs:  # a tensor input (not packed) and one state
+                # a tensor input (not packed), eagerly or under a trace (``ONE_RECURRENCE``)
+                if at == 1 and (func.__name__ in ONE_RECURRENCE or compat.tracing()):
                     fast = batched(
-                        func.__name__, n, (d[0], d[1], *d[2 : 2 + m]), xs[0], xs[1],
-                        list(xs[2 : 2 + m]), tuple(xs[2 + m :]),
+                        func.__name__, n, tuple(d[: 1 + k + m]), xs[0], list(xs[1 : 1 + k]),
+                        list(xs[1 + k : 1 + k + m]), tuple(xs[1 + k + m :]),
                     )  # fmt: skip
                     if fast is not None:
                         return fast
