@@ -98,6 +98,8 @@ def _data(kind: str, in_dim: int | None) -> list[tuple[tuple[torch.Tensor, ...],
     for _ in range(STEPS):
         if kind == "tuple":
             data.append(((randn(B, 5), randn(B, 2)), randn(B, 1)))
+        elif kind == "sequence":
+            data.append(((randn(B, 6, 3),), randn(B, 1)))
         elif kind == "dict":
             data.append(((randn(B, 6),), torch.randint(0, 4, (*lead, B), generator=g)))
         else:
@@ -338,3 +340,31 @@ def test_a_loss_of_the_wrong_shape_is_named():
         ValueError, match=r"tensors \(3, 8, 1\), \(2,\)\) must carry the member axis first"
     ):
         phalanx.member_losses(twin_q_loss, (out[0], torch.zeros(2)), y, in_dims=(0, 0))
+
+
+class Forecaster(nn.Module):
+    """The zoo's LSTM forecaster, small: the last timestep's output, through a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 5, 2, batch_first=True)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def test_compile_step_captures_an_lstm_as_one_recurrence(monkeypatch):
+    """Traced, an LSTM is the one recurrence for all members (oneDNN's kernel, which inductor
+    cannot compile, is not in the graph); the captured step equals the loop's to float
+    rounding, member by member."""
+    from phalanx.backends.rules import _recurrent
+
+    taken: list[str] = []
+    batched = _recurrent.batched
+    monkeypatch.setattr(_recurrent, "batched", lambda *a: taken.append(a[0]) or batched(*a))
+    members = _members(Forecaster)
+    data = _data("sequence", 0)
+    stack, losses = _captured(members, F.mse_loss, data, 0)
+    assert "lstm" in taken
+    _assert_like_the_loop(stack, losses, members, F.mse_loss, data, 0)
