@@ -935,3 +935,52 @@ def test_unweighted_per_segment_outputs_go_back_in_one_node(monkeypatch, arch, r
             assert all(torch.equal(a, b) for a, b in zip(leaves(stack(*args, members=index)), out))
         index = torch.randint(0, 4, index.shape, generator=gen)  # the second call: another routing
     check_against_loop(models, stack, args, index, None, second=True)  # second derivatives
+
+
+@pytest.mark.parametrize("chosen", [[3, 7], [7, 3], [0, 9], [4, 5], [9], list(range(10))])
+def test_subset_stacked_gradients_match_the_loop(monkeypatch, chosen):
+    """A subset's stacked gradients (one autograd node's backward for all the stacked
+    tensors): bit for bit each chosen member's own gradient, exact zeros elsewhere, the
+    first and last members and adjacent ones included; differentiated again
+    (``create_graph=True`` on the parameters) equal to the loop to float rounding; a no-grad
+    call after it gives the graph call's bits."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    torch.manual_seed(0)
+    models = [TwoInputs() for _ in range(10)]
+    stack = phalanx.stack(copy.deepcopy(models), backend="auto")
+    obs, act = torch.randn(6, 8), torch.randn(6, 2)
+    stack(obs, act, subset=chosen)  # proves the trace
+    out = stack(obs, act, subset=chosen)
+    assert stack.routed_path == "segment"
+    out.square().sum().backward()
+    for i, m in enumerate(models):
+        own = torch.autograd.grad(m(obs, act).square().sum(), list(m.parameters()))
+        for (name, p), g in zip(m.named_parameters(), own):
+            got = stack.module.get_parameter(name).grad[i]
+            assert torch.equal(got, g if i in chosen else torch.zeros_like(p)), (name, i)
+    with torch.no_grad():
+        assert torch.equal(stack(obs, act, subset=chosen), out)
+    params = list(stack.parameters())
+    grads = torch.autograd.grad(stack(obs, act, subset=chosen).square().sum(), params,
+                                create_graph=True)  # fmt: skip
+    stack.zero_grad(set_to_none=True)
+    sum(g.square().sum() for g in grads).backward()
+    refs = {}
+    for dtype in (torch.float32, torch.float64):
+        ms = [copy.deepcopy(m).to(dtype) for m in models]
+        for i in chosen:
+            own = torch.autograd.grad(ms[i](obs.to(dtype), act.to(dtype)).square().sum(),
+                                      list(ms[i].parameters()), create_graph=True)  # fmt: skip
+            sum(g.square().sum() for g in own).backward()
+        refs[dtype] = {n: torch.stack([_grad_or_zero(m.get_parameter(n)) for m in ms])
+                       for n, _ in ms[0].named_parameters()}  # fmt: skip
+    for name, p in stack.module.named_parameters():
+        phalanx.testing.assert_equal_to_loop(
+            p.grad, refs[torch.float32][name], refs[torch.float64][name], what=name
+        )
+        left_out = [i for i in range(10) if i not in chosen]
+        assert torch.count_nonzero(p.grad[left_out]) == 0, name
+
+
+def _grad_or_zero(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
