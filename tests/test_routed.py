@@ -984,3 +984,18 @@ def test_subset_stacked_gradients_match_the_loop(monkeypatch, chosen):
 
 def _grad_or_zero(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def test_the_in_place_check_agrees_with_broadcast_shapes():
+    """The generated forward's in-place product, sum, difference or quotient writes into its
+    first operand only where the other broadcasts to it: the same answer as
+    ``torch.broadcast_shapes`` on every pair of a table of shapes (empty dims included)."""
+    shapes = [(), (0,), (1,), (3,), (2, 3), (1, 3), (2, 1), (3, 1), (0, 3), (1, 0), (2, 0),
+              (4, 2, 3), (1, 1, 1)]  # fmt: skip
+    for big in map(torch.Size, shapes):
+        for small in map(torch.Size, shapes):
+            try:
+                expected = len(small) <= len(big) and torch.broadcast_shapes(big, small) == big
+            except RuntimeError:  # the shapes do not broadcast at all
+                expected = False
+            assert _direct_mod._broadcasts_to(small, big) == expected, (small, big)
