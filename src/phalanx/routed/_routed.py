@@ -32,7 +32,8 @@ so input, parameter and weight gradients and second derivatives flow.
 
 The files: ``_checks`` (the arguments, the sort into segments), ``_general`` (the general
 path), ``_segments`` (the segment Linear and its kernels), ``_rowwise`` (the fx proof and its
-steps), ``_rowwise_ops`` (the operations allowed on rows), ``_subsets`` (``subset=``).
+steps), ``_rowwise_ops`` (the operations allowed on rows), ``_scatter`` (the per-segment
+outputs put back in the input's order), ``_subsets`` (``subset=``).
 """
 
 from __future__ import annotations

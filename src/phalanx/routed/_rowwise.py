@@ -36,6 +36,7 @@ from phalanx.routed._rowwise_ops import (
     map_leaves,
     unwrap,
 )
+from phalanx.routed._scatter import scatter
 from phalanx.routed._segments import NotRowwise, Segments, per_segment, segment_linear
 
 if TYPE_CHECKING:
@@ -397,52 +398,6 @@ def direct_segments(
             joined,
         )
     return scatter(outputs, routing, seg)
-
-
-def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
-    """The segments' outputs (segment order) in the input's order: ``(B, ...)`` with
-    weights (each row the weighted sum of its k outputs, in member order, added into
-    zeros), ``(B, k, ...)`` or ``(B, ...)`` without (copied into place, as the loop's
-    ``out[rows] = y``); dropped entries zero."""
-    flat0, spec0 = pytree.tree_flatten(outputs[0])
-    flats = [flat0]
-    for out in outputs[1:]:
-        flat, spec = pytree.tree_flatten(out)
-        if spec != spec0:
-            concat(outputs, seg.count_list)  # raises the error naming the structures
-        flats.append(flat)
-    weights = None if routing.weights is None else routing.weights.reshape(-1)
-    k, rows = routing.k, routing.rows
-    summed = weights is not None
-    covered = not summed and routing.total == rows * k  # each output row written once
-    joined = []
-    for j, t0 in enumerate(flat0):
-        column = [flat[j] for flat in flats]
-        if not isinstance(t0, torch.Tensor):
-            joined.append(concat(column, seg.count_list))  # equal values, else its error
-            continue
-        for t, c in zip(column, seg.count_list):
-            if t.dim() == 0 or t.shape[0] != c:
-                concat(column, seg.count_list)  # raises the error naming the shapes
-        size = rows if summed else rows * k
-        out = (t0.new_empty if covered else t0.new_zeros)(size, *t0.shape[1:])
-        start = 0
-        for t, c in zip(column, seg.count_list):
-            entries = routing.entries.narrow(0, start, c)
-            if summed:
-                assert weights is not None
-                w = weights.index_select(0, entries).to(t.dtype)
-                t = t * w.view(-1, *(1,) * (t.dim() - 1))
-                entries = routing.source_rows.narrow(0, start, c)
-            if covered:
-                out.index_copy_(0, entries, t)  # the loop's out[rows] = y, no zero fill
-            else:
-                out.index_add_(0, entries, t)
-            start += c
-        if not summed and routing.index.dim() == 2:
-            out = out.view(rows, k, *t0.shape[1:])
-        joined.append(out)
-    return pytree.tree_unflatten(joined, spec0)
 
 
 def run_segments(plan: Plan, view: StackView, args: tuple[torch.Tensor, ...], seg: Segments) -> Any:
