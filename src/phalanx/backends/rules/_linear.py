@@ -46,10 +46,12 @@ def _linear(n: int, dims: Dims, x: Any, w: Any, b: Any = None) -> Any:
 SMALL_WEIGHT = 1 << 15
 """A member's weight of at most this many elements (128 KiB of float32), with a per-member
 input, runs torch.func's own batching of ``F.linear`` (a ``bmm`` and a bias ``add``; the
-weight gradient copied into the weight's layout), not :func:`_linear`. Measured on W8's
-feed-forward block (8 members, (16, 40, 64) -> 128 -> 64, forward and backward, 1 thread,
-interleaved medians): 10.3 ms against 11.7 ms through the rule. torch.func's rule is the
-``vmap`` backend's, exact by the same tests; only the speed differs."""
+weight gradient copied into the weight's layout), not :func:`_linear`. Two Linears and a
+ReLU under vmap, forward and backward, 1 thread, interleaved: the rule took 1.13x
+torch.func's time on W8's (8 members, (16, 40, 64) -> 128 -> 64), 1.04-1.88x on every shape
+tried up to 2^15-element weights (8-64 members), 0.99x at 2^16 (docs/DYNAMIC.md, issue 26's
+fourth session). torch.func's rule is the ``vmap`` backend's, exact by the same tests; only
+the speed differs."""
 
 _by_rule = SPEED[F.linear]
 
