@@ -12,7 +12,8 @@ definition:
 - correctness (both backends): convolutions (``_conv``); embeddings, embedding bags and
   ``one_hot``, every id checked per member (``_embedding``); BatchNorm with a member's
   arithmetic independent of N (``_norm``); ``grid_sample`` (``_sampling``).
-- speed (``fused`` only): Linear and bilinear (``_linear``), attention (``_attention``),
+- speed (``fused`` only): Linear (small weights with a per-member input left to torch.func's
+  own batching, measured faster) and bilinear (``_linear``), attention (``_attention``),
   recurrent layers (``_recurrent``), GroupNorm (``_norm``), 2-D max-pooling in the
   channels-last layout (``_pool``).
 
