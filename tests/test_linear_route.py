@@ -114,3 +114,25 @@ def test_linear_under_autocast_keeps_the_rule(monkeypatch):
     assert calls
     assert out.dtype == expected.dtype == torch.bfloat16
     assert torch.equal(out, expected)
+
+
+def test_a_trace_keeps_the_rule(monkeypatch):
+    """compile_step's trace takes the rule for a small per-member Linear too: its compiled
+    graph runs faster than torch.func's (docs/TRAIN_STEP.md, issue 26's fourth session)."""
+    calls = []
+    route = _linear._by_rule
+    monkeypatch.setattr(
+        _linear, "_by_rule", lambda args, kwargs: calls.append(1) or route(args, kwargs)
+    )
+    torch.manual_seed(0)
+    stack = phalanx.stack([TwoLayers(8) for _ in range(N)], backend="fused")
+    opt = phalanx.optim.Adam(stack.parameters())
+    step = phalanx.compile_step(
+        stack, lambda out, y: (out - y).square().mean(), opt, in_dims=0, target_in_dims=0,
+        backend="aot_eager", prefer="captured", warmup_steps=1,
+    )  # fmt: skip
+    x, y = _inputs("per_member", torch.float32), torch.zeros(N, B, 5, 3)
+    step(x, y)  # the warm-up: an eager step, torch.func's batching
+    assert not calls
+    step(x, y)  # traced and captured
+    assert step.choice == "captured" and calls
