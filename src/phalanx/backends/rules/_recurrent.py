@@ -368,7 +368,7 @@ def batched(
     hidden = ws[1].shape[-1]
     # (T, N, in, B), and states (L * D, N, H, B): from (N, L * D, B, H)
     seq = xs.permute(2, 0, 3, 1) if batch_first else xs.permute(1, 0, 3, 2)
-    h0, *c0 = (
+    h0, *cell = (  # cell: LSTM's c0 alone
         (s.movedim(d, 0) if d is not None else s.expand(n, *s.shape)).permute(1, 0, 3, 2)
         for s, d in zip(hx, hds)
     )
@@ -388,7 +388,7 @@ def batched(
                     b_hn = b_hh[:, two:]
                 else:
                     bias = b_ih + b_hh
-            c = c0[0][k] if c0 else None
+            c = cell[0][k] if cell else None
             got = _recurrence(mode, _project(seq, w_ih, bias), h0[k], c, w_hh, b_hn, d == 1)
             outs.append(got[0])  # (T, N, H, B)
             h_n.append(got[1])
