@@ -13,7 +13,7 @@ definition:
   ``one_hot``, every id checked per member (``_embedding``); BatchNorm with a member's
   arithmetic independent of N (``_norm``); ``grid_sample`` (``_sampling``).
 - speed (``fused`` only): Linear (small weights with a per-member input left to torch.func's
-  own batching, measured faster) and bilinear (``_linear``), attention (``_attention``),
+  own batching eagerly, measured faster) and bilinear (``_linear``), attention (``_attention``),
   recurrent layers (``_recurrent``), GroupNorm (``_norm``), 2-D max-pooling in the
   channels-last layout (``_pool``).
 
