@@ -62,6 +62,17 @@ def _loop(members: list[nn.Module], x: torch.Tensor, mode: str):
     return torch.stack(outs), [torch.stack(g) for g in zip(*grads)]
 
 
+@pytest.fixture
+def rule_calls(monkeypatch) -> list[int]:
+    """One entry per ``F.linear`` call that runs phalanx's rule (not torch.func's batching)."""
+    calls: list[int] = []
+    route = _linear._by_rule
+    monkeypatch.setattr(
+        _linear, "_by_rule", lambda args, kwargs: calls.append(1) or route(args, kwargs)
+    )
+    return calls
+
+
 @pytest.mark.parametrize(
     ("width", "mode", "by_rule"),
     [
@@ -71,13 +82,8 @@ def _loop(members: list[nn.Module], x: torch.Tensor, mode: str):
     ],
     ids=["small-per-member", "small-shared", "large-per-member"],
 )
-def test_linear_path_and_its_result_equal_the_loop(width, mode, by_rule, monkeypatch):
+def test_linear_path_and_its_result_equal_the_loop(width, mode, by_rule, rule_calls):
     assert (6 * width > _linear.SMALL_WEIGHT) == (width == 6000)
-    calls = []
-    route = _linear._by_rule
-    monkeypatch.setattr(
-        _linear, "_by_rule", lambda args, kwargs: calls.append(1) or route(args, kwargs)
-    )
     torch.manual_seed(0)
     members = [TwoLayers(width) for _ in range(N)]
     stack = phalanx.stack(copy.deepcopy(members), backend="fused")
@@ -85,7 +91,7 @@ def test_linear_path_and_its_result_equal_the_loop(width, mode, by_rule, monkeyp
     out = stack(x, in_dims=0 if mode == "per_member" else None)
     params = list(stack.parameters())
     got_grads = torch.autograd.grad(_loss_and_penalty(out, x), params)
-    assert bool(calls) == by_rule, f"rule called {len(calls)} times"
+    assert bool(rule_calls) == by_rule, f"rule called {len(rule_calls)} times"
 
     loop_out, loop_grads = _loop(members, _inputs(mode, torch.float32), mode)
     ref_out, ref_grads = _loop(
@@ -97,13 +103,8 @@ def test_linear_path_and_its_result_equal_the_loop(width, mode, by_rule, monkeyp
         assert_equal_to_loop(g, lg, rg, what=f"gradient of {name}", per_member=True)
 
 
-def test_linear_under_autocast_keeps_the_rule(monkeypatch):
+def test_linear_under_autocast_keeps_the_rule(rule_calls):
     """torch.func computes in float32 under CPU autocast, the member alone in bfloat16."""
-    calls = []
-    route = _linear._by_rule
-    monkeypatch.setattr(
-        _linear, "_by_rule", lambda args, kwargs: calls.append(1) or route(args, kwargs)
-    )
     torch.manual_seed(0)
     members = [TwoLayers(8) for _ in range(N)]
     stack = phalanx.stack(copy.deepcopy(members), backend="fused")
@@ -111,19 +112,14 @@ def test_linear_under_autocast_keeps_the_rule(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = stack(x, in_dims=0)
         expected = torch.stack([m(x[i]) for i, m in enumerate(members)])
-    assert calls
+    assert rule_calls
     assert out.dtype == expected.dtype == torch.bfloat16
     assert torch.equal(out, expected)
 
 
-def test_a_trace_keeps_the_rule(monkeypatch):
+def test_a_trace_keeps_the_rule(rule_calls):
     """compile_step's trace takes the rule for a small per-member Linear too: its compiled
     graph runs faster than torch.func's (docs/TRAIN_STEP.md, issue 26's fourth session)."""
-    calls = []
-    route = _linear._by_rule
-    monkeypatch.setattr(
-        _linear, "_by_rule", lambda args, kwargs: calls.append(1) or route(args, kwargs)
-    )
     torch.manual_seed(0)
     stack = phalanx.stack([TwoLayers(8) for _ in range(N)], backend="fused")
     opt = phalanx.optim.Adam(stack.parameters())
@@ -133,6 +129,6 @@ def test_a_trace_keeps_the_rule(monkeypatch):
     )  # fmt: skip
     x, y = _inputs("per_member", torch.float32), torch.zeros(N, B, 5, 3)
     step(x, y)  # the warm-up: an eager step, torch.func's batching
-    assert not calls
+    assert not rule_calls
     step(x, y)  # traced and captured
-    assert step.choice == "captured" and calls
+    assert step.choice == "captured" and rule_calls

@@ -61,6 +61,10 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
     summed = weights is not None
     covered = not summed and routing.total == rows * k  # each output row written once
     graph = torch.is_grad_enabled()
+    size = rows if summed else rows * k
+    starts = [0]  # each segment's first entry
+    for c in seg.count_list:
+        starts.append(starts[-1] + c)
     joined = []
     for j, t0 in enumerate(flat0):
         column = [flat[j] for flat in flats]
@@ -70,10 +74,6 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
         for t, c in zip(column, seg.count_list):
             if t.dim() == 0 or t.shape[0] != c:
                 concat(column, seg.count_list)  # raises the error naming the shapes
-        size = rows if summed else rows * k
-        starts = [0]
-        for c in seg.count_list:
-            starts.append(starts[-1] + c)
         if covered and graph and any(t.requires_grad for t in column):
             rows_of = [routing.entries.narrow(0, s, c) for s, c in zip(starts, seg.count_list)]
             out = _PutRows.apply(rows_of, size, *column)
