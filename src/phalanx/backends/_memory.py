@@ -19,12 +19,13 @@ difference between the fused step and the loop (docs/TRAIN_STEP.md).
 So phalanx asks malloc, once per process, to keep what is freed (``mallopt(M_TRIM_THRESHOLD,
 ...)``, as PyTorch's CUDA caching allocator does on the GPU), at the level the largest
 tensor needs: a stacked tensor when the stack is built, a batched activation when a batching
-rule sees one (:func:`note_batched`):
+rule sees one (:func:`note_batched`), by the block malloc serves it from (the tensor's bytes
+plus :data:`PADDING`):
 
-- over :data:`SMALL` (glibc's default mmap threshold): blocks up to 32 MiB come from the
-  heap (``M_MMAP_THRESHOLD`` fixed at glibc's own largest), larger ones are still mapped and
-  returned when freed;
-- over :data:`LARGE`: every block comes from the heap (``M_MMAP_MAX`` 0).
+- a block of at least :data:`SMALL` (glibc's default mmap threshold): blocks under 32 MiB
+  come from the heap (``M_MMAP_THRESHOLD`` fixed at glibc's own largest), larger ones are
+  still mapped and returned when freed;
+- a block of at least :data:`LARGE`: every block comes from the heap (``M_MMAP_MAX`` 0).
 
 The cost: the process keeps its peak heap instead of returning it to the system. Peak
 resident memory of a step measured no different within this machine's noise (W7, fused:
@@ -51,6 +52,12 @@ logger = logging.getLogger("phalanx")
 SMALL = 128 << 10
 #: glibc's largest mmap threshold: blocks above it are always mapped.
 LARGE = 32 << 20
+#: What malloc adds to a tensor's bytes before it compares the block with its mmap threshold:
+#: torch asks for 64-byte aligned memory (``posix_memalign``), which glibc serves from a block
+#: of the request plus the alignment plus a chunk header (under 128 bytes), rounded here up
+#: to a page. Without it a tensor of exactly 32 MiB (2048 x 64 x 64 floats, as common as
+#: powers of two are) passed as "up to 32 MiB", and its block was mapped afresh every step.
+PADDING = 4 << 10
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
@@ -65,7 +72,8 @@ def reuse_freed_memory(largest_bytes: int) -> bool:
         True when malloc now keeps freed memory (set now or earlier in this process).
     """
     global _done, _unavailable
-    level = 2 if largest_bytes > LARGE else 1 if largest_bytes > SMALL else 0
+    block = largest_bytes + PADDING
+    level = 2 if block >= LARGE else 1 if block >= SMALL else 0
     if level <= _done or _unavailable or os.environ.get("PHALANX_CPU_ALLOCATOR") == "system":
         return _done > 0
     name = ctypes.util.find_library("c")
@@ -99,11 +107,11 @@ def note_batched(tensors: Iterable[Any]) -> None:
     """
     if _done == 2 or _unavailable:
         return
-    limit = LARGE if _done else SMALL
+    limit = (LARGE if _done else SMALL) - PADDING
     for t in tensors:
         if (
             isinstance(t, torch.Tensor)
-            and t.nbytes > limit
+            and t.nbytes >= limit
             and t.device.type == "cpu"
             and not t.is_meta
             and not compat.tracing()
@@ -111,4 +119,4 @@ def note_batched(tensors: Iterable[Any]) -> None:
             reuse_freed_memory(t.nbytes)
             if _done == 2 or _unavailable:
                 return
-            limit = LARGE if _done else SMALL
+            limit = (LARGE if _done else SMALL) - PADDING
