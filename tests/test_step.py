@@ -123,14 +123,14 @@ CASES = {
 }
 
 
-def _data(arch_name: str, in_dim, steps: int = STEPS):
+def _data(arch_name: str, in_dim, steps: int = STEPS, rows: int = 6):
     arch = ARCH[arch_name]
     torch.manual_seed(7)
     data = []
     for _ in range(steps):
         if arch_name == "question1":  # sliced: (B, N * 20) -> (N, B, 20), regression
-            x = phalanx.split(torch.randn(6, N * 20), N, dim=1)
-            y = torch.randn(N, 6, 1)
+            x = phalanx.split(torch.randn(rows, N * 20), N, dim=1)
+            y = torch.randn(N, rows, 1)
         elif in_dim == 0:
             x = torch.stack([arch.inputs(6)[0] for _ in range(N)])
             y = torch.randint(0, 3, (N, 6))
@@ -166,6 +166,20 @@ def test_captured_step_equals_eager_step_and_loop(case):
     _assert_rounding_close(stack, loop32, loop64)
     if max_norm is not None:
         assert step.last_norms is not None and step.last_norms.shape == (N,)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_captured_step_with_narrow_products_equals_the_loop(backend):
+    """W1's shapes (32 rows, 20 -> 10 -> 1, sliced): the traced step's narrow products run
+    transposed (``simplify``); against the float32 and float64 loops, member by member."""
+    members = make_members(ARCH["question1"], N)
+    data = _data("question1", 0, steps=3, rows=32)
+    kw = {"loss_fn": F.mse_loss, "in_dim": 0, "decoupled": False, "max_norm": None}
+    stack, _, step, _ = _phalanx(members, data, backend=backend, **kw)
+    assert step.choice == "captured"
+    loop32 = _loop(members, data, dtype=torch.float32, **kw)
+    loop64 = _loop(members, data, dtype=torch.float64, **kw)
+    _assert_rounding_close(stack, loop32, loop64)
 
 
 def _diverging_member():
@@ -635,6 +649,52 @@ def test_simplify_keeps_every_value_and_never_aliases_a_written_input():
         before = x.clone()
         assert_close(graph(x, w, b), expected, msg=fn.__name__)
         assert torch.equal(x, before), "the input was written"
+
+
+def test_simplify_runs_narrow_products_transposed_to_rounding():
+    """W1's (32, 20) x (20, 10) products become ``bmm(b^T, a^T)^T``, copied back to the
+    product's own layout (the ``view`` that follows still works); each member's product to
+    float rounding against its own matrix product, float32 and float64."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from phalanx.step._graph import simplify
+
+    def fn(x, w):
+        return torch.bmm(x, w.transpose(1, 2)).view(x.shape[0], -1)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 32, 20), torch.randn(5, 10, 20)
+    graph = simplify(make_fx(fn)(x, w))
+    (bmm,) = [n for n in graph.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    assert [a.target for a in bmm.args] == [torch.ops.aten.transpose.int] * 2, graph.code
+    got = graph(x, w)
+    assert got.is_contiguous()
+    assert_equal_to_loop(
+        got,
+        torch.stack([(x[i] @ w[i].T).view(-1) for i in range(5)]),
+        torch.stack([(x[i].double() @ w[i].double().T).view(-1) for i in range(5)]),
+        what="narrow product",
+        per_member=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "narrow"),
+    [
+        ((400, 32, 20), (400, 20, 10), True),  # W1's first layer
+        ((16, 128, 64), (16, 64, 1), True),  # a one-column head
+        ((16, 8, 20), (16, 20, 32), False),  # few rows: the transposed product is slower
+        ((16, 32, 256), (16, 256, 10), False),  # a long contraction: not measured faster
+        ((16, 32, 20), (16, 20, 16), False),  # 16 columns fill a SIMD register
+    ],
+)
+def test_narrow_product_rule(a, b, narrow):
+    from phalanx.step._graph import narrow_product
+
+    assert narrow_product(torch.empty(a), torch.empty(b)) is narrow
+    if narrow:  # only float32 on a CPU was measured
+        assert not narrow_product(torch.empty(a, dtype=torch.float64), torch.empty(b))
+        assert not narrow_product(torch.empty(a, device="meta"), torch.empty(b, device="meta"))
 
 
 def _eager_step(step, x, y):
