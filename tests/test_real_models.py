@@ -155,6 +155,10 @@ def test_time_model_checks_then_times_every_contender():
     )
     assert "fused-Adam vs loop+compile" in table and "fused-Adam / ceiling" in table
     assert "phalanx fused-Adam against the fused-Adam loop" in table
+    step_vs = row.median_s["loop fused-Adam"] / row.median_s["compile_step"]
+    (line,) = [x for x in table.splitlines() if "compile_step against the fused-Adam" in x]
+    assert "over 1 models" in line  # the goal, printed by the bench
+    assert float(line.split(": ")[1].split("x")[0]) == pytest.approx(step_vs, abs=0.006)
 
 
 def test_time_model_reports_a_contender_that_raises_and_does_not_time_it():

@@ -686,6 +686,7 @@ def test_simplify_runs_narrow_products_transposed_to_rounding():
         ((16, 8, 20), (16, 20, 32), False),  # few rows: the transposed product is slower
         ((16, 32, 256), (16, 256, 10), False),  # a long contraction: not measured faster
         ((16, 32, 20), (16, 20, 16), False),  # 16 columns fill a SIMD register
+        ((400, 512, 64), (400, 64, 4), False),  # 52 MB: from memory, not faster transposed
     ],
 )
 def test_narrow_product_rule(a, b, narrow):

@@ -287,25 +287,30 @@ _aten = torch.ops.aten
 
 NARROW = 16
 """Fewer output columns than this make a CPU ``bmm`` product narrow (see :func:`narrow_product`)."""
+NARROW_ELEMENTS = 1 << 22
+"""The most elements (16 MiB of float32) of ``a`` in a narrow product that is rewritten."""
 
 
 def narrow_product(a: Any, b: Any) -> bool:
     """Whether ``bmm(a, b)`` of float32 CPU tensors ``a (N, M, K)``, ``b (N, K, C)`` runs faster
-    as ``bmm(b^T, a^T)^T``: ``C < 16 <= M / 2`` and ``K <= 64``. torch's CPU GEMM for small
-    products is slow when the output has few columns and many rows (a SIMD register holds 16
-    floats); the transposed product swaps them. Measured on this project's CPU, 1 thread,
-    N = 16 and 400, M 8-512, K 10-256, C 1-256 (issue 26, sixth session): in that region the
-    transposed product took 1/1.1 to 1/6.6 of the time (W1's (32, 20) x (20, 10): 447 against
-    162 us for 400 products), outside it up to 5x more (few rows, many columns), so nothing
-    else is rewritten. A static rule, from shapes only: no timing."""
+    as ``bmm(b^T, a^T)^T``: ``C < 16 <= M / 2``, ``K <= 64`` and ``a`` at most
+    :data:`NARROW_ELEMENTS`. torch's CPU GEMM for small products is slow when the output has
+    few columns and many rows (a SIMD register holds 16 floats); the transposed product swaps
+    them. Measured on this project's CPU, 1 thread, N = 16 and 400, M 8-512, K 10-256, C 1-256
+    (``benchmarks/narrow_products.py sweep``, issue 26's sixth session): of the 85 measured
+    shapes in that region 84 ran faster transposed, 1.04x to 6.6x (W1's (32, 20) x (20, 10):
+    447 against 162 us for 400 products), one at 0.89x (N = 400, (128, 64) x (64, 4)); with
+    few rows and many columns the transposed product took up to 5x longer, with ``a`` of
+    52 MB or more up to 2.6x, so those are not rewritten. A static rule, from shapes only: no
+    timing."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
     if a.device.type != "cpu" or a.dtype != torch.float32 or a.dim() != 3 or b.dim() != 3:
         return False
-    m, k, c = a.shape[1], a.shape[2], b.shape[2]
-    if not all(type(d) is int for d in (m, k, c)):  # symbolic sizes: no guard on them
+    n, m, k, c = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
+    if not all(type(d) is int for d in (n, m, k, c)):  # symbolic sizes: no guard on them
         return False
-    return c < NARROW and m >= 2 * NARROW and k <= 64
+    return c < NARROW and m >= 2 * NARROW and k <= 64 and n * m * k <= NARROW_ELEMENTS
 
 
 def simplify(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:

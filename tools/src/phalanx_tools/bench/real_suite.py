@@ -955,6 +955,8 @@ def format_table(
         (FUSED, "loop fused-Adam", "phalanx fused-Adam against the fused-Adam loop (one "
          "optimizer arithmetic: each member bit for bit torch's fused Adam)"),
         (FUSED, "loop+compile", "phalanx fused-Adam against the loop+compile"),
+        ("compile_step", "loop fused-Adam", "compile_step against the fused-Adam loop"),
+        ("compile_step", "loop+compile", "compile_step against the loop+compile"),
     ):  # fmt: skip
         known = [x for x in (r.speedup(baseline, contender) for r in rows) if x is not None]
         if known:
