@@ -182,6 +182,48 @@ def test_captured_step_with_narrow_products_equals_the_loop(backend):
     _assert_rounding_close(stack, loop32, loop64)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_captured_adam_on_large_tensors_equals_the_loop(backend):
+    """A (4, 64, 64) weight reaches KEEP_ELEMENTS: the traced Adam keeps its per-member bias
+    corrections in buffers (``compat.realized``); member by member against the loops."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+        for _ in range(N)
+    ]
+    data = [(torch.randn(N, 6, 16), torch.randint(0, 3, (N, 6))) for _ in range(3)]
+    kw = {"loss_fn": F.cross_entropy, "in_dim": 0, "decoupled": True, "max_norm": None}
+    stack, _, step, _ = _phalanx(members, data, backend=backend, **kw)
+    assert step.choice == "captured"
+    loop32 = _loop(members, data, dtype=torch.float32, **kw)
+    loop64 = _loop(members, data, dtype=torch.float64, **kw)
+    _assert_rounding_close(stack, loop32, loop64)
+
+
+@pytest.mark.parametrize(("shape", "kept"), [((4, 64, 64), 2), ((4, 10, 20), 0)])
+def test_a_traced_adam_update_keeps_the_bias_corrections_of_large_tensors(shape, kept):
+    """Under a trace, a parameter of at least KEEP_ELEMENTS marks its two per-member values
+    (the bias correction and the step size) to be computed once; a smaller one does not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from phalanx.optim._adam import KEEP_ELEMENTS, adam_update
+
+    assert (torch.Size(shape).numel() >= KEEP_ELEMENTS) == bool(kept)
+    hyper = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, "maximize": False}
+
+    def update(p, g, step, m, v, beta1):
+        return adam_update(p, g, step, m, v, None, beta1=beta1, beta2=0.999, decoupled=False,
+                           **hyper)  # fmt: skip
+
+    p, g, m, v = torch.randn(shape), torch.randn(shape), torch.zeros(shape), torch.zeros(shape)
+    step, beta1 = torch.full((4,), 3.0, dtype=torch.float64), torch.full((4,), 0.9).double()
+    graph = make_fx(update)(p, g, step, m, v, beta1)
+    marks = [n for n in graph.graph.nodes if "inductor_force_stride_order" in str(n.target)]
+    assert len(marks) == kept, graph.code
+    got, eager = graph(p, g, step, m, v, beta1), update(p, g, step, m, v, beta1)
+    assert all(torch.equal(got[k], eager[k]) for k in eager)  # the mark changes no value
+
+
 def _diverging_member():
     """Members, five per-member batches in which member 2 diverges from step 2 on, and the
     masks of the five steps (member 1 masked out of step 1)."""

@@ -14,6 +14,15 @@ from ._base import MemberOptimizer, maximized, per_member, powers
 __all__ = ["Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
 
 
+KEEP_ELEMENTS = 1 << 14
+"""A stacked parameter of at least this many elements has its per-member bias corrections
+computed once into a buffer when the update is traced (:func:`phalanx._torch_compat.realized`);
+inductor otherwise computes them again for every 16 of its elements. Captured steps, one
+process, interleaved (issue 26, sixth session): W1 (400 members, a (400, 10, 20) weight)
+1024 -> 795 us, W6 (2048 members) 131 -> 122 ms; on W2's small tensors (8 members, at most
+1600 elements) the extra kernels cost more than they save (198 -> 209 us), hence the size."""
+
+
 def adam_update(
     p: Tensor,
     g: Tensor,
@@ -44,6 +53,9 @@ def adam_update(
     """
     h = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
     v = adam_values({**h, "maximize": maximize}, step, decoupled=decoupled)
+    if p.numel() >= KEEP_ELEMENTS:  # per member, from pow: computed once (under a trace)
+        for k in ("bias_correction2_sqrt", "step_size"):
+            v[k] = compat.realized(v[k])
     g = maximized(g, maximize)
     if v["decoupled"] is not None:
         p = p * per_member(v["decoupled"], p)
