@@ -297,7 +297,7 @@ def narrow_product(a: Any, b: Any) -> bool:
     :data:`NARROW_ELEMENTS`. torch's CPU GEMM for small products is slow when the output has
     few columns and many rows (a SIMD register holds 16 floats); the transposed product swaps
     them. Measured on this project's CPU, 1 thread, N = 16 and 400, M 8-512, K 10-256, C 1-256
-    (``benchmarks/narrow_products.py sweep``, issue 26's sixth session): of the 85 measured
+    (``benchmarks/captured_step_rewrites.py sweep``, issue 26's sixth session): of the 85 measured
     shapes in that region 84 ran faster transposed, 1.04x to 6.6x (W1's (32, 20) x (20, 10):
     447 against 162 us for 400 products), one at 0.89x (N = 400, (128, 64) x (64, 4)); with
     few rows and many columns the transposed product took up to 5x longer, with ``a`` of
