@@ -345,7 +345,8 @@ def simplify(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in list(g.nodes):
         if node.op == "call_function" and node.target is _aten.bmm.default and not node.kwargs:
             a, b = node.args
-            if narrow_product(a.meta.get("val"), b.meta.get("val")):
+            known = isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)
+            if known and narrow_product(a.meta.get("val"), b.meta.get("val")):
                 with g.inserting_before(node):
                     at = g.call_function(_aten.transpose.int, (a, 1, 2))
                     bt = g.call_function(_aten.transpose.int, (b, 1, 2))
