@@ -63,9 +63,21 @@ def sweep(n: int) -> None:
             print(f"M={m:4d} K={k:4d}:", " ".join(row))
 
 
-def ab(change: str, workload: str) -> None:
+def _profiled(
+    step: Callable[[], object], calls: int, *, shapes: bool = False
+) -> tuple[list, float]:
+    """``calls`` steps under the profiler: the operations' averages (by input shape with
+    ``shapes``) and the profiled time of a step in us."""
     from torch.profiler import profile
 
+    with profile(record_shapes=shapes) as p:
+        for _ in range(calls):
+            step()
+    events = list(p.key_averages(group_by_input_shape=shapes))
+    return events, sum(e.self_cpu_time_total for e in events) / calls
+
+
+def ab(change: str, workload: str) -> None:
     import phalanx._torch_compat as compat
     import phalanx.step._graph as graph
     from phalanx_tools.bench.contenders import CompiledRunner, phalanx_adam
@@ -95,19 +107,12 @@ def ab(change: str, workload: str) -> None:
     for side, ts in times.items():
         print(f"{workload} {side}: median {statistics.median(ts):.0f} us, min {min(ts):.0f} us")
     for side, runner in runners.items():
-        with profile() as p:
-            for _ in range(calls):
-                runner.backward()
-        events = {e.key: e for e in p.key_averages()}
-        bmm = events.get("aten::bmm")
-        total = sum(e.self_cpu_time_total for e in events.values()) / calls
-        spent = bmm.self_cpu_time_total / calls if bmm is not None else 0.0
+        events, total = _profiled(runner.backward, calls)
+        spent = sum(e.self_cpu_time_total for e in events if e.key == "aten::bmm") / calls
         print(f"{side}: aten::bmm {spent:.0f} us of {total:.0f} us a step (profiled)")
 
 
 def profile_step(workload: str) -> None:
-    from torch.profiler import profile
-
     from phalanx_tools.bench.contenders import CompiledRunner, phalanx_adam
     from phalanx_tools.bench.workloads import WORKLOADS, build
 
@@ -118,18 +123,17 @@ def profile_step(workload: str) -> None:
     one = _per_call_us(runner.backward, 2)
     calls = max(3, int(1e6 / one))  # about a second
     print(f"{workload} captured step: {_per_call_us(runner.backward, calls):.0f} us")
-    with profile(record_shapes=True) as p:
-        for _ in range(calls):
-            runner.backward()
-    for e in p.key_averages(group_by_input_shape=True):
+    by_shape, total = _profiled(runner.backward, calls, shapes=True)
+    for e in by_shape:
         if e.key == "aten::bmm":
             us = e.self_cpu_time_total / calls
             print(f"  bmm {e.input_shapes}: {e.count / calls:.0f} a step, {us:.0f} us")
-    events = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    total = sum(e.self_cpu_time_total for e in events) / calls
     print(f"  profiled: {total:.0f} us a step, of which")
-    for e in events[:5]:
-        print(f"    {e.key}: {e.self_cpu_time_total / calls:.0f} us")
+    ops: dict[str, float] = {}
+    for e in by_shape:
+        ops[e.key] = ops.get(e.key, 0.0) + e.self_cpu_time_total / calls
+    for key, us in sorted(ops.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"    {key}: {us:.0f} us")
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     print(
         f"one 64^3 mm: {2 * 64**3 / _per_call_us(lambda: torch.mm(a, b), 20000) / 1e3:.0f} GFLOP/s"
@@ -146,7 +150,9 @@ def adam() -> None:
     b1, b2 = torch.full_like(step, 0.9), torch.full_like(step, 0.999)
     lr, eps = torch.full_like(step, 1e-3), torch.full_like(step, 1e-8)
 
-    def make(keep: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., object]:
+    def make(
+        keep: Callable[[torch.Tensor], torch.Tensor],
+    ) -> Callable[..., tuple[torch.Tensor, ...]]:
         def update(p, g, m, v, step, b1, b2, lr, eps):  # type: ignore[no-untyped-def]
             size = keep(-(lr / (1 - b1**step)))
             root = keep((1 - b2**step).sqrt())
@@ -158,7 +164,7 @@ def adam() -> None:
 
     args = (p, g, m, v, step, b1, b2, lr, eps)
     inlined, kept = make(lambda t: t), make(compat.realized)
-    same = all(torch.equal(a, b) for a, b in zip(inlined(*args), kept(*args)))  # type: ignore[call-overload]
+    same = all(torch.equal(a, b) for a, b in zip(inlined(*args), kept(*args)))
     for _ in range(3):
         a = _median_us(inlined, *args)
         b = _median_us(kept, *args)

@@ -342,7 +342,7 @@ def simplify(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             product.meta, total.meta = {}, dict(node.meta)
             node.replace_all_uses_with(total)
             g.erase_node(node)
-    for node in list(g.nodes):
+    for node in list(g.nodes):  # a pass of its own: it also sees the bmm made from baddbmm
         if node.op == "call_function" and node.target is _aten.bmm.default and not node.kwargs:
             a, b = node.args
             known = isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)
