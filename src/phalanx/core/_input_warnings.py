@@ -15,6 +15,18 @@ against its input:
   shared input computed by a trainable module upstream (an encoder feeding N heads) should
   get the summed gradient.
 
+A third comes from everyday training code:
+
+- **A per-member batch passed as shared.** ``stack(xs)`` with ``xs`` of shape ``(N, B, d)``,
+  meant as member i's batch ``xs[i]``, runs without ``in_dims=0``: every member sees all N
+  batches and the output is ``(N, N, B, out)``. Warned when a shared input's first size is N
+  and it has one dimension more than what a member was given in this stack's earlier calls
+  (shared inputs as they are, per-member inputs without their member axis); before any such
+  call, when it has at least 3 dimensions (a batch of batches). A shared batch whose size
+  happens to be N is warned only where it has that extra dimension (a first call with a
+  shared ``(N, T, d)`` sequence batch): the message says so, and
+  :class:`SharedInputWarning` is the class to filter.
+
 Each warning is given once per stack.
 """
 
@@ -31,21 +43,33 @@ from phalanx.backends import StackView
 _KEY = "habits"
 
 
+class SharedInputWarning(UserWarning):
+    """A shared input that looks like one meant per member (``in_dims=0``).
+
+    Given once per stack. Where the input really is one batch shared by every member, silence
+    it with ``warnings.filterwarnings("ignore", category=phalanx.SharedInputWarning)``.
+    """
+
+
 def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | None, ...]) -> None:
-    """Warns (once per stack) about a fed-back output or a shared input requiring grad."""
+    """Warns (once per stack) about a fed-back output, a per-member batch passed as shared or
+    a shared input requiring grad; learns the rank of what a member is given."""
     n = view.num_members
+    ranks: dict[int, int] | None = None
     for k, (a, d) in enumerate(zip(args, in_dims)):
-        if d is not None or not isinstance(a, torch.Tensor):
+        if not isinstance(a, torch.Tensor):
+            continue
+        if d is not None or a.dim() == 0 or a.shape[0] != n:
+            if ranks is None:
+                ranks = view.cache_of(_KEY).setdefault("ranks", {})
+            ranks[k] = a.dim() - (d is not None)  # what one member sees
+        if d is not None:
             continue
         if not a.requires_grad and (a.dim() == 0 or a.shape[0] != n):
-            continue  # neither check can apply: the common shared input costs no lookup
+            continue  # no check can apply: the common shared input costs no more lookup
         state = view.cache_of(_KEY)
-        if (
-            a.dim() > 0
-            and a.shape[0] == n
-            and a.shape in state.get("outputs", ())
-            and not state.get("fed_back")
-        ):
+        fed_back = a.dim() > 0 and a.shape[0] == n and a.shape in state.get("outputs", ())
+        if fed_back and not state.get("fed_back"):
             state["fed_back"] = True
             warn(
                 f"Stack.forward(): input {k} is shared by every member but has the shape of "
@@ -53,8 +77,11 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
                 f"back (an ODE solver's state, a recurrent state) is seen whole by every "
                 f"member, and each call adds a member axis. Pass it per member: "
                 f"stack(..., in_dims=0) (for a solver, wrap the stack: "
-                f"lambda t, y: stack(t, y, in_dims=(None, 0)))."
+                f"lambda t, y: stack(t, y, in_dims=(None, 0))).",
+                SharedInputWarning,
             )
+        elif not fed_back and a.dim() > 0 and a.shape[0] == n and not state.get("per_member"):
+            _per_member_batch(state, k, a, n)
         if a.requires_grad and a.is_leaf and torch.is_grad_enabled() and not state.get("grad"):
             state["grad"] = True
             warn(
@@ -65,6 +92,43 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
                 f"that; if the sum is what you want (e.g. one attack on the whole ensemble), "
                 f"ignore this warning."
             )
+
+
+def _per_member_batch(state: dict[str, Any], k: int, a: torch.Tensor, n: int) -> None:
+    """Warns where the shared input ``a`` (first size N) has one dimension more than what a
+    member was given before at position ``k`` (or, with no such call yet, at least 3)."""
+    member_rank = state.get("ranks", {}).get(k)
+    if member_rank is None:
+        if a.dim() < 3:
+            return
+        why = f"has {a.dim()} dimensions, a batch of batches"
+    elif a.dim() == member_rank + 1:
+        why = (
+            f"has one dimension more than a member was given in this stack's earlier calls "
+            f"({member_rank})"
+        )
+    else:
+        return
+    state["per_member"] = True
+    where = "" if k == 0 else f" (input {k})"
+    warn(
+        f"Stack.forward(): the input{where} of shape {tuple(a.shape)} is shared by every "
+        f"member (in_dims=None), but its first size is {n}, the number of members, and it "
+        f"{why}. If it is a per-member batch, member i meant to see x[i], pass "
+        f"stack(x, in_dims=0): as called, every member sees all {n} and the output gets "
+        f"a second member axis, (N, N, ...). If it is one batch shared by every member whose "
+        f"size happens to be {n}, ignore this: it is given once per stack, and "
+        f'warnings.filterwarnings("ignore", category=phalanx.SharedInputWarning) silences it.',
+        SharedInputWarning,
+    )
+
+
+def record_ranks(view: StackView, args: tuple[Any, ...]) -> None:
+    """On the shared fast path: keeps the rank of each shared input, the first time only (a
+    dictionary lookup per call)."""
+    state = view.cache_of(_KEY)
+    if "ranks" not in state:
+        state["ranks"] = {k: a.dim() for k, a in enumerate(args) if isinstance(a, torch.Tensor)}
 
 
 def record_outputs(view: StackView, out: Any) -> Any:

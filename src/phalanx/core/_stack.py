@@ -17,7 +17,7 @@ from phalanx.backends._keywords import KwInDims, keyword_dims
 from phalanx.backends._memory import reuse_freed_memory
 from phalanx.backends._random import MemberGenerators, copy_generators, generator_slots
 from phalanx.core._hf import check_call, guard_stacked
-from phalanx.core._input_warnings import check_inputs, record_outputs
+from phalanx.core._input_warnings import check_inputs, record_outputs, record_ranks
 from phalanx.core._memory_format import to_member_format
 from phalanx.core._validate import (
     architecture_differences,
@@ -587,6 +587,7 @@ class Stack(nn.Module):
             return _GENERAL
         dims = _SHARED_DIMS[len(args)] if len(args) < len(_SHARED_DIMS) else (None,) * len(args)
         backend = get_backend(self._requested)
+        record_ranks(view, args)  # what a member is given, for check_inputs' per-member hint
         with view.lock:
             return record_outputs(view, backend.forward(view, args, kwargs, dims, _NO_KEYWORDS))
 

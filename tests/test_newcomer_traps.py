@@ -1,0 +1,84 @@
+"""The everyday mistakes a newcomer makes get a warning or an error naming the fix: a
+per-member batch passed as shared, per-member targets given as shared, ``stack[i]``."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+from helpers import assert_close
+
+N, B = 4, 16
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _stack() -> phalanx.Stack:
+    torch.manual_seed(0)
+    return phalanx.stack([_mlp() for _ in range(N)])
+
+
+def _hints(fn) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if issubclass(w.category, phalanx.SharedInputWarning)]
+
+
+# --------------------------------------------------------- a per-member batch passed as shared
+
+
+def test_a_per_member_batch_without_in_dims_is_warned_naming_in_dims_0():
+    stack = _stack()
+    with pytest.warns(phalanx.SharedInputWarning, match=r"(?s)\(4, 16, 4\).*in_dims=0.*filterw"):
+        out = stack(torch.randn(N, B, 4))
+    assert out.shape == (N, N, B, 3)  # it still runs as asked: every member sees all N
+
+
+def test_the_warning_is_given_once_per_stack():
+    stack = _stack()
+    xs = torch.randn(N, B, 4)
+    assert len(_hints(lambda: [stack(xs) for _ in range(3)])) == 1
+
+
+def test_after_shared_calls_one_more_dimension_is_warned():
+    stack = _stack()
+    stack(torch.randn(B, 4))  # a member is given (B, 4): rank 2
+    assert len(_hints(lambda: stack(torch.randn(N, B, 4)))) == 1
+
+
+def test_after_per_member_calls_the_same_input_without_in_dims_is_warned():
+    stack = _stack()
+    xs = torch.randn(N, B, 4)
+    stack(xs, in_dims=0)  # trains per member ...
+    assert len(_hints(lambda: stack(xs))) == 1  # ... and evaluates forgetting in_dims
+    stack2 = _stack()
+    ys = torch.randn(N, 4)  # a member is given one sample (4,)
+    stack2(ys, in_dims=0)
+    assert len(_hints(lambda: stack2(ys))) == 1
+
+
+def test_a_shared_batch_whose_size_is_n_is_not_warned():
+    stack = _stack()
+    assert _hints(lambda: stack(torch.randn(N, 4))) == []  # 2-D, no history: a batch of N
+    assert _hints(lambda: stack(torch.randn(B, 4))) == []
+    assert _hints(lambda: stack(torch.randn(N, 4))) == []  # same rank as before
+    # a sequence batch (B, T, d), the last one of N rows: the member's rank is 3 already
+    seq = phalanx.stack([nn.Linear(4, 3) for _ in range(N)])
+    seq(torch.randn(B, 7, 4))
+    assert _hints(lambda: seq(torch.randn(N, 7, 4))) == []
+
+
+def test_the_warning_is_silenced_by_its_class():
+    stack = _stack()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=phalanx.SharedInputWarning)
+        stack(torch.randn(N, B, 4))
