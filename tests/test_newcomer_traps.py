@@ -82,3 +82,39 @@ def test_the_warning_is_silenced_by_its_class():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=phalanx.SharedInputWarning)
         stack(torch.randn(N, B, 4))
+
+
+# ------------------------------------------------------- per-member targets declared shared
+
+
+def test_per_member_class_targets_without_in_dims_name_in_dims_0_0():
+    stack = _stack()
+    out = stack(torch.randn(N, B, 4), in_dims=0)
+    ys = torch.randint(0, 3, (N, B))
+    with pytest.raises(ValueError, match=r"member_losses\(\).*\(4, 16\).*in_dims=\(0, 0\)"):
+        phalanx.member_losses(F.cross_entropy, out, ys)
+    losses = phalanx.member_losses(F.cross_entropy, out, ys, in_dims=(0, 0))
+    for i in range(N):
+        assert_close(losses[i], F.cross_entropy(out[i], ys[i]))
+
+
+def test_per_member_regression_targets_of_another_width_name_in_dims_0_0():
+    stack = phalanx.stack([nn.Linear(4, 3) for _ in range(N)])
+    out = stack(torch.randn(N, B, 4), in_dims=0)  # (N, B, 3)
+    with pytest.raises(ValueError, match=r"in_dims=\(0, 0\)"):
+        phalanx.member_losses(F.mse_loss, out, torch.randn(N, B, 1))  # broadcast target
+
+
+def test_a_shared_target_declared_per_member_names_the_default():
+    stack = _stack()
+    out = stack(torch.randn(B, 4))
+    with pytest.raises(ValueError, match=r"per-member.*\(16,\).*in_dims=\(0, None\)"):
+        phalanx.member_losses(F.cross_entropy, out, torch.randint(0, 3, (B,)), in_dims=(0, 0))
+
+
+def test_shared_targets_that_begin_with_n_still_run():
+    stack = _stack()
+    out = stack(torch.randn(N, 4))  # a shared batch of N rows: output (N, N, 3)
+    y = torch.randint(0, 3, (N,))
+    losses = phalanx.member_losses(F.cross_entropy, out, y)
+    assert_close(losses[1], F.cross_entropy(out[1], y))

@@ -15,6 +15,7 @@ from phalanx._torch_compat import pytree
 from phalanx.backends._outputs import refuse_opaque
 from phalanx.core._hf import own_loss
 from phalanx.train import _smoothing
+from phalanx.train._loss_checks import check_targets
 
 # Losses that are a mean of per-element terms: computed once on (N, B, ...) with
 # reduction="none", then averaged per member, instead of through vmap's per-call overhead.
@@ -120,8 +121,9 @@ def member_losses(
         ``(N,)``: the members' losses.
 
     Raises:
-        ValueError: the target carries the member axis but ``in_dims`` says it is shared, or
-            ``loss_fn`` does not return one scalar per member.
+        ValueError: the target carries the member axis but ``in_dims`` says it is shared (or
+            ``in_dims=(0, 0)`` and its first size is not N), or ``loss_fn`` does not return
+            one scalar per member.
         TypeError: ``loss_fn`` cannot read a member's structured output (it raised a
             TypeError, AttributeError, KeyError or IndexError on it).
 
@@ -173,6 +175,7 @@ def member_losses(
             f"per-member target pass in_dims=(0, 0); for a shared one pass a target without the "
             f"member axis."
         )
+    check_targets(output, target, in_dims)  # per-member targets declared shared, or the reverse
     losses = _batched_loss(loss_fn, output, target, in_dims, kwargs)
     if losses is None:
         losses = vmap(lambda o, t: loss_fn(o, t, **kwargs), in_dims=in_dims)(output, target)
