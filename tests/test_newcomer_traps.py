@@ -118,3 +118,15 @@ def test_shared_targets_that_begin_with_n_still_run():
     y = torch.randint(0, 3, (N,))
     losses = phalanx.member_losses(F.cross_entropy, out, y)
     assert_close(losses[1], F.cross_entropy(out[1], y))
+
+
+def test_the_first_call_reads_the_rank_of_a_batch_from_the_first_layer():
+    torch.manual_seed(0)
+    conv = phalanx.stack([nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()) for _ in range(3)])
+    assert _hints(lambda: conv(torch.randn(3, 1, 6, 6))) == []  # a shared image batch of 3
+    conv2 = phalanx.stack([nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()) for _ in range(3)])
+    assert len(_hints(lambda: pytest.raises(RuntimeError, conv2, torch.randn(3, 5, 1, 6, 6)))) == 1
+    emb = phalanx.stack([nn.Embedding(10, 4) for _ in range(3)])
+    assert _hints(lambda: emb(torch.randint(0, 10, (3, 7)))) == []  # ids (B, T), B = N
+    emb2 = phalanx.stack([nn.Embedding(10, 4) for _ in range(3)])
+    assert len(_hints(lambda: emb2(torch.randint(0, 10, (3, 5, 7))))) == 1

@@ -22,10 +22,11 @@ A third comes from everyday training code:
   batches and the output is ``(N, N, B, out)``. Warned when a shared input's first size is N
   and it has one dimension more than what a member was given in this stack's earlier calls
   (shared inputs as they are, per-member inputs without their member axis); before any such
-  call, when it has at least 3 dimensions (a batch of batches). A shared batch whose size
-  happens to be N is warned only where it has that extra dimension (a first call with a
-  shared ``(N, T, d)`` sequence batch): the message says so, and
-  :class:`SharedInputWarning` is the class to filter.
+  call, one more than a batch for the member's first layer (4 for a Conv2d, 3 for a
+  recurrence, 2 for an embedding's ids; 2, ``(B, d)``, for a Linear or anything else). A
+  shared batch whose size happens to be N is warned only where it has that extra dimension
+  (a first call with a shared ``(N, T, d)`` sequence batch into a Linear): the message says
+  so, and :class:`SharedInputWarning` is the class to filter.
 
 Each warning is given once per stack.
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from phalanx._torch_compat import pytree
 from phalanx._warnings import warn
@@ -81,7 +83,7 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
                 SharedInputWarning,
             )
         elif not fed_back and a.dim() > 0 and a.shape[0] == n and not state.get("per_member"):
-            _per_member_batch(state, k, a, n)
+            _per_member_batch(state, k, a, n, view.template)
         if a.requires_grad and a.is_leaf and torch.is_grad_enabled() and not state.get("grad"):
             state["grad"] = True
             warn(
@@ -94,14 +96,38 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
             )
 
 
-def _per_member_batch(state: dict[str, Any], k: int, a: torch.Tensor, n: int) -> None:
+def _batched_rank(template: nn.Module) -> int | None:
+    """The rank of a batch for the member's first leaf module, where its type says it: 4 for
+    a Conv2d's ``(B, C, H, W)``, 3 for a batch-first recurrence or attention ``(B, T, d)``, 2
+    for an embedding's ids ``(B, T)``; None (read as 2, ``(B, d)``) otherwise."""
+    first = next((m for m in template.modules() if not list(m.children())), None)
+    for kinds, rank in _BATCHED_RANKS:
+        if isinstance(first, kinds):
+            return rank
+    return None
+
+
+_BATCHED_RANKS: list[tuple[type[nn.Module] | tuple[type[nn.Module], ...], int]] = [
+    ((nn.Conv1d, nn.ConvTranspose1d, nn.MaxPool1d, nn.AvgPool1d), 3),
+    ((nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.BatchNorm2d), 4),
+    ((nn.Conv3d, nn.ConvTranspose3d, nn.MaxPool3d, nn.AvgPool3d, nn.BatchNorm3d), 5),
+    ((nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer), 3),
+    ((nn.Embedding, nn.EmbeddingBag), 2),
+]
+
+
+def _per_member_batch(
+    state: dict[str, Any], k: int, a: torch.Tensor, n: int, template: nn.Module
+) -> None:
     """Warns where the shared input ``a`` (first size N) has one dimension more than what a
-    member was given before at position ``k`` (or, with no such call yet, at least 3)."""
+    member was given before at position ``k`` or, with no such call yet, one more than a
+    batch for the member's first layer (``_batched_rank``)."""
     member_rank = state.get("ranks", {}).get(k)
     if member_rank is None:
-        if a.dim() < 3:
+        batched = _batched_rank(template) if k == 0 else None
+        if a.dim() != (batched or 2) + 1:
             return
-        why = f"has {a.dim()} dimensions, a batch of batches"
+        why = f"has {a.dim()} dimensions, one more than a batch for the member's first layer"
     elif a.dim() == member_rank + 1:
         why = (
             f"has one dimension more than a member was given in this stack's earlier calls "
