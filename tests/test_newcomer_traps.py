@@ -130,3 +130,59 @@ def test_the_first_call_reads_the_rank_of_a_batch_from_the_first_layer():
     assert _hints(lambda: emb(torch.randint(0, 10, (3, 7)))) == []  # ids (B, T), B = N
     emb2 = phalanx.stack([nn.Embedding(10, 4) for _ in range(3)])
     assert len(_hints(lambda: emb2(torch.randint(0, 10, (3, 5, 7))))) == 1
+
+
+# ------------------------------------------------------------------------------- stack[i]
+
+
+def test_stack_i_is_member_i_as_an_ordinary_module_negative_indices_too():
+    members = [_mlp() for _ in range(N)]
+    stack = phalanx.stack(members)
+    x = torch.randn(B, 4)
+    out = stack(x)
+    for i in range(-N, N):
+        m = stack[i]
+        assert type(m) is nn.Sequential and not isinstance(m, phalanx.Stack)
+        assert torch.equal(m(x), members[i](x))
+        assert_close(m(x), out[i])
+    assert [type(m) for m in stack[1:3]] == [nn.Sequential] * 2
+    assert len(list(stack)) == N
+    assert torch.equal(stack[1:3][1][0].weight, members[2][0].weight)
+
+
+def test_stack_i_out_of_range_or_of_a_wrong_type_names_the_range():
+    stack = _stack()
+    with pytest.raises(IndexError, match=r"Stack\[i\]: member index 4 .* 4 members \(valid: -4 \.\. 3\)"):
+        stack[N]
+    with pytest.raises(IndexError, match="member index -5"):
+        stack[-N - 1]
+    with pytest.raises(TypeError, match=r"int or a slice, not str"):
+        stack["0"]  # type: ignore[call-overload]
+
+
+def test_stack_i_is_a_copy_writing_it_leaves_the_stack_and_stack_i_assign_writes_back():
+    stack = _stack()
+    before = stack.module[0].weight.detach().clone()
+    m = stack[2]
+    with torch.no_grad():
+        m[0].weight.add_(1.0)  # writing into the copy ...
+    assert torch.equal(stack.module[0].weight, before)  # ... leaves the stack
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1)
+    phalanx.member_losses(F.cross_entropy, stack(torch.randn(B, 4)), torch.zeros(B).long()).sum().backward()
+    opt.step()
+    assert torch.equal(m[0].weight, before[2] + 1.0)  # training the stack leaves the copy
+    stack[2] = m  # writing back: the same stacked tensor objects, member 2's rows
+    assert torch.equal(stack.module[0].weight[2], m[0].weight)
+    assert stack.module[0].weight is next(iter(stack.parameters()))
+    with pytest.raises(ValueError, match=r"(?s)Stack\[i\] = module.*shape"):
+        stack[0] = nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 3))
+
+
+def test_stack_i_of_a_padded_stack_has_its_own_widths():
+    def net(h: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(4, h), nn.ReLU(), nn.Linear(h, 3))
+
+    stack = phalanx.stack([net(3), net(5)], pad_widths=True)
+    assert stack[0][0].weight.shape == (3, 4) and stack[-1][0].weight.shape == (5, 4)
+    x = torch.randn(2, 4)
+    assert_close(stack[1](x), stack(x)[1])

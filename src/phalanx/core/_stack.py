@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, overload
 
 import torch
 from torch import nn
+from typing_extensions import Self, TypeVar
 
 from phalanx import _torch_compat as compat
 from phalanx._module_tree import copy_modes, meta_copy, unshare_submodules
@@ -29,6 +31,9 @@ from phalanx.core._widths import Padding, mask_gradients, pad_members
 from phalanx.routed import _routed
 
 InDims = int | None | Sequence[int | None]
+# What ``stack(...)`` returns, for type checkers: a tensor unless the stack is annotated
+# otherwise, e.g. ``stack: phalanx.Stack[ModelOutput]`` for a Hugging Face model.
+Out = TypeVar("Out", default=torch.Tensor)
 
 
 def _swap_in(
@@ -50,7 +55,7 @@ def _swap_in(
                 own_buffers[leaf] = by_id[id(old_buffer)]
 
 
-class Stack(nn.Module):
+class Stack(nn.Module, Generic[Out]):
     """N members of one architecture, run as one computation.
 
     The stack holds every member's parameters and buffers stacked along a new dim 0, the
@@ -61,6 +66,13 @@ class Stack(nn.Module):
     treat the parameters as one vector do not know the member axis:
     ``torch.nn.utils.clip_grad_norm_(stack.parameters())`` clips all members by one joint
     norm; ``phalanx.clip_grad_norm_`` clips each member by its own.
+
+    ``stack[i]`` is member i as an ordinary module of its own class (a copy: see
+    :meth:`__getitem__`); ``stack[i] = module`` writes a module's weights into member i.
+
+    For type checkers ``stack(x)`` returns a ``torch.Tensor``; a stack whose members return
+    something else (a tuple, a Hugging Face ``ModelOutput``) is annotated with it:
+    ``stack: phalanx.Stack[ModelOutput] = phalanx.stack(models)``.
 
     Build one with :func:`phalanx.stack`.
 
@@ -116,7 +128,7 @@ class Stack(nn.Module):
         backend: str = "auto",
         padding: Padding | None = None,
         generators: list[list[torch.Generator]] | None = None,
-    ) -> Stack:
+    ) -> Self:
         """A stack over tensors that are already stacked, ``(N, *shape)`` each, without copies.
 
         ``member`` gives the architecture (its own tensors are never read; it may live on
@@ -191,6 +203,108 @@ class Stack(nn.Module):
     def __len__(self) -> int:
         return self.num_members
 
+    if TYPE_CHECKING:  # nn.Module types __call__ as returning Any
+
+        def __call__(
+            self,
+            *args: Any,
+            in_dims: InDims = None,
+            kw_in_dims: KwInDims = None,
+            members: Any = None,
+            weights: Any = None,
+            subset: Any = None,
+            **kwargs: Any,
+        ) -> Out: ...
+
+    @overload
+    def __getitem__(self, index: int) -> nn.Module: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[nn.Module]: ...
+    def __getitem__(self, index: int | slice) -> nn.Module | list[nn.Module]:
+        """Member ``index`` as an ordinary module of its own class: a copy.
+
+        ``stack[i]`` is ``stack.unstack()[i]`` without building the other members: a module
+        of member i's class holding copies of its current weights, buffers and generators, in
+        the stack's train/eval mode (in a stack built with ``pad_widths=True``, at its own
+        widths). It shares no memory with the stack: training it or writing into it leaves the
+        stack unchanged, and training the stack leaves it as it was taken. Write it back with
+        ``stack[i] = module``. (A module whose parameters were views of the stacked tensors
+        would get no gradient from the stack's calls and would change the stack behind its
+        optimizer's back; to run member i alone inside the stack's graph use
+        ``stack(x, subset=[i])``.)
+
+        Args:
+            index: an int (negative counts from the end) or a slice, which gives a list.
+
+        Raises:
+            IndexError: ``index`` is not in ``-N .. N-1``.
+            TypeError: ``index`` is not an int or a slice.
+
+        Example:
+            >>> stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)])
+            >>> x = torch.randn(5, 4)
+            >>> torch.equal(stack[-1](x), stack(x)[2])
+            True
+        """
+        if isinstance(index, slice):
+            return [self._member_module(k) for k in range(self.num_members)[index]]
+        return self._member_module(self._member_index(index, "Stack[i]"))
+
+    def __setitem__(self, index: int, module: nn.Module) -> None:
+        """Copies ``module``'s parameters and buffers into member ``index``, in place.
+
+        The module must have the members' architecture (member ``index``'s own widths in a
+        padded stack). The stack's tensors stay the same objects, so an optimizer built on
+        ``stack.parameters()`` keeps stepping them; its state for the member (Adam's moments)
+        is kept as it was, not reset.
+
+        Raises:
+            IndexError: ``index`` is not in ``-N .. N-1``.
+            ValueError: ``module``'s architecture differs from the member's.
+        """
+        where = "Stack[i] = module"
+        k = self._member_index(index, where)
+        diffs = architecture_differences(
+            self._member_module(k),
+            module,
+            k,
+            ref_name=f"the stack's member {k}",
+            check_device=False,
+            check_mode=False,
+        )
+        if diffs:
+            raise ValueError(
+                f"{where}: the module does not match the members' architecture:\n  - "
+                + "\n  - ".join(diffs)
+            )
+        params, buffers = self.stacked_state()
+        with torch.no_grad():
+            for name, p in params.items():
+                self._row(p, name, k).copy_(module.get_parameter(name))
+            for name, b in buffers.items():
+                self._row(b, name, k).copy_(module.get_buffer(name))
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        """The members as ordinary modules, copies (see :meth:`__getitem__`)."""
+        return (self._member_module(k) for k in range(self.num_members))
+
+    def _member_index(self, index: Any, where: str) -> int:
+        n = self.num_members
+        try:
+            i = operator.index(index)  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            raise TypeError(
+                f"{where}: a member index must be an int or a slice, not "
+                f"{type(index).__name__}; for several members use a slice, "
+                f"phalanx.population.keep_members or stack(x, subset=[...])."
+            ) from None
+        if not -n <= i < n:
+            raise IndexError(
+                f"{where}: member index {i} is out of range for a stack of {n} members "
+                f"(valid: {-n} .. {n - 1})."
+            )
+        return i % n
+
     def stacked_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The stacked parameters and buffers by name, each ``(N, *shape)``: the tensors the
         backends and ``compile_step`` run the member's forward with."""
@@ -228,7 +342,7 @@ class Stack(nn.Module):
         (``padding.shapes[name][i]``); None for a stack of one width."""
         return self._padding
 
-    def zero_padding_(self) -> Stack:
+    def zero_padding_(self) -> Self:
         """Writes 0 into every padded entry of the parameters and buffers, in place.
 
         Gradients are masked and the optimizers keep padded entries at 0 by themselves; call
@@ -248,7 +362,7 @@ class Stack(nn.Module):
             return t[i]
         return t[i][self._padding.corner(name, i)]
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> Stack:
+    def apply(self, fn: Callable[[nn.Module], None]) -> Self:
         """Calls ``fn`` on every submodule of each member in turn, as on N separate modules.
 
         ``stack.apply(init_fn)`` initialises each member as ``init_fn`` initialises one
@@ -267,7 +381,7 @@ class Stack(nn.Module):
                     self._row(b, name, i).copy_(member.get_buffer(name))
         return self
 
-    def to(self, *args: Any, **kwargs: Any) -> Stack:
+    def to(self, *args: Any, **kwargs: Any) -> Self:
         """``nn.Module.to``, with ``memory_format`` applied to each member's tensors.
 
         ``stack.to(memory_format=torch.channels_last)`` lays out every member's conv weight
@@ -327,7 +441,7 @@ class Stack(nn.Module):
         return self._requested
 
     @contextlib.contextmanager
-    def using_backend(self, name: str) -> Iterator[Stack]:
+    def using_backend(self, name: str) -> Iterator[Self]:
         """Runs the block with backend ``name``, then restores the stack's own choice and what
         its backends had learnt (``phalanx.export`` falls back to the loop's graph so)."""
         requested, cache = self._requested, dict(self._view.cache)

@@ -83,6 +83,7 @@ class TensorDictStack(TensorDictModuleBase):
                 f"{tensordict.batch_size[0]} entries but the stack has {n} members."
             )
         args = [tensordict.get(k) for k in self.in_keys]
+        outs: Any
         if per_member:
             outs = self.stack(*args, in_dims=0)
             result = tensordict
