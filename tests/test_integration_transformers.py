@@ -254,3 +254,34 @@ def test_a_resumed_run_restores_which_members_stopped(tmp_path):
     # steps 7 and 8 moved members 0 and 2 on from the checkpoint and left member 1 there
     assert all(torch.equal(p[1], q[1]) for p, q in zip(stack.parameters(), loaded.parameters()))
     assert not all(torch.equal(p[0], q[0]) for p, q in zip(stack.parameters(), loaded.parameters()))
+
+
+def test_logged_loss_is_the_members_mean_as_eval_loss_and_predict_is_members_first(tmp_path):
+    stack = phalanx.stack(gpt2s(), backend="loop")
+    args = _args(tmp_path, max_steps=4, logging_steps=4, learning_rate=0.0)  # one epoch, weights stay
+    trainer = PhalanxTrainer(model=stack, args=args, train_dataset=Ids(), eval_dataset=Ids())
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    members = [logged[f"loss/member_{i}"] for i in range(N)]
+    assert logged["loss"] == pytest.approx(sum(members) / N, rel=1e-4)
+    metrics = trainer.evaluate()
+    evals = [metrics[f"eval_loss/member_{i}"] for i in range(N)]
+    assert metrics["eval_loss"] == pytest.approx(sum(evals) / N, rel=1e-5)
+    # with lr 0 the eval set (the train set) gives each member its logged training loss
+    assert evals == pytest.approx(members, rel=1e-4)
+    out = trainer.predict(Ids())
+    assert out.predictions.shape[:2] == (N, len(Ids()))  # (N, B, T, V), as stack(x) returns
+    x = torch.stack([Ids()[i]["input_ids"] for i in range(4)])
+    with torch.no_grad():
+        direct = stack(x).logits
+    torch.testing.assert_close(torch.from_numpy(out.predictions[:, :4]), direct)
+    assert out.label_ids.shape == (len(Ids()), 10)
+
+
+def test_save_model_leaves_no_lock_file_in_the_model_folder(tmp_path):
+    stack = phalanx.stack(gpt2s(), backend="loop")
+    trainer = PhalanxTrainer(model=stack, args=_args(tmp_path, max_steps=1), train_dataset=Ids())
+    trainer.save_model(str(tmp_path / "final"))
+    names = os.listdir(tmp_path / "final")
+    assert "phalanx.safetensors" in names
+    assert not [n for n in names if n.endswith(".lock") or n.startswith(".")], names

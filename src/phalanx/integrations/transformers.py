@@ -8,9 +8,16 @@ with one inside whose output's ``loss`` is the (N,) per-member losses). It runs 
 - ``max_grad_norm`` (1.0 by default) clips each member with its own norm;
 - ``fp16`` scales each member's loss with its own scale (``phalanx.MemberGradScaler``): a
   member that overflows skips its own step only;
-- the logs hold ``loss/member_i`` and ``grad_norm/member_i`` (``loss`` is the members' sum,
-  what is backpropagated), evaluation ``eval_loss/member_i`` and, with ``compute_metrics``,
-  each metric per member (``eval_accuracy/member_i``), computed on member i's predictions;
+- the logs hold ``loss/member_i`` and ``grad_norm/member_i``, evaluation
+  ``eval_loss/member_i`` and, with ``compute_metrics``, each metric per member
+  (``eval_accuracy/member_i``), computed on member i's predictions; ``loss`` and ``eval_loss``
+  are both the mean over the members of the per-member values (what is backpropagated is the
+  members' sum, which gives each member its own gradient);
+- ``predict`` returns the predictions members first, ``(N, B, ...)``, as the stack returns
+  its outputs (``label_ids`` stay ``(B, ...)``);
+- every member sees the Trainer's batches, in the Trainer's order (there is no per-member
+  data order here yet: for bootstrap or a shuffle per member, train with
+  ``phalanx.data.MemberDataLoader`` in your own loop);
 - ``MemberEarlyStopping`` stops members one by one: a stopped member's weights and optimizer
   state are left as they are (the optimizer's step mask) while the others train on;
 - ``save_model`` and every checkpoint write one ``save_pretrained`` folder per member
@@ -19,6 +26,12 @@ with one inside whose output's ``loss`` is the (N,) per-member losses). It runs 
   ``load_best_model_at_end`` read.
 
 What the Trainer cannot keep apart is refused when the trainer is built, naming the fix.
+
+Member i is trained as a plain ``Trainer`` would train member i alone (same batches, same
+clipping and optimizer step), to float rounding, **without dropout**: the members' dropout
+masks are drawn for the stack as one computation (per backend, see the stack's randomness
+notes), not from the stream the plain Trainer on that member's seed would draw, so with
+dropout on a member is an equally random, not the identical, run.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from torch import Tensor, nn
@@ -117,6 +131,7 @@ class PhalanxTrainer(transformers.Trainer):
         self._eval_loss_sum = torch.zeros(n, dtype=torch.float64)
         self._eval_count = 0
         self._last_losses: Tensor | None = None
+        self._moved_leaves: list[bool] = []  # which predictions prediction_step moved
         self._takes_use_cache = _takes_use_cache(model)
         self.accelerator.member_mask_fn = self.member_mask
 
@@ -266,11 +281,12 @@ class PhalanxTrainer(transformers.Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> Tensor:
-        """The Trainer's step on the (N,) losses; returns their sum (what the Trainer logs as
-        ``loss``) and keeps each member's for ``loss/member_i``."""
+        """The Trainer's step on the (N,) losses (their sum is backpropagated); returns their
+        mean, what the Trainer logs as ``loss`` (on the footing of ``eval_loss``, the mean of
+        the members' losses), and keeps each member's for ``loss/member_i``."""
         losses = super().training_step(model, inputs, num_items_in_batch)
         self._member_tr_loss += losses.detach().double().cpu()
-        return losses.sum()
+        return losses.mean()
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         norms = super()._get_grad_norm(model, grad_norm=grad_norm)
@@ -303,7 +319,8 @@ class PhalanxTrainer(transformers.Trainer):
         ignore_keys: list[str] | None = None,
     ) -> tuple[Tensor | None, Any, Any]:
         """The Trainer's step; keeps each member's loss and puts the member axis of the
-        predictions second, (B, N, ...), so that batches concatenate along the samples."""
+        predictions second, (B, N, ...), so that batches concatenate along the samples
+        (``predict`` puts it first again)."""
         self._last_losses = None
         inputs = dict(inputs)
         if self._takes_use_cache and "use_cache" not in inputs:
@@ -316,8 +333,34 @@ class PhalanxTrainer(transformers.Trainer):
             self._eval_loss_sum += self._last_losses.double().cpu() * batch
             self._eval_count += batch
         n = self.num_members
-        logits = tree_map(lambda t: t.movedim(0, 1) if member_axis_first(t, n) else t, logits)
+        moved: list[bool] = []
+
+        def member_second(t: Any) -> Any:
+            moved.append(member_axis_first(t, n))
+            return t.movedim(0, 1) if moved[-1] else t
+
+        logits = tree_map(member_second, logits)
+        self._moved_leaves = moved
         return loss, logits, labels
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> Any:
+        """The Trainer's ``predict``, with the predictions members first, ``(N, B, ...)``, as
+        the stack returns its outputs (the Trainer's own order would be ``(B, N, ...)``: it
+        concatenates batches along dim 0); ``label_ids`` stay ``(B, ...)`` and the metrics
+        are per member, ``{prefix}_loss/member_i``."""
+        self._moved_leaves = []
+        output = super().predict(test_dataset, ignore_keys, metric_key_prefix)
+        flags = iter(self._moved_leaves)
+
+        def member_first(a: Any) -> Any:
+            return np.moveaxis(a, 1, 0) if next(flags, False) and a is not None else a
+
+        return output._replace(predictions=tree_map(member_first, output.predictions))
 
     def evaluation_loop(
         self,
@@ -350,6 +393,12 @@ class PhalanxTrainer(transformers.Trainer):
         os.makedirs(output_dir, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model)
         save(os.path.join(output_dir, STACK_FILE), model)
+        # save() leaves its lock file (.phalanx.safetensors.lock) for concurrent savers of one
+        # path; the Trainer saves from one process (args.should_save), so a model folder
+        # holds only what from_pretrained and resume read.
+        lock = os.path.join(output_dir, f".{STACK_FILE}.lock")
+        if os.path.exists(lock):
+            os.remove(lock)
         save_members(model, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
