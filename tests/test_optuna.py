@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import optuna
 import pytest
@@ -250,3 +251,23 @@ def test_params_missing_in_some_trials_name_them():
 
     with pytest.raises(KeyError, match=r"trials \[0, 2\] did not suggest 'momentum'"):
         po.optimize(optuna.create_study(), conditional, use, n_trials=4)
+
+
+def test_a_batch_that_falls_apart_into_stacks_of_one_says_why():
+    def dropout_model(trial):
+        trial.suggest_float("lr", 1e-3, 0.3, log=True)
+        p = trial.suggest_float("dropout", 0.0, 0.5)  # every trial its own rate
+        return nn.Sequential(nn.Linear(6, 8), nn.Dropout(p), nn.Linear(8, 3))
+
+    def quick(group):
+        return torch.zeros(len(group))
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    match = r"(?s)8 trials made 8 stacks \(8 of one member\).*Dropout\(p=.*suggest_categorical"
+    with pytest.warns(po.StackSplitWarning, match=match):
+        groups = po.optimize(study, dropout_model, quick, n_trials=8)
+    assert len(groups) == 8
+    # a few stacks, one per value of a categorical width: what was asked, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", po.StackSplitWarning)
+        po.optimize(_study(), model, quick, n_trials=12)

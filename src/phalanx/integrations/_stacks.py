@@ -63,3 +63,57 @@ def save_members(module: nn.Module, directory: str | os.PathLike[str]) -> list[s
 
 def member_axis_first(value: object, n: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n
+
+
+class StackSplitWarning(UserWarning):
+    """A search batch that falls apart into several stacks because its networks differ.
+
+    Each stack then costs about what a whole batch would: a batch of N trials in N stacks of
+    one runs at the speed of trials one by one.
+    """
+
+
+def split_reasons(groups: list[list[nn.Module]]) -> list[str]:
+    """Why the networks of a batch formed ``len(groups)`` stacks: how each group's first
+    network differs from the first group's (``architecture_differences``' lines, member
+    indices dropped), the most frequent first."""
+    from phalanx.core._validate import architecture_differences
+
+    counts: dict[str, int] = {}
+    for nets in groups[1:]:
+        for line in architecture_differences(groups[0][0], nets[0], 1):
+            line = line.removeprefix("member 1 ").replace(", member 0 has", ", another has")
+            counts[line] = counts.get(line, 0) + 1
+    return sorted(counts, key=lambda k: -counts[k])
+
+
+def describe_split(groups: list[list[nn.Module]], where: str) -> str | None:
+    """The warning for a batch of networks that fell apart for architecture reasons, at
+    least half of them into stacks of one member (a few stacks, one per width of a
+    categorical choice, are what the user asked for); else None. Names the differences and,
+    where a setting such as a dropout rate differs, how to keep it from splitting the batch."""
+    sizes = [len(g) for g in groups]
+    total = sum(sizes)
+    if len(groups) < 2 or 2 * sum(s == 1 for s in sizes) < total:
+        return None
+    reasons = split_reasons(groups)
+    shown = "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
+    ones = sum(s == 1 for s in sizes)
+    head = (
+        f"{where}: a batch of {total} trials made {len(groups)} stacks"
+        + (f" ({ones} of one member)" if ones else "")
+        + f", sizes {sizes}: their networks differ in a setting, not only in weights ({shown})."
+    )
+    if any("Dropout" in r or "dropout" in r for r in reasons):
+        head += (
+            " A dropout rate is a module setting: each distinct value is its own stack, so a "
+            "rate from suggest_float gives every trial its own. Suggest it from a few values "
+            "(trial.suggest_categorical('dropout', [0.0, 0.1, 0.2])), or fix it."
+        )
+    else:
+        head += (
+            " Each stack costs about what the whole batch would: suggest such values from a "
+            "few choices (suggest_categorical), or name them in group_by= to make the split "
+            "explicit."
+        )
+    return head

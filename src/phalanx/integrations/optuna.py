@@ -14,7 +14,16 @@ when the pruner stopped it, FAIL when its value was not finite.
 
 A trial's network, data stream and so its result depend only on the study seed and the
 trial's number, so a trial trained in a stack of 64 gets what it gets trained alone
-(``N = 1``, or Optuna's own trial-by-trial loop with the same seeds), to float rounding.
+(``N = 1``, or Optuna's own trial-by-trial loop with the same seeds), to float rounding,
+without dropout: with dropout in training the masks come from the stack's backend (the loop
+backend draws as each member alone would; ``vmap`` and ``fused`` draw all members at once,
+independent per member but other numbers), so a trial is then an equally random run, not the
+identical one.
+
+Trials whose networks differ in a module setting (a width, a dropout rate) cannot share a
+stack: a batch that falls apart so says it with a ``StackSplitWarning`` naming the difference.
+A dropout rate from ``suggest_float`` makes every trial a stack of one (trial-by-trial speed):
+suggest it from a few values.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 from optuna.trial import Trial, TrialState
 from torch import Tensor, nn
 
+from phalanx._warnings import warn
 from phalanx.core._build import stack as build_stack
 from phalanx.core._stack import Stack
 from phalanx.core._validate import architecture_differences
@@ -36,7 +46,9 @@ from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
 from phalanx.population import keep_members
 
-__all__ = ["TrialGroup", "build_model", "optimize", "trial_loader"]
+from ._stacks import StackSplitWarning, describe_split
+
+__all__ = ["StackSplitWarning", "TrialGroup", "build_model", "optimize", "trial_loader"]
 
 
 def build_model(model: Callable[[Trial], nn.Module], trial: Trial, seed: int) -> nn.Module:
@@ -275,6 +287,22 @@ def _group(
     return [(t, m) for _, t, m in groups]
 
 
+def _announce_split(
+    groups: list[tuple[list[Trial], list[nn.Module]]], group_by: Sequence[str], where: str
+) -> None:
+    """Warns (``StackSplitWarning``) where networks of one ``group_by`` key made several
+    stacks: an architecture setting (a width, a dropout rate) varies across the batch."""
+    by_key: dict[tuple[Any, ...], list[list[nn.Module]]] = {}
+    for trials, nets in groups:
+        key = tuple(trials[0].params.get(name) for name in group_by)
+        by_key.setdefault(key, []).append(nets)
+    for nets_groups in by_key.values():
+        message = describe_split(nets_groups, where)
+        if message is not None:
+            warn(message, StackSplitWarning)
+            return
+
+
 def optimize(
     study: optuna.Study,
     model: Callable[[Trial], nn.Module],
@@ -299,7 +327,9 @@ def optimize(
         n_members: trials asked at once (default: all ``n_trials``).
         group_by: parameter names whose values cannot vary within one stack (a batch size, a
             data choice); networks of different architectures (a width, a depth, a dropout
-            rate) get different stacks automatically.
+            rate) get different stacks automatically, announced by a ``StackSplitWarning``
+            that names the difference (a dropout rate from ``suggest_float`` makes every
+            trial its own stack: suggest it from a few values).
         seed: the study seed of the networks and the data streams.
         stack_kwargs: passed to ``phalanx.stack`` (e.g. ``{"backend": "vmap"}``).
 
@@ -351,6 +381,7 @@ def optimize(
                 raise
         left -= len(trials)
         groups = _group(trials, nets, group_by)
+        _announce_split(groups, group_by, where)
         for k, (gtrials, gnets) in enumerate(groups):
             try:
                 group = TrialGroup(gtrials, build_stack(gnets, **(stack_kwargs or {})), seed)
