@@ -258,7 +258,9 @@ def test_a_resumed_run_restores_which_members_stopped(tmp_path):
 
 def test_logged_loss_is_the_members_mean_as_eval_loss_and_predict_is_members_first(tmp_path):
     stack = phalanx.stack(gpt2s(), backend="loop")
-    args = _args(tmp_path, max_steps=4, logging_steps=4, learning_rate=0.0)  # one epoch, weights stay
+    args = _args(
+        tmp_path, max_steps=4, logging_steps=4, learning_rate=0.0
+    )  # one epoch, weights stay
     trainer = PhalanxTrainer(model=stack, args=args, train_dataset=Ids(), eval_dataset=Ids())
     trainer.train()
     logged = next(h for h in trainer.state.log_history if "loss" in h)

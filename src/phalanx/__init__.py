@@ -5,8 +5,8 @@ from phalanx.backends import BACKENDS, BackendRefusal
 from phalanx.checkpoint._single import CheckpointError, export_members, load, save
 from phalanx.core._build import stack
 from phalanx.core._export import export
-from phalanx.core._input_warnings import SharedInputWarning
 from phalanx.core._inplace import MemberView, StackedModuleList, stack_in_place, unstack_in_place
+from phalanx.core._input_warnings import SharedInputWarning
 from phalanx.core._polyak import polyak_
 from phalanx.core._split import merge, split
 from phalanx.core._stack import Stack
