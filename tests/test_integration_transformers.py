@@ -287,3 +287,45 @@ def test_save_model_leaves_no_lock_file_in_the_model_folder(tmp_path):
     names = os.listdir(tmp_path / "final")
     assert "phalanx.safetensors" in names
     assert not [n for n in names if n.endswith(".lock") or n.startswith(".")], names
+
+
+@pytest.mark.parametrize("member_data", ["shuffle", "bootstrap"])
+def test_member_data_gives_each_member_its_own_order_as_a_plain_trainer_on_it(
+    tmp_path, member_data
+):
+    steps, batch = 6, 4  # 4 batches an epoch: the orders of epochs 0 and 1
+    members = gpt2s()
+    stack = phalanx.stack(copy.deepcopy(members), backend="loop")
+    args = _args(tmp_path, max_steps=steps, seed=5)
+    trainer = PhalanxTrainer(model=stack, args=args, train_dataset=Ids(), member_data=member_data)
+    trainer.train()
+    orders = phalanx.data.MemberLoader(
+        torch.arange(len(Ids())), num_members=N, batch_size=batch,
+        bootstrap=member_data == "bootstrap", seed=5,
+    )  # fmt: skip
+    walked = torch.cat([orders.order(0), orders.order(1)], dim=1)  # (N, 32)
+    assert not torch.equal(walked[0], walked[1])
+
+    class InOrder(transformers.Trainer):
+        def _get_train_sampler(self, *a, **k):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    for i, member in enumerate(stack.unstack()):
+        data = torch.utils.data.Subset(Ids(), walked[i].tolist())
+        alone = [copy.deepcopy(members[i]).to(dtype) for dtype in (torch.float32, torch.float64)]
+        for m in alone:
+            InOrder(
+                model=m, args=_args(tmp_path, max_steps=steps, seed=5), train_dataset=data
+            ).train()
+        pairs = zip(member.named_parameters(), alone[0].parameters(), alone[1].parameters())
+        for (name, p), q, q64 in pairs:
+            phalanx.testing.assert_equal_to_loop(p, q, q64, what=f"member {i} {name}")
+
+
+def test_member_data_needs_the_stack_itself_and_a_known_order(tmp_path):
+    stack = phalanx.stack(gpt2s(), backend="loop")
+    with pytest.raises(ValueError, match=r"member_data='own'.*'shuffle'"):
+        PhalanxTrainer(model=stack, args=_args(tmp_path), train_dataset=Ids(), member_data="own")
+    wrapped = Scaled(stack, torch.ones(N))
+    with pytest.raises(ValueError, match=r"must be the stack itself"):
+        PhalanxTrainer(model=wrapped, args=_args(tmp_path), member_data="shuffle")

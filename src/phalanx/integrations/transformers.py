@@ -15,9 +15,10 @@ with one inside whose output's ``loss`` is the (N,) per-member losses). It runs 
   members' sum, which gives each member its own gradient);
 - ``predict`` returns the predictions members first, ``(N, B, ...)``, as the stack returns
   its outputs (``label_ids`` stay ``(B, ...)``);
-- every member sees the Trainer's batches, in the Trainer's order (there is no per-member
-  data order here yet: for bootstrap or a shuffle per member, train with
-  ``phalanx.data.MemberDataLoader`` in your own loop);
+- ``member_data="shuffle"`` gives each member its own order of the training set, and
+  ``"bootstrap"`` its own bootstrap resample of it (drawn once, walked in a fresh order each
+  epoch): the orders of ``phalanx.data.MemberLoader`` with ``seed=args.seed``. The default,
+  ``"shared"``, gives every member the Trainer's batches;
 - ``MemberEarlyStopping`` stops members one by one: a stopped member's weights and optimizer
   state are left as they are (the optimizer's step mask) while the others train on;
 - ``save_model`` and every checkpoint write one ``save_pretrained`` folder per member
@@ -47,6 +48,7 @@ import transformers
 from torch import Tensor, nn
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_utils import EvalPrediction
+from transformers.utils import is_datasets_available
 from transformers.utils.generic import can_return_loss, find_labels
 
 from phalanx.checkpoint._single import load, save
@@ -54,10 +56,14 @@ from phalanx.core._stack import Stack
 from phalanx.optim import SGD, AdamW, MemberOptimizer
 
 from ._member_callbacks import MemberEarlyStopping, per_member_metrics, tree_map
+from ._member_data import MEMBER_DATA, MemberBatches, MemberCollate
 from ._stacks import STACK_FILE, member_axis_first, num_members, save_members, stacks_in
 from .accelerate import PhalanxAccelerator
 
 __all__ = ["MemberEarlyStopping", "PhalanxTrainer"]
+
+if is_datasets_available():
+    import datasets
 
 _WHERE = "phalanx.integrations.transformers.PhalanxTrainer"
 _ADAMW = {"adamw_torch", "adamw_torch_fused"}
@@ -66,7 +72,12 @@ _ADAMW = {"adamw_torch", "adamw_torch_fused"}
 class PhalanxTrainer(transformers.Trainer):
     """``transformers.Trainer`` for a model holding a phalanx stack, members kept apart.
 
-    Takes the Trainer's arguments. ``model`` holds a ``phalanx.Stack`` whose output's
+    Takes the Trainer's arguments, and ``member_data``: ``"shared"`` (the default: every
+    member the Trainer's batches), ``"shuffle"`` (each member its own order of the training
+    set) or ``"bootstrap"`` (each member its own bootstrap resample), the orders of
+    ``phalanx.data.MemberLoader`` with ``seed=args.seed``; with these two the model must be
+    the stack itself, and ``num_items_in_batch`` (what a causal LM's loss divides by) is
+    counted per member, ``(N,)``. ``model`` holds a ``phalanx.Stack`` whose output's
     ``loss`` is the (N,) per-member losses (a stack of Hugging Face models given ``labels``);
     ``optimizers=(phalanx.optim.AdamW(model.parameters(), ...), None)`` or none (then a
     phalanx AdamW from the arguments, one per member as the Trainer's own AdamW would be).
@@ -86,8 +97,23 @@ class PhalanxTrainer(transformers.Trainer):
         args: transformers.TrainingArguments | None = None,
         *,
         compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
+        member_data: str = "shared",
         **kwargs: Any,
     ) -> None:
+        if member_data not in MEMBER_DATA:
+            raise ValueError(
+                f"{_WHERE}(): member_data={member_data!r}; choose 'shared' (every member the "
+                f"Trainer's batches), 'shuffle' (each member its own order) or 'bootstrap' "
+                f"(each member its own resample)."
+            )
+        if member_data != "shared" and not isinstance(model, Stack):
+            raise ValueError(
+                f"{_WHERE}(): member_data={member_data!r} feeds the stack per-member batches "
+                f"(N, B, ...) as keyword inputs with kw_in_dims=0, so the model must be the "
+                f"stack itself; got a {type(model).__name__}. Pass phalanx.stack([...]) as "
+                f"model, or feed per-member batches to your wrapper yourself."
+            )
+        self.member_data = member_data
         if model is None or not stacks_in(model):
             raise ValueError(
                 f"{_WHERE}(): model must hold a phalanx stack (phalanx.stack([...]) or a module "
@@ -223,6 +249,51 @@ class PhalanxTrainer(transformers.Trainer):
                 )
         return self.optimizer
 
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's loader, or with ``member_data`` one of per-member batches: every
+        tensor ``(N, B, ...)``, member i's rows from its own order (``MemberLoader``'s)."""
+        if self.member_data == "shared":
+            return super().get_train_dataloader()
+        if self.train_dataset is None:
+            raise ValueError(f"{_WHERE}: training requires a train_dataset.")
+        dataset: Any = self.train_dataset
+        collate = self.data_collator
+        if is_datasets_available() and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        batches = MemberBatches(
+            len(dataset),
+            self.num_members,
+            self._train_batch_size,
+            bootstrap=self.member_data == "bootstrap",
+            seed=self.args.seed,
+        )
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=batches,
+            collate_fn=MemberCollate(collate, self.num_members),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The Trainer's count of the batches' label items; with ``member_data``, one count
+        per member, ``(N,)`` (each member's loss divides by its own items, as alone)."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if self.member_data == "shared" or count is None:
+            return count
+        per_member = 0
+        for batch in batch_samples:
+            labels = batch["labels"]
+            if "shift_labels" in batch:
+                labels = batch["shift_labels"]
+            elif self._loss_shifts_labels:
+                labels = labels[..., 1:]
+            per_member = per_member + labels.ne(-100).sum(dim=tuple(range(1, labels.dim())))
+        return per_member
+
     def member_mask(self) -> Tensor | None:
         """(N,) bool, the members still training (every ``MemberEarlyStopping``'s), or None."""
         stoppers = [
@@ -255,7 +326,8 @@ class PhalanxTrainer(transformers.Trainer):
         )
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             inputs["num_items_in_batch"] = num_items_in_batch
-        outputs = model(**inputs)
+        per_member = self.member_data != "shared" and model.training
+        outputs = model(**inputs, kw_in_dims=0) if per_member else model(**inputs)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif isinstance(outputs, dict):
