@@ -692,3 +692,7 @@ def np_list(value: Any) -> list[Any]:
     if isinstance(value, Tensor):
         return value.reshape(-1).tolist()
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

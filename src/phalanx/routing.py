@@ -177,3 +177,7 @@ def load_balancing_loss(logits: torch.Tensor, index: torch.Tensor) -> torch.Tens
     probs = F.softmax(logits, dim=1, dtype=torch.promote_types(logits.dtype, torch.float32))
     f = load(index, n).to(probs.dtype) / max(1, index.numel())
     return n * (f * probs.mean(0)).sum()
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from phalanx._torch_compat import pytree
-from phalanx._warnings import warn
+from phalanx._warnings import HintWarning, warn
 from phalanx.backends import StackView
 
 _KEY = "habits"
@@ -53,7 +53,8 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
                 f"back (an ODE solver's state, a recurrent state) is seen whole by every "
                 f"member, and each call adds a member axis. Pass it per member: "
                 f"stack(..., in_dims=0) (for a solver, wrap the stack: "
-                f"lambda t, y: stack(t, y, in_dims=(None, 0)))."
+                f"lambda t, y: stack(t, y, in_dims=(None, 0))).",
+                HintWarning,
             )
         if a.requires_grad and a.is_leaf and torch.is_grad_enabled() and not state.get("grad"):
             state["grad"] = True
@@ -63,7 +64,8 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
                 f"derivatives, not each member's own. For per-member derivatives (a PINN's "
                 f"u_x) pass x.expand({n}, *x.shape) with in_dims=0 and differentiate against "
                 f"that; if the sum is what you want (e.g. one attack on the whole ensemble), "
-                f"ignore this warning."
+                f"ignore this warning.",
+                HintWarning,
             )
 
 

@@ -538,3 +538,7 @@ class MemberCheckpoint(_PerMember):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.best = state_dict["best"]
         self.best_epoch = state_dict["best_epoch"]
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

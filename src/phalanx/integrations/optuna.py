@@ -364,3 +364,7 @@ def optimize(
             group._tell(study, finals)
             done.append(group)
     return done
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

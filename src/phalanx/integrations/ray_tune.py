@@ -107,3 +107,7 @@ def optimize(
                 searcher.on_trial_complete(tid, None, error=True)
             runs.append((tid, config, value))
     return runs
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)
