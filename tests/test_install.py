@@ -66,7 +66,9 @@ def env() -> dict[str, str]:
     return out
 
 
-def _tour(venv: Path, env: dict[str, str], tmp_path: Path) -> tuple[str, str]:
+def _tour(venv: Path, env: dict[str, str], tmp_path: Path) -> tuple[tuple[str, str], str]:
+    """Runs the tour with the venv's Python; returns ((phalanx's version, its file), torch's
+    version and file)."""
     script = tmp_path / "tour.py"
     script.write_text(TOUR)
     # run from an empty folder, so that no source tree is on the path
@@ -76,7 +78,8 @@ def _tour(venv: Path, env: dict[str, str], tmp_path: Path) -> tuple[str, str]:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    return lines["phalanx"], lines["torch"]
+    version, where = lines["phalanx"].split(" ", 1)
+    return (version, where), lines["torch"]
 
 
 def test_the_wheel_and_the_git_url_install_into_a_fresh_venv(tmp_path, env):
@@ -94,11 +97,11 @@ def test_the_wheel_and_the_git_url_install_into_a_fresh_venv(tmp_path, env):
     pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q"]
     _run([*pip, "-c", str(ROOT / "constraints.txt"), str(wheel)], env)
 
-    version, where = _tour(venv, env, tmp_path)
+    (version, where), torch_where = _tour(venv, env, tmp_path)
     site = str(venv / "lib")
-    assert where.split()[-1].startswith(site), where  # phalanx from the wheel, not from src/
-    assert _tour(venv, env, tmp_path)[1].split()[-1].startswith(site)  # torch from the venv
-    assert version.split()[0] == _source_version()
+    assert where.startswith(site), where  # phalanx from the wheel, not from src/
+    assert torch_where.split()[-1].startswith(site), torch_where  # torch installed in the venv
+    assert version == _source_version()
     info = _run([str(venv / "bin" / "python"), "-m", "phalanx"], env)
     assert info.startswith(f"phalanx {_source_version()} ")
     assert "pip install ./tools" in info  # the tools are not in the wheel
@@ -108,8 +111,8 @@ def test_the_wheel_and_the_git_url_install_into_a_fresh_venv(tmp_path, env):
         pytest.skip("not a git checkout: the git URL route cannot be tried")
     head = _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], env).strip()
     _run([*pip, "--no-deps", "--force-reinstall", f"git+file://{ROOT}@{head}"], env)
-    version, where = _tour(venv, env, tmp_path)
-    assert where.split()[-1].startswith(site), where
+    (_, where), _ = _tour(venv, env, tmp_path)
+    assert where.startswith(site), where
 
 
 def _source_version() -> str:
