@@ -115,15 +115,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ i
     from phalanx.train._scaler import MemberGradScaler
 
 
-def __getattr__(name: str) -> Any:
-    """Imports a public name's module on first use and keeps the name here (PEP 562)."""
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
-    module = importlib.import_module(where)
-    value = module if where == f"phalanx.{name}" else getattr(module, name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt name is an error there
+
+    def __getattr__(name: str) -> Any:
+        """Imports a public name's module on first use and keeps the name here (PEP 562)."""
+        where = _WHERE.get(name)
+        if where is None:
+            raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+        module = importlib.import_module(where)
+        value = module if where == f"phalanx.{name}" else getattr(module, name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:

@@ -12,7 +12,9 @@ Every warning phalanx gives is a :class:`PhalanxWarning`; its subclasses say wha
 
 Example:
     >>> import warnings
-    >>> warnings.simplefilter("ignore", phalanx.FallbackWarning)  # silence fallbacks only
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", phalanx.FallbackWarning)  # silence fallbacks only
+    ...     warnings.warn("runs the loop", phalanx.FallbackWarning)  # not shown
 
 A fixed ``stacklevel`` is tied to today's call depth and points at phalanx's own frames as soon
 as a call is refactored; :func:`warn` counts the frames instead.
