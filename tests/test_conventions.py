@@ -316,3 +316,8 @@ def test_the_command_help_is_plain_text():
     )  # fmt: skip
     assert "``" not in done.stdout and ":func:" not in done.stdout
     assert "phalanx bench" in done.stdout
+    version = subprocess.run(
+        [sys.executable, "-m", "phalanx_tools", "--version"], capture_output=True, text=True,
+        env={"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tools' / 'src'}"}, check=True,
+    )  # fmt: skip
+    assert version.stdout.strip() == f"phalanx {phalanx.__version__}"
