@@ -33,7 +33,8 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 class PhalanxWarning(UserWarning):
-    """The base class of every warning phalanx gives."""
+    """The base class of every warning phalanx gives (a ``UserWarning``): filter it, or one of
+    its subclasses, to silence or raise phalanx's warnings by kind."""
 
 
 class FallbackWarning(PhalanxWarning):
