@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import math
+import sys
 import warnings
 
 import optuna
@@ -271,3 +273,28 @@ def test_a_batch_that_falls_apart_into_stacks_of_one_says_why():
     with warnings.catch_warnings():
         warnings.simplefilter("error", po.StackSplitWarning)
         po.optimize(_study(), model, quick, n_trials=12)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("terminal", "progress", "shown"),
+    [(False, None, False), (True, None, True), (True, False, False), (False, True, True)],
+)
+def test_the_progress_bar_shows_on_a_terminal_or_as_progress_says(
+    monkeypatch, terminal, progress, shown
+):
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    po.optimize(
+        study, lambda t: nn.Linear(2, 2), lambda g: torch.zeros(len(g)), n_trials=4,
+        n_members=2, progress=progress,
+    )  # fmt: skip
+    assert ("optuna trials: 100%" in stderr.getvalue() and "4/4" in stderr.getvalue()) is shown
+    assert bool(stderr.getvalue()) is shown
+    with pytest.raises(TypeError, match="progress must be True, False or None; got 'yes'"):
+        po.optimize(study, model, train, n_trials=1, progress="yes")

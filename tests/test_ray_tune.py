@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import copy
+import io
 import math
+import sys
 
 import optuna
 import pytest
@@ -126,3 +128,22 @@ def test_bad_calls_are_refused():
         optimize(_searcher(), lambda c: [0.0] * 3, n_trials=4)
     with pytest.raises(ValueError, match="the searcher has no metric"):
         optimize(OptunaSearch(SPACE), train, n_trials=2)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("terminal", "progress", "shown"),
+    [(False, None, False), (True, None, True), (True, False, False), (False, True, True)],
+)
+def test_the_progress_bar_shows_on_a_terminal_or_as_progress_says(
+    monkeypatch, terminal, progress, shown
+):
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    optimize(_searcher(), lambda c: [0.0] * len(c), n_trials=4, n_members=2, progress=progress)
+    assert ("tune trials: 100%" in stderr.getvalue() and "4/4" in stderr.getvalue()) is shown
+    assert bool(stderr.getvalue()) is shown

@@ -1,4 +1,20 @@
-"""phalanx's one way to warn: at the user's line, however deep inside phalanx the warning starts.
+"""phalanx's warnings: one class per kind, so users filter by class, given at the user's line.
+
+Every warning phalanx gives is a :class:`PhalanxWarning`; its subclasses say what kind:
+
+- :class:`FallbackWarning`: phalanx runs a slower path than the one asked for or expected
+  (``backend='auto'`` runs the loop, a captured step runs eagerly, an export keeps the loop's
+  graph); results are the same, only the speed differs.
+- :class:`HintWarning`: an input or a setting that runs, but rarely means what its writer
+  meant (a keyword input shaped per member, a shared input that requires grad).
+- :class:`NonFiniteWarning`: members were skipped or frozen for a non-finite loss or gradient.
+- :class:`PhalanxDeprecationWarning`: a form that still works and will be removed.
+
+Example:
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", phalanx.FallbackWarning)  # silence fallbacks only
+    ...     warnings.warn("runs the loop", phalanx.FallbackWarning)  # not shown
 
 A fixed ``stacklevel`` is tied to today's call depth and points at phalanx's own frames as soon
 as a call is refactored; :func:`warn` counts the frames instead.
@@ -16,6 +32,30 @@ _PHALANX = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
+class PhalanxWarning(UserWarning):
+    """The base class of every warning phalanx gives (a ``UserWarning``): filter it, or one of
+    its subclasses, to silence or raise phalanx's warnings by kind."""
+
+
+class FallbackWarning(PhalanxWarning):
+    """phalanx runs a slower path than the one asked for or expected, with the same results
+    (the message names the reason and how to choose the path directly)."""
+
+
+class HintWarning(PhalanxWarning):
+    """An input or a setting that runs, but rarely means what its writer meant (the message
+    names the likely intent and the call that expresses it)."""
+
+
+class NonFiniteWarning(PhalanxWarning):
+    """Members were skipped (or frozen) because their loss or gradients were not finite."""
+
+
+class PhalanxDeprecationWarning(PhalanxWarning, DeprecationWarning):
+    """A form of a call that still works and will be removed; the message names its
+    replacement. Shown where Python shows a ``DeprecationWarning``."""
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside phalanx and torch."""
     level, frame = 1, sys._getframe(1)
@@ -24,6 +64,6 @@ def user_stacklevel() -> int:
     return level
 
 
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
+def warn(message: str, category: type[PhalanxWarning] = PhalanxWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the user's line that called phalanx."""
     warnings.warn(message, category, stacklevel=user_stacklevel())

@@ -661,7 +661,7 @@ class MemberDataLoader:
                 "batch_sizes": list(self.sizes),
                 "first_member": self.first_member,
             },
-            lambda saved, mine: list(np_list(saved)) == list(np_list(mine)),
+            lambda saved, mine: list(_np_list(saved)) == list(_np_list(mine)),
         )
         self.seed = int(state_dict["seed"])
         self.epoch = int(state_dict["epoch"])
@@ -687,8 +687,12 @@ def _check_saved_fits(
             )
 
 
-def np_list(value: Any) -> list[Any]:
+def _np_list(value: Any) -> list[Any]:
     """A saved value as a flat list (ints and lists of ints read back as lists)."""
     if isinstance(value, Tensor):
         return value.reshape(-1).tolist()
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

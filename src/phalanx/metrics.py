@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from phalanx._warnings import warn
+from phalanx._warnings import PhalanxDeprecationWarning, warn
 from phalanx.train._ensemble_metrics import (
     disagreement,
     ece,
@@ -55,7 +55,7 @@ def _shared(fn: str, in_dims: tuple[int | None, int | None] | None, shared: bool
         warn(
             f"{fn}: shared= is deprecated; pass in_dims=(0, None) for a shared target or "
             f"in_dims=(0, 0) for per-member targets, as phalanx.member_losses takes it.",
-            DeprecationWarning,
+            PhalanxDeprecationWarning,
         )
         if in_dims is None:
             return bool(shared)
@@ -130,7 +130,7 @@ def loss(
         warn(
             f"{fn}: the loss function comes first, as in phalanx.member_losses: "
             f"loss(loss_fn, outputs, targets). loss(outputs, targets[, loss_fn]) is deprecated.",
-            DeprecationWarning,
+            PhalanxDeprecationWarning,
         )
         loss_fn, outputs, targets = (
             F.cross_entropy if targets is None else targets,
@@ -296,3 +296,7 @@ def plot(
     path = os.fspath(path)
     fig.savefig(path, dpi=120)
     return path
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

@@ -132,7 +132,7 @@ def dispatch(
             f"{num_members - 1})."
         )
     if capacity_factor is not None:
-        capacity = math_ceil(capacity_factor * index.numel() / num_members)
+        capacity = _math_ceil(capacity_factor * index.numel() / num_members)
     if capacity is not None and capacity < 0:
         raise ValueError(f"{where}: capacity must be >= 0; got {capacity}.")
     counts = load(index, num_members)
@@ -161,7 +161,7 @@ def dispatch(
     )
 
 
-def math_ceil(x: float) -> int:
+def _math_ceil(x: float) -> int:
     return int(-(-x // 1))
 
 
@@ -177,3 +177,7 @@ def load_balancing_loss(logits: torch.Tensor, index: torch.Tensor) -> torch.Tens
     probs = F.softmax(logits, dim=1, dtype=torch.promote_types(logits.dtype, torch.float32))
     f = load(index, n).to(probs.dtype) / max(1, index.numel())
     return n * (f * probs.mean(0)).sum()
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

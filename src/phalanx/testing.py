@@ -162,3 +162,7 @@ def assert_close(
         torch.testing.assert_close(
             a, e, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m: f"{msg}: {m}"
         )
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

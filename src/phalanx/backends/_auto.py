@@ -23,7 +23,7 @@ import torch
 from phalanx import _torch_compat as compat
 from phalanx._errors import summary
 from phalanx._torch_compat import pytree
-from phalanx._warnings import warn
+from phalanx._warnings import FallbackWarning, warn
 from phalanx.backends import StackView, get_backend
 
 
@@ -162,7 +162,8 @@ class AutoBackend:
         warn(
             f"phalanx: backend 'fused' cannot run this model exactly ({reason}); backend "
             f"'auto' runs 'loop' instead {where}. Pass backend='loop' to phalanx.stack() to "
-            f"choose it directly and silence this warning."
+            f"choose it directly and silence this warning.",
+            FallbackWarning,
         )
 
 

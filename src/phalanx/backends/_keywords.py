@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from phalanx._warnings import warn
+from phalanx._warnings import HintWarning, warn
 
 KwInDims = int | None | Mapping[str, int | None]
 
@@ -102,7 +102,8 @@ def keyword_dims(
                 f"dimensions are the number of members, {n}, and the batch, but keyword inputs are shared by "
                 f"every member unless declared: pass kw_in_dims={{{k!r}: 0}} if it is "
                 f"per-member (member i reads {k}[i]), or kw_in_dims={{{k!r}: None}} if it is "
-                f"shared and its first dimension happens to be {n}."
+                f"shared and its first dimension happens to be {n}.",
+                HintWarning,
             )
     return per_member
 

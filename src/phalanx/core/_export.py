@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from phalanx._errors import summary
-from phalanx._warnings import warn
+from phalanx._warnings import FallbackWarning, warn
 from phalanx.core._stack import Stack
 
 
@@ -72,7 +72,8 @@ def export(
     warn(
         f"phalanx.export(): backend {requested!r} could not be exported as one batched "
         f"graph ({reason}); the program runs the loop backend's graph instead, the "
-        f"{stack.num_members} members one after another: exact, only not batched."
+        f"{stack.num_members} members one after another: exact, only not batched.",
+        FallbackWarning,
     )
     return program
 

@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from phalanx._torch_compat import pytree
-from phalanx._warnings import warn
+from phalanx._warnings import HintWarning, warn
 from phalanx.backends import StackView
 
 _KEY = "habits"
 
 
-class SharedInputWarning(UserWarning):
+class SharedInputWarning(HintWarning):
     """A shared input that looks like one meant per member (``in_dims=0``).
 
     Given once per stack. Where the input really is one batch shared by every member, silence
@@ -92,7 +92,8 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
                 f"derivatives, not each member's own. For per-member derivatives (a PINN's "
                 f"u_x) pass x.expand({n}, *x.shape) with in_dims=0 and differentiate against "
                 f"that; if the sum is what you want (e.g. one attack on the whole ensemble), "
-                f"ignore this warning."
+                f"ignore this warning.",
+                HintWarning,
             )
 
 

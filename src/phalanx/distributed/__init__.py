@@ -50,3 +50,7 @@ __all__ = [
     "to_dtensor",
     "to_dtensors",
 ]
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

@@ -72,7 +72,7 @@ __all__ = ["MemberCheckpoint", "MemberEarlyStopping", "StackModule", "check_trai
 _CKPT_KEY = "phalanx"
 
 
-def stacks(module: nn.Module) -> Iterator[tuple[str, Stack | StackedModuleList]]:
+def _stacks(module: nn.Module) -> Iterator[tuple[str, Stack | StackedModuleList]]:
     """The stacks inside ``module`` (outermost only), with their attribute paths."""
     inner: list[str] = []
     for name, m in module.named_modules():
@@ -83,9 +83,9 @@ def stacks(module: nn.Module) -> Iterator[tuple[str, Stack | StackedModuleList]]
             yield name, m
 
 
-def members_of(module: nn.Module, where: str) -> int:
+def _members_of(module: nn.Module, where: str) -> int:
     """N, the number of members of the stacks in ``module`` (all must agree)."""
-    found = {name or "(the module)": len(s) for name, s in stacks(module)}
+    found = {name or "(the module)": len(s) for name, s in _stacks(module)}
     if not found:
         raise TypeError(
             f"{where}: {type(module).__name__} holds no phalanx stack. Build one with "
@@ -119,7 +119,7 @@ def check_trainer(trainer: pl.Trainer, module: pl.LightningModule) -> None:
             (its clip would be one norm over all members).
     """
     where = "phalanx.integrations.lightning"
-    members_of(module, where)
+    _members_of(module, where)
     strategy = trainer.strategy
     if isinstance(strategy, DeepSpeedStrategy | FSDPStrategy | ModelParallelStrategy):
         raise ValueError(
@@ -136,7 +136,7 @@ def check_trainer(trainer: pl.Trainer, module: pl.LightningModule) -> None:
             f"shared scale. Use precision='bf16-mixed' (no scaler) or '32-true'."
         )
     if trainer.world_size > 1:
-        for name, s in stacks(module):
+        for name, s in _stacks(module):
             shard = _shards.get(s) if isinstance(s, Stack) else None
             if shard is not None and shard.world_size > shard.num_replicas:
                 raise ValueError(
@@ -193,7 +193,7 @@ class StackModule(pl.LightningModule):
     @property
     def num_members(self) -> int:
         """N, the number of members of the module's stacks."""
-        return members_of(self, f"{type(self).__name__}.num_members")
+        return _members_of(self, f"{type(self).__name__}.num_members")
 
     def _mask(self) -> Tensor:
         if self.member_mask is None:
@@ -502,7 +502,7 @@ class MemberCheckpoint(_PerMember):
         if not chosen:
             return
         os.makedirs(self.dirpath, exist_ok=True)
-        found = list(stacks(module))
+        found = list(_stacks(module))
         parts = [(name, export_members(s, chosen)) for name, s in found]
         for j, i in enumerate(chosen):
             state: dict[str, Tensor] = {}
@@ -538,3 +538,7 @@ class MemberCheckpoint(_PerMember):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.best = state_dict["best"]
         self.best_epoch = state_dict["best_epoch"]
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

@@ -293,3 +293,7 @@ class MLflowMembers:
         self.flush()
         for run_id in [*self.run_ids, self.parent_id]:
             self.client.set_terminated(run_id, status=status)
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

@@ -43,6 +43,7 @@ from phalanx.core._build import stack as build_stack
 from phalanx.core._stack import Stack
 from phalanx.core._validate import architecture_differences
 from phalanx.data import MemberLoader
+from phalanx.integrations._progress import progress_bar
 from phalanx.optim import MemberOptimizer
 from phalanx.population import keep_members
 
@@ -313,6 +314,7 @@ def optimize(
     group_by: Sequence[str] = (),
     seed: int = 0,
     stack_kwargs: dict[str, Any] | None = None,
+    progress: bool | None = None,
 ) -> list[TrialGroup]:
     """Runs ``n_trials`` more trials of ``study``, ``n_members`` at a time, each group one stack.
 
@@ -332,6 +334,8 @@ def optimize(
             trial its own stack: suggest it from a few values).
         seed: the study seed of the networks and the data streams.
         stack_kwargs: passed to ``phalanx.stack`` (e.g. ``{"backend": "vmap"}``).
+        progress: a progress bar of the trials told, on standard error (tqdm): None (the
+            default) shows it when standard error is a terminal; True or False to choose.
 
     Returns:
         The trained groups, in order (each holds its trials and trained stack).
@@ -366,6 +370,22 @@ def optimize(
     for name, value in (("n_trials", n_trials), ("n_members", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{where}: {name} must be a positive int; got {value!r}.")
+    with progress_bar(progress, total=n_trials, desc="optuna trials", unit="trial") as bar:
+        return _optimize(study, model, train, n_trials, batch, group_by, seed, stack_kwargs, bar)
+
+
+def _optimize(
+    study: optuna.Study,
+    model: Callable[[Trial], nn.Module],
+    train: Callable[[TrialGroup], Any],
+    n_trials: int,
+    batch: int,
+    group_by: Sequence[str],
+    seed: int,
+    stack_kwargs: dict[str, Any] | None,
+    bar: Any,
+) -> list[TrialGroup]:
+    where = "phalanx.integrations.optuna.optimize()"
     done: list[TrialGroup] = []
     left = n_trials
     while left > 0:
@@ -394,4 +414,10 @@ def optimize(
                 raise
             group._tell(study, finals)
             done.append(group)
+            bar.set_postfix(stacks=len(done), refresh=False)
+            bar.update(len(group))
     return done
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

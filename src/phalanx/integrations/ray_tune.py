@@ -21,6 +21,8 @@ from typing import Any
 
 from ray.tune.search import Searcher
 
+from phalanx.integrations._progress import progress_bar
+
 __all__ = ["optimize"]
 
 
@@ -32,6 +34,7 @@ def optimize(
     n_members: int | None = None,
     metric: str | None = None,
     prefix: str = "phalanx",
+    progress: bool | None = None,
 ) -> list[tuple[str, dict[str, Any], float]]:
     """Runs ``n_trials`` configurations of ``searcher``, ``n_members`` at a time as one stack each.
 
@@ -44,6 +47,8 @@ def optimize(
         n_members: configurations asked at once (default: all ``n_trials``).
         metric: the result key the searcher optimizes (default: the searcher's own metric).
         prefix: the Tune trial ids are ``f"{prefix}_{k}"``.
+        progress: a progress bar of the configurations run, on standard error (tqdm): None
+            (the default) shows it when standard error is a terminal; True or False to choose.
 
     Returns:
         (trial id, configuration, value) for every configuration run, in order.
@@ -76,6 +81,20 @@ def optimize(
             f"{where}: the searcher has no metric; build it with metric= and mode=, or pass "
             "metric= here."
         )
+    with progress_bar(progress, total=n_trials, desc="tune trials", unit="trial") as bar:
+        return _optimize(searcher, train, n_trials, batch, metric, prefix, bar)
+
+
+def _optimize(
+    searcher: Searcher,
+    train: Callable[[list[dict[str, Any]]], Any],
+    n_trials: int,
+    batch: int,
+    metric: str,
+    prefix: str,
+    bar: Any,
+) -> list[tuple[str, dict[str, Any], float]]:
+    where = "phalanx.integrations.ray_tune.optimize()"
     runs: list[tuple[str, dict[str, Any], float]] = []
     while len(runs) < n_trials:
         ids: list[str] = []
@@ -106,4 +125,9 @@ def optimize(
             else:
                 searcher.on_trial_complete(tid, None, error=True)
             runs.append((tid, config, value))
+        bar.update(len(configs))
     return runs
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

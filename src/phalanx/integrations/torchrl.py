@@ -173,3 +173,7 @@ def loss_stack(loss: nn.Module, network: str = "qvalue_network", *, backend: str
         owner, _, leaf = name.rpartition(".")
         setattr(stack.module.get_submodule(owner), leaf, p)
     return stack
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

@@ -521,3 +521,7 @@ def _takes_use_cache(model: nn.Module) -> bool:
         if config is not None and hasattr(config, "use_cache"):
             return stack is model  # a wrapper passes only what its forward takes
     return False
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

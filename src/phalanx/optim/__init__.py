@@ -4,8 +4,10 @@ Every hyperparameter is a number or an (N,) tensor, steps take a per-member ``ma
 ``skip_nonfinite=True`` isolates members whose loss or gradients are not finite.
 """
 
+from phalanx._warnings import NonFiniteWarning
+
 from ._adam import Adam, AdamW, adam_update
-from ._base import MemberOptimizer, NonFiniteWarning
+from ._base import MemberOptimizer
 from ._lbfgs import LBFGS
 from ._lion import Lion
 from ._schedule import MemberLambdaLR, MemberScheduler
@@ -23,3 +25,7 @@ __all__ = [
     "NonFiniteWarning",
     "adam_update",
 ]
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

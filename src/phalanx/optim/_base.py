@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from phalanx import _torch_compat as compat
-from phalanx._warnings import warn
+from phalanx._warnings import FallbackWarning, NonFiniteWarning, warn
 
 from ._surgery import MemberSurgery
 
@@ -28,10 +28,6 @@ __all__ = ["MemberOptimizer", "NonFiniteWarning"]
 Hyper: TypeAlias = float | list[Tensor]
 
 _EXPECTED = {"nonneg": ">= 0", "unit": "in [0, 1)", "bool": "a bool"}
-
-
-class NonFiniteWarning(UserWarning):
-    """Members were skipped (or frozen) because their loss or gradients were not finite."""
 
 
 def math_dtype(device: torch.device) -> torch.dtype:
@@ -801,7 +797,8 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                 f"{self._NAME}(fused=True): a parameter, gradient or state tensor is not "
                 "contiguous, so torch's fused kernel cannot run on the members' views; this "
                 "step runs the default (single-tensor) arithmetic, whose bits are those of "
-                "torch.optim without fused=True."
+                "torch.optim without fused=True.",
+                FallbackWarning,
             )
         return False
 

@@ -46,3 +46,7 @@ __all__ = [
     "plot_population",
     "rungs",
 ]
+
+
+def __dir__() -> list[str]:  # dir() and tab completion offer the public names only
+    return list(__all__)

@@ -20,7 +20,7 @@ from phalanx import _torch_compat as compat
 from phalanx._errors import summary
 from phalanx._module_tree import meta_copy
 from phalanx._torch_compat import pytree
-from phalanx._warnings import warn
+from phalanx._warnings import FallbackWarning, warn
 from phalanx.backends._state import _INTERNALS, hooked
 from phalanx.routed._checks import Routing
 from phalanx.routed._direct import Direct, MemberViews, compile_direct
@@ -444,7 +444,8 @@ def _warn_once(view: StackView, reason: str) -> None:
         f"own rows (exact, not batched): {reason}. The segment path runs members whose "
         f"forward is row-wise by construction (Linear layers, elementwise operations, "
         f"feature-dim cat/chunk/indexing/reductions); backend='auto' takes the same paths "
-        f"without this warning."
+        f"without this warning.",
+        FallbackWarning,
     )
 
 

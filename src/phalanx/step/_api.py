@@ -44,7 +44,7 @@ from torch import Tensor
 from phalanx import _torch_compat as compat
 from phalanx._errors import summary
 from phalanx._torch_compat import pytree
-from phalanx._warnings import warn
+from phalanx._warnings import FallbackWarning, warn
 from phalanx.core._stack import Stack
 from phalanx.optim._base import MemberOptimizer
 from phalanx.step._compile import compile_graph
@@ -270,7 +270,8 @@ class CompiledStep:
         warn(
             f"{_WHERE}: {reason}; running the eager step (forward, backward, "
             f"optimizer.step()) instead. It gives the same results, without the capture's "
-            f"speed."
+            f"speed.",
+            FallbackWarning,
         )
 
     # -------------------------------------------------------------------------------- eager
@@ -349,7 +350,7 @@ class CompiledStep:
     def _warn_eager_once(self, reason: str) -> None:
         if reason not in self._eager_reasons:
             self._eager_reasons.add(reason)
-            warn(f"{_WHERE}: {reason}; this call runs the eager step.")
+            warn(f"{_WHERE}: {reason}; this call runs the eager step.", FallbackWarning)
 
     def _plan(self, args: tuple, tensors: dict[str, Any]) -> Plan:
         """What the graph computes, read from the step's settings and its input tensors

@@ -10,6 +10,15 @@ import argparse
 import importlib
 import sys
 
+import phalanx
+
+# --help shows this text as it stands: plain words, no reST markup.
+_DESCRIPTION = (
+    "phalanx's benchmark and demo: 'phalanx bench' times the benchmark workloads, "
+    "'phalanx demo' runs a real training sweep. 'python -m phalanx' prints the library's "
+    "version and set-up."
+)
+
 _SUBCOMMANDS = {
     "bench": (
         "phalanx_tools.bench.cli",
@@ -21,7 +30,8 @@ _SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="phalanx", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"phalanx {phalanx.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in _SUBCOMMANDS.items():
         subparser = sub.add_parser(name, help=help_text, description=help_text)
