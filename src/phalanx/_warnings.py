@@ -47,6 +47,22 @@ class HintWarning(PhalanxWarning):
     names the likely intent and the call that expresses it)."""
 
 
+class SharedInputWarning(HintWarning):
+    """A shared input that looks like one meant per member (``in_dims=0``).
+
+    Given once per stack. Where the input really is one batch shared by every member, silence
+    it with ``warnings.filterwarnings("ignore", category=phalanx.SharedInputWarning)``.
+    """
+
+
+class StackSplitWarning(HintWarning):
+    """A search batch that falls apart into several stacks because its networks differ.
+
+    Each stack then costs about what a whole batch would: a batch of N trials in N stacks of
+    one runs at the speed of trials one by one.
+    """
+
+
 class NonFiniteWarning(PhalanxWarning):
     """Members were skipped (or frozen) because their loss or gradients were not finite."""
 

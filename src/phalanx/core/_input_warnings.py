@@ -39,18 +39,10 @@ import torch
 from torch import nn
 
 from phalanx._torch_compat import pytree
-from phalanx._warnings import HintWarning, warn
+from phalanx._warnings import HintWarning, SharedInputWarning, warn
 from phalanx.backends import StackView
 
 _KEY = "habits"
-
-
-class SharedInputWarning(HintWarning):
-    """A shared input that looks like one meant per member (``in_dims=0``).
-
-    Given once per stack. Where the input really is one batch shared by every member, silence
-    it with ``warnings.filterwarnings("ignore", category=phalanx.SharedInputWarning)``.
-    """
 
 
 def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | None, ...]) -> None:

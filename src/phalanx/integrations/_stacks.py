@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx._warnings import HintWarning
 from phalanx.core._stack import Stack
 
 STACK_FILE = "phalanx.safetensors"
@@ -64,14 +63,6 @@ def save_members(module: nn.Module, directory: str | os.PathLike[str]) -> list[s
 
 def member_axis_first(value: object, n: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n
-
-
-class StackSplitWarning(HintWarning):
-    """A search batch that falls apart into several stacks because its networks differ.
-
-    Each stack then costs about what a whole batch would: a batch of N trials in N stacks of
-    one runs at the speed of trials one by one.
-    """
 
 
 def split_reasons(groups: list[list[nn.Module]]) -> list[str]:

@@ -38,7 +38,7 @@ import torch
 from optuna.trial import Trial, TrialState
 from torch import Tensor, nn
 
-from phalanx._warnings import warn
+from phalanx._warnings import StackSplitWarning, warn
 from phalanx.core._build import stack as build_stack
 from phalanx.core._stack import Stack
 from phalanx.core._validate import architecture_differences
@@ -47,7 +47,7 @@ from phalanx.integrations._progress import progress_bar
 from phalanx.optim import MemberOptimizer
 from phalanx.population import keep_members
 
-from ._stacks import StackSplitWarning, describe_split
+from ._stacks import describe_split
 
 __all__ = ["StackSplitWarning", "TrialGroup", "build_model", "optimize", "trial_loader"]
 
