@@ -250,3 +250,38 @@ def test_params_missing_in_some_trials_name_them():
 
     with pytest.raises(KeyError, match=r"trials \[0, 2\] did not suggest 'momentum'"):
         po.optimize(optuna.create_study(), conditional, use, n_trials=4)
+
+
+def _lr_model(trial):
+    trial.suggest_float("lr", 0.0, 1.0)
+    return nn.Linear(2, 1)
+
+
+def _zeros(group):
+    return torch.zeros(len(group.trials))
+
+
+@pytest.mark.parametrize(
+    ("n_trials", "n_members", "told"), [(2, 2, 2), (5, 2, 2), (3, 1, 2), (5, 3, 3)]
+)
+def test_a_grid_sampler_that_stops_the_study_ends_the_search(n_trials, n_members, told):
+    grid = optuna.samplers.GridSampler({"lr": [0.1, 0.2]})
+    study = optuna.create_study(sampler=grid)
+    groups = po.optimize(study, _lr_model, _zeros, n_trials=n_trials, n_members=n_members)
+    # the batch running when the grid ran out finishes; no batch is asked after it
+    assert sum(len(g) for g in groups) == told == len(study.trials)
+    assert all(t.state is TrialState.COMPLETE for t in study.trials)
+    assert {t.params["lr"] for t in study.trials} == {0.1, 0.2}
+    study.optimize(lambda t: t.suggest_float("lr", 0.0, 1.0), n_trials=1)  # optuna's own loop
+    assert len(study.trials) == told + 1
+
+
+def test_multi_objective_studies_and_unknown_group_by_names_are_refused():
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    with pytest.raises(ValueError, match="2 objectives.*single-objective"):
+        po.optimize(study, _lr_model, _zeros, n_trials=2)
+    assert not study.trials
+    study = optuna.create_study()
+    with pytest.raises(ValueError, match=r"group_by names \['batch'\], which no trial suggested"):
+        po.optimize(study, _lr_model, _zeros, n_trials=2, group_by=("lr", "batch"))
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 2

@@ -25,7 +25,14 @@ from phalanx.core._validate import (
     check_materialised,
     check_same_architecture,
 )
-from phalanx.core._widths import Padding, mask_gradients, pad_members
+from phalanx.core._widths import (
+    WIDTHS_KEY,
+    Padding,
+    check_loaded_widths,
+    mask_gradients,
+    member_shapes,
+    pad_members,
+)
 from phalanx.routed import _routed
 
 InDims = int | None | Sequence[int | None]
@@ -241,6 +248,19 @@ class Stack(nn.Module):
                     if self._padding.padded(name):
                         t.masked_fill_(~self._padding.mask(name, t), 0)
         return self
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        # The members' widths go in the state dict's metadata, for load_state_dict to check.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][WIDTHS_KEY] = member_shapes(self._padding)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any,
+                              *args: Any) -> None:  # fmt: skip
+        # Before the children copy anything: a refused state dict leaves the stack as it was.
+        check_loaded_widths(self._padding, state_dict, prefix, local_metadata)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
     def _row(self, t: torch.Tensor, name: str, i: int) -> torch.Tensor:
         """Member i's own entries of the stacked tensor ``t`` (a view)."""
