@@ -278,7 +278,7 @@ def test_a_grid_sampler_that_stops_the_study_ends_the_search(n_trials, n_members
 
 def test_multi_objective_studies_and_unknown_group_by_names_are_refused():
     study = optuna.create_study(directions=["minimize", "maximize"])
-    with pytest.raises(ValueError, match="2 objectives.*single-objective"):
+    with pytest.raises(ValueError, match=r"2 objectives.*single-objective"):
         po.optimize(study, _lr_model, _zeros, n_trials=2)
     assert not study.trials
     study = optuna.create_study()
