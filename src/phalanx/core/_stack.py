@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -57,6 +58,15 @@ def _swap_in(
                 own_buffers[leaf] = by_id[id(old_buffer)]
 
 
+_LIVE: weakref.WeakSet[Stack] = weakref.WeakSet()
+
+
+def live_stacks() -> list[Stack]:
+    """The stacks alive in this process: integrations that are given bare parameters
+    (``accelerator.clip_grad_norm_``) find with it whether they belong to a stack."""
+    return list(_LIVE)
+
+
 class Stack(nn.Module):
     """N members of one architecture, run as one computation.
 
@@ -80,6 +90,12 @@ class Stack(nn.Module):
     num_members: int
     _template: nn.Module
     _view: StackView
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Stack:
+        # Every stack, copies and unpickled ones included, for live_stacks().
+        self = super().__new__(cls)
+        _LIVE.add(self)
+        return self
 
     def __init__(
         self,
