@@ -126,3 +126,11 @@ def test_bad_calls_are_refused():
         optimize(_searcher(), lambda c: [0.0] * 3, n_trials=4)
     with pytest.raises(ValueError, match="the searcher has no metric"):
         optimize(OptunaSearch(SPACE), train, n_trials=2)
+
+
+def test_a_metric_other_than_the_searchers_is_refused():
+    searcher = _searcher()
+    with pytest.raises(ValueError, match=r"metric='acc' but the searcher optimizes 'loss'"):
+        optimize(searcher, train, n_trials=2, metric="acc")
+    assert len(optimize(searcher, train, n_trials=2, metric="loss")) == 2
+    assert len(optimize(OptunaSearch(SPACE, mode="min"), train, n_trials=2)) == 2
