@@ -111,7 +111,9 @@ class Stack(nn.Module):
         if pad_widths:
             _check_backend(backend, where)
             member, params, buffers, padding = pad_members(members)
-            self._setup(member, params, buffers, len(members), backend, padding)
+            slots = generator_slots(members[0])  # each member draws from its own, as unpadded
+            generators = copy_generators(members, slots, where) if slots else None
+            self._setup(member, params, buffers, len(members), backend, padding, generators)
             return
         check_same_architecture(members, where)
         _check_backend(backend, where)

@@ -174,6 +174,9 @@ class Plan:
         self.direct: Direct | bool | None = True  # True until compiled; None: not compilable
         self.hooked = False  # a module of the tree held hooks when the fingerprint was taken
         self.witness: Witness | None = None  # what the fingerprint was taken from
+        # whether the forward writes a positional input in place (``x /= 2``, which torch.fx
+        # records as ``x = x / 2``); None until a subset call asks (``_subsets``)
+        self.writes_inputs: bool | None = None
 
 
 def direct_of(plan: Plan, view: StackView, signature: Any) -> Direct | None:
