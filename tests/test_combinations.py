@@ -32,6 +32,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -57,61 +59,67 @@ KINDS = [
 ]
 
 
+def has(kind: str, name: str) -> bool:
+    """Whether the member ``kind`` does ``name`` (a kind joins several with "+")."""
+    return name in kind.split("+")
+
+
 class Member(nn.Module):
-    """One member doing one thing of ``KINDS`` (besides a Linear-Tanh-Linear body)."""
+    """One member doing what ``kind`` names (``KINDS``, or several joined with "+") besides a
+    Linear-Tanh-Linear body."""
 
     def __init__(self, kind: str, seed: int, width: int = H) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.kind = kind
-        if kind == "recurrent":
+        if has(kind, "recurrent"):
             self.rnn = nn.GRU(D, width, batch_first=True)
         else:
             self.inp = nn.Linear(D, width)
         self.out = nn.Linear(width, 2)
-        if kind == "own_generator":
+        if has(kind, "own_generator"):
             self.g = torch.Generator().manual_seed(100 + seed)
-        if kind in ("dropout", "dropout_branch"):
+        if has(kind, "dropout") or has(kind, "dropout_branch"):
             self.drop = nn.Dropout(0.5)
-        if kind == "buffer_write":
+        if has(kind, "buffer_write"):
             self.register_buffer("calls", torch.zeros(()))
             self.register_buffer("ema", torch.zeros(()))
-        if kind == "batchnorm":
+        if has(kind, "batchnorm"):
             self.bn = nn.BatchNorm1d(width)
 
     def forward(self, x: torch.Tensor, *, scale: torch.Tensor | None = None) -> Any:
         kind = self.kind
-        if kind == "inplace_input":
+        if has(kind, "inplace_input"):
             x /= 2
-        elif kind == "own_generator":
+        if has(kind, "own_generator"):
             x = x + 0.1 * torch.randn(x.shape, generator=self.g)
-        elif kind == "reseed":
+        if has(kind, "reseed"):
             g = torch.Generator().manual_seed(7)
             x = x + 0.1 * torch.randn(x.shape, generator=g)
-        elif kind == "weight_write":
+        if has(kind, "weight_write"):
             with torch.no_grad():
                 self.inp.weight.clamp_(-0.3, 0.3)
-        h = self.rnn(x)[0][:, -1] if kind == "recurrent" else self.inp(x)
-        if kind == "batchnorm":
+        h = self.rnn(x)[0][:, -1] if has(kind, "recurrent") else self.inp(x)
+        if has(kind, "batchnorm"):
             h = self.bn(h)
         h = torch.tanh(h)
-        if kind == "buffer_write":
+        if has(kind, "buffer_write"):
             self.calls += 1
             self.ema.mul_(0.5).add_(0.5 * self.calls)
             h = h * self.calls + self.ema
-        elif kind == "value_branch" and h.sum() > 0:
+        if has(kind, "value_branch") and h.sum() > 0:
             h = h * 2
-        elif kind == "dropout_branch":  # draws from the global generator, then branches
+        if has(kind, "dropout_branch"):  # draws from the global generator, then branches
             h = self.drop(h)
             if h.sum() > 0:
                 h = h * 2
-        elif kind == "keyword":
+        if has(kind, "keyword"):
             assert scale is not None
             h = h * scale
         y = self.out(h)
-        if kind == "dropout":
+        if has(kind, "dropout"):
             y = self.drop(y)
-        if kind == "tuple_none":
+        if has(kind, "tuple_none"):
             return y, None, h.sum(-1)
         return y
 
@@ -125,12 +133,12 @@ def members_for(kind: str, widths: list[int] | None = None) -> list[nn.Module]:
 
 def input_for(kind: str, per_member: bool, rows: int = B) -> torch.Tensor:
     g = torch.Generator().manual_seed(5)
-    shape = (rows, T, D) if kind == "recurrent" else (rows, D)
+    shape = (rows, T, D) if has(kind, "recurrent") else (rows, D)
     return torch.randn((N, *shape) if per_member else shape, generator=g)
 
 
 def kwargs_for(kind: str, widths: list[int] | None = None) -> dict[str, Any]:
-    if kind != "keyword":
+    if not has(kind, "keyword"):
         return {}
     return {"scale": torch.linspace(0.5, 1.5, max(widths or [H]))}
 
@@ -163,7 +171,7 @@ class Result:
 def _leaf_input(x: torch.Tensor, kind: str) -> torch.Tensor:
     x = x.clone()
     # A leaf that requires grad cannot be written in place: that member's input carries none.
-    return x if kind == "inplace_input" else x.requires_grad_(True)
+    return x if has(kind, "inplace_input") else x.requires_grad_(True)
 
 
 def reference(
@@ -185,7 +193,7 @@ def reference(
     for j, i in enumerate(chosen):
         m = models[i]
         own = (xs[i] if per_member else xs).clone()
-        if kind != "inplace_input":
+        if not has(kind, "inplace_input"):
             own = own.detach().requires_grad_(True)
         width = m.out.in_features
         if masks is not None:  # the batched backend's own dropout draw, given to the loop
@@ -198,7 +206,7 @@ def reference(
         outs.append(out)
         losses.append(loss.detach())
         x_grads.append((i, own.grad))
-        if kind == "inplace_input":
+        if has(kind, "inplace_input"):
             if per_member:
                 x_after[i] = own.detach()
             else:
@@ -212,14 +220,14 @@ def reference(
         for name, _ in models[0].named_buffers()
     }
     x_grad = None
-    if kind != "inplace_input":
+    if not has(kind, "inplace_input"):
         if per_member:
             x_grad = torch.zeros_like(x)
             for i, g in x_grads:
                 x_grad[i] = g
         else:
             x_grad = sum(g for _, g in x_grads)
-    gens = [models[i].g.get_state() for i in chosen] if kind == "own_generator" else []
+    gens = [models[i].g.get_state() for i in chosen] if has(kind, "own_generator") else []
     stacked = _stack_outputs(outs)
     return Result(stacked, torch.stack(losses), grads, x_grad, buffers, gens, x_after)
 
@@ -272,9 +280,11 @@ def _collect(
         grads[name] = g[rows]
     buffers = {name: b[rows].clone() for name, b in stack.module.named_buffers()}
     gens = (
-        [stack.member_generators(i)[0].get_state() for i in rows] if kind == "own_generator" else []
+        [stack.member_generators(i)[0].get_state() for i in rows]
+        if has(kind, "own_generator")
+        else []
     )
-    x_grad = xs.grad if kind != "inplace_input" else None
+    x_grad = xs.grad if not has(kind, "inplace_input") else None
     detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
     return Result(detached, losses.detach(), grads, x_grad, buffers, gens, xs.detach().clone())
 
@@ -297,7 +307,7 @@ def run_eager(kind: str, backend: str, per_member: bool) -> tuple[Result, Result
 def _dropout_masks(kind: str, backend: str, out: Any) -> torch.Tensor | None:
     """On the batched backends each member draws its own dropout mask: read it from the
     output (dropout comes last: an entry is 0 or twice the member's value) for the loop."""
-    if kind != "dropout" or backend == "loop":
+    if not has(kind, "dropout") or backend == "loop":
         return None
     masks = (out.detach() != 0).to(out.dtype)
     assert not all(torch.equal(masks[0], masks[i]) for i in range(1, N)), "one mask for all"
@@ -381,9 +391,9 @@ def run_routed(kind: str, backend: str, per_member: bool) -> tuple[Result, Resul
         name: torch.stack([dict(m.named_buffers())[name] for m in models])
         for name, _ in models[0].named_buffers()
     }
-    gens = [m.g.get_state() for m in models] if kind == "own_generator" else []
+    gens = [m.g.get_state() for m in models] if has(kind, "own_generator") else []
     detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, ref_out)
-    x_grad = xr.grad if kind != "inplace_input" else None
+    x_grad = xr.grad if not has(kind, "inplace_input") else None
     want = Result(detached, ref_total.detach().reshape(1), grads, x_grad, buffers, gens,
                   x.clone())  # fmt: skip
     return got, want
@@ -416,7 +426,7 @@ def run_subset(kind: str, backend: str, per_member: bool) -> tuple[Result, Resul
 
 
 def _dropout_masks_subset(kind: str, backend: str, out: Any) -> torch.Tensor | None:
-    if kind != "dropout" or backend == "loop":
+    if not has(kind, "dropout") or backend == "loop":
         return None
     return (out.detach() != 0).to(out.dtype)
 
@@ -628,7 +638,7 @@ def test_compile_step_cell(kind: str) -> None:
             loss.backward()
             o.step()
             losses.append(loss.detach())
-        if kind == "inplace_input":
+        if has(kind, "inplace_input"):
             x_after = x_after / 2  # the step writes the shared input once
         assert_close(got_losses[t], torch.stack(losses), msg=f"step {t}: losses")
     for name, p in stack.module.named_parameters():
@@ -636,7 +646,7 @@ def test_compile_step_cell(kind: str) -> None:
         assert_close(p.detach(), want.detach(), msg=f"weights {name} after 3 steps")
     for name, b in stack.module.named_buffers():
         assert_close(b, torch.stack([dict(m.named_buffers())[name] for m in models]), msg=name)
-    if kind == "own_generator":
+    if has(kind, "own_generator"):
         for i, m in enumerate(models):
             assert torch.equal(stack.member_generators(i)[0].get_state(), m.g.get_state())
     assert_close(xs, x_after, msg="the input after 3 steps")
@@ -689,3 +699,29 @@ def test_chunks_input_gradient(backend: str) -> None:
     want = reference(members, "plain", x, False, {})
     assert xs.grad is not None
     assert_close(xs.grad, want.x_grad, msg="x.grad")
+
+
+# ------------------------------------------------------------- two behaviours in one member
+COMBINABLE = ["inplace_input", "buffer_write", "weight_write", "batchnorm", "keyword",
+              "tuple_none"]  # fmt: skip
+PAIR_ROWS = [("eager", "shared"), ("eager", "per_member"), ("chunks", "per_member"),
+             ("routed", "shared"), ("subset", "shared"), ("subset", "per_member")]  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    pair=st.lists(st.sampled_from(COMBINABLE), min_size=2, max_size=2, unique=True),
+    row=st.sampled_from(PAIR_ROWS),
+    backend=st.sampled_from(["loop", "vmap", "fused", "auto"]),
+)
+def test_two_behaviours_in_one_member(pair: list[str], row: tuple[str, str], backend: str):
+    """Members doing two things of the table at once, on a row drawn from the table's (the
+    cells above pair each row with one behaviour): equal to the loop."""
+    mode, inp = row
+    if mode == "routed" and backend == "vmap":
+        backend = "loop"
+    kind = "+".join(pair)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, want = RUNNERS[mode](kind, backend, inp == "per_member")
+    compare(got, want, f"{mode}-{inp}-{backend}-{kind}")
