@@ -123,3 +123,26 @@ def test_a_sharded_load_overtaken_every_time_raises_checkpoint_error(tmp_path, m
     with pytest.raises(phalanx.CheckpointError, match="replaced by a newer save each of the 5"):
         pdist.load(directory, into)
     assert torch.equal(into.module.weight, before)
+
+
+@pytest.mark.parametrize("at", ["checksum", "safe_open"])
+def test_a_save_at_any_point_of_a_sharded_load_reads_the_new_generation(tmp_path, monkeypatch, at):
+    """A save that commits (and removes the generation being read) between the load's looks
+    at one file: after its stat and checksum, or before it is opened; never 'damaged'."""
+    directory = tmp_path / "ckpt"
+    _sharded(directory, 1.0)
+    original = getattr(_sources, at)
+    overtaken = []
+
+    def save_meanwhile(*args, **kwargs):
+        out = original(*args, **kwargs) if at == "checksum" else None
+        if not overtaken:
+            overtaken.append(at)
+            _sharded(directory, 2.0)
+        return out if at == "checksum" else original(*args, **kwargs)
+
+    monkeypatch.setattr(_sources, at, save_meanwhile)
+    into = phalanx.stack([nn.Linear(4, 2) for _ in range(2)])
+    extra = pdist.load(directory, into)
+    assert overtaken == [at] and extra["step"] == 2
+    assert torch.equal(into.module.weight, torch.full_like(into.module.weight, 2.0))

@@ -208,3 +208,58 @@ def test_bad_arguments_are_refused():
         MemberDataLoader(Stream(), num_members=2, batch_size=[4, 8])
     with pytest.raises(TypeError, match="sampler= is this loader's own argument"):
         MemberDataLoader(Lazy(), num_members=2, batch_size=4, sampler=None)
+
+
+class Unsized(IterableDataset):
+    """A generator stream without ``__len__``, as most streams are."""
+
+    def __iter__(self):
+        for k in range(9):
+            yield torch.full((3,), float(k)), k
+
+
+class DictItems(Dataset):
+    """Hugging Face style samples: a dict of a tensor, an int and a string."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"x": torch.full((2,), float(i)), "y": i, "name": f"s{i}"}
+
+
+def test_a_stream_without_len_is_read_as_dataloader_reads_it():
+    from torch.utils.data import DataLoader
+
+    want = [b[1] for b in DataLoader(Unsized(), batch_size=4)]
+    loader = MemberDataLoader(Unsized(), num_members=2, batch_size=4, seed=0)
+    for _ in range(2):  # two epochs, each the whole stream
+        got = list(loader)
+        assert [b[1].shape for b in got] == [(2, 4), (2, 4), (2, 1)]
+        assert all(torch.equal(g[1], torch.stack([w, w])) for g, w in zip(got, want))
+    it = iter(loader)
+    next(it)
+    resumed = MemberDataLoader(Unsized(), num_members=2, batch_size=4, seed=0)
+    resumed.load_state_dict(loader.state_dict())
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(it, resumed))
+    with pytest.raises(TypeError, match="Unsized has no __len__, so the loader has no length"):
+        len(loader)
+
+
+@pytest.mark.parametrize("sizes", [3, [3, 4]])
+def test_dict_samples_give_dict_batches_of_each_members_own_samples(sizes):
+    from torch.utils.data import default_collate
+
+    loader = MemberDataLoader(DictItems(), num_members=2, batch_size=sizes, seed=0)
+    orders = MemberLoader(torch.arange(10), num_members=2, batch_size=1, seed=0).order(0)
+    b = next(iter(loader))
+    width = 3 if sizes == 3 else 4
+    assert set(b) == {"x", "y", "name"} | ({"weights"} if sizes != 3 else set())
+    assert b["x"].shape == (2, width, 2) and b["y"].shape == (2, width)
+    for i, n in enumerate([3, 3] if sizes == 3 else sizes):
+        own = default_collate([DictItems()[int(k)] for k in orders[i, :n]])
+        assert torch.equal(b["x"][i, :n], own["x"]) and torch.equal(b["y"][i, :n], own["y"])
+        assert b["name"][i] == own["name"]
+        assert not b["x"][i, n:].any()  # padding
+    if sizes != 3:
+        assert b["weights"].sum(1).tolist() == [1.0, 1.0]

@@ -214,3 +214,20 @@ def test_save_state_load_state_and_save_model_on_tied_weight_models(tmp_path):
     accelerator.backward(stack(ids, labels=ids).loss)
     opt.step()  # the optimizer state came back too: the same step again
     assert all(torch.equal(p, q) for p, q in zip(stack.parameters(), after_one))
+
+
+def test_clipping_a_stack_never_prepared_is_refused():
+    accelerator = PhalanxAccelerator(cpu=True)
+    stack = copy.deepcopy(phalanx.stack(_members()))  # a copy is found too
+    opt = accelerator.prepare(torch.optim.SGD(stack.parameters(), lr=0.1))
+    x, y = _batches(1)[0]
+    accelerator.backward(_own_losses(stack(x), y).sum())
+    before = [p.grad.clone() for p in stack.parameters()]
+    with pytest.raises(ValueError, match=r"belong to a phalanx stack that was not passed to "
+                       r"accelerator.prepare\(\).*accelerator.prepare\(stack, optimizer\)"):  # fmt: skip
+        accelerator.clip_grad_norm_(stack.parameters(), 1.0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(stack.parameters(), before))
+    plain = nn.Linear(3, 2)  # a module that is no stack: accelerate's own clip
+    plain(torch.randn(4, 3)).sum().backward()
+    assert accelerator.clip_grad_norm_(plain.parameters(), 1.0).shape == ()
+    del opt

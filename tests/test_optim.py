@@ -773,3 +773,26 @@ def test_blocks_and_sixteen_members_keep_each_members_bits(monkeypatch, cls, kwa
     for i in range(n):
         for j, (p, r) in enumerate(zip(params, refs[i], strict=True)):
             assert torch.equal(p[i], r), f"member {i} param {j}"
+
+
+def test_a_state_dict_of_another_optimizer_type_is_refused_before_loading():
+    stack = phalanx.stack([nn.Linear(3, 2) for _ in range(3)])
+    stack(torch.randn(4, 3)).sum().backward()
+    adam = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+    adam.step()
+    sgd = phalanx.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    sgd.step()
+    before = copy.deepcopy(sgd.state_dict())
+    with pytest.raises(ValueError, match=r"(?s)SGD.load_state_dict\(\): the state dict is not one of "
+                       r"this optimizer's.*\['exp_avg', 'exp_avg_sq', 'step'\], where SGD keeps "
+                       r"\['momentum_buffer', 'step'\]"):  # fmt: skip
+        sgd.load_state_dict(adam.state_dict())
+    after = sgd.state_dict()  # nothing was loaded
+    assert after["param_groups"] == before["param_groups"]
+    assert all(torch.equal(after["state"][k]["momentum_buffer"], v["momentum_buffer"])
+               for k, v in before["state"].items())  # fmt: skip
+    with pytest.raises(ValueError, match=r"where Adam keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        adam.load_state_dict(sgd.state_dict())
+    torch_adam = torch.optim.Adam(stack.parameters(), lr=1e-2)  # the same rule's state loads
+    torch_adam.step()
+    adam.load_state_dict(torch_adam.state_dict())

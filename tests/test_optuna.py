@@ -298,3 +298,38 @@ def test_the_progress_bar_shows_on_a_terminal_or_as_progress_says(
     assert bool(stderr.getvalue()) is shown
     with pytest.raises(TypeError, match="progress must be True, False or None; got 'yes'"):
         po.optimize(study, model, train, n_trials=1, progress="yes")
+
+
+def _lr_model(trial):
+    trial.suggest_float("lr", 0.0, 1.0)
+    return nn.Linear(2, 1)
+
+
+def _zeros(group):
+    return torch.zeros(len(group.trials))
+
+
+@pytest.mark.parametrize(
+    ("n_trials", "n_members", "told"), [(2, 2, 2), (5, 2, 2), (3, 1, 2), (5, 3, 3)]
+)
+def test_a_grid_sampler_that_stops_the_study_ends_the_search(n_trials, n_members, told):
+    grid = optuna.samplers.GridSampler({"lr": [0.1, 0.2]})
+    study = optuna.create_study(sampler=grid)
+    groups = po.optimize(study, _lr_model, _zeros, n_trials=n_trials, n_members=n_members)
+    # the batch running when the grid ran out finishes; no batch is asked after it
+    assert sum(len(g) for g in groups) == told == len(study.trials)
+    assert all(t.state is TrialState.COMPLETE for t in study.trials)
+    assert {t.params["lr"] for t in study.trials} == {0.1, 0.2}
+    study.optimize(lambda t: t.suggest_float("lr", 0.0, 1.0), n_trials=1)  # optuna's own loop
+    assert len(study.trials) == told + 1
+
+
+def test_multi_objective_studies_and_unknown_group_by_names_are_refused():
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    with pytest.raises(ValueError, match=r"2 objectives.*single-objective"):
+        po.optimize(study, _lr_model, _zeros, n_trials=2)
+    assert not study.trials
+    study = optuna.create_study()
+    with pytest.raises(ValueError, match=r"group_by names \['batch'\], which no trial suggested"):
+        po.optimize(study, _lr_model, _zeros, n_trials=2, group_by=("lr", "batch"))
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 2

@@ -147,3 +147,11 @@ def test_the_progress_bar_shows_on_a_terminal_or_as_progress_says(
     optimize(_searcher(), lambda c: [0.0] * len(c), n_trials=4, n_members=2, progress=progress)
     assert ("tune trials: 100%" in stderr.getvalue() and "4/4" in stderr.getvalue()) is shown
     assert bool(stderr.getvalue()) is shown
+
+
+def test_a_metric_other_than_the_searchers_is_refused():
+    searcher = _searcher()
+    with pytest.raises(ValueError, match=r"metric='acc' but the searcher optimizes 'loss'"):
+        optimize(searcher, train, n_trials=2, metric="acc")
+    assert len(optimize(searcher, train, n_trials=2, metric="loss")) == 2
+    assert len(optimize(OptunaSearch(SPACE, mode="min"), train, n_trials=2)) == 2

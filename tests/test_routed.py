@@ -999,3 +999,56 @@ def test_the_in_place_check_agrees_with_broadcast_shapes():
             except RuntimeError:  # the shapes do not broadcast at all
                 expected = False
             assert _direct_mod._broadcasts_to(small, big) == expected, (small, big)
+
+
+class WritesItsBuffer(nn.Module):
+    """A step counter and an EMA written in place by the forward, read into the output. The
+    writes that read no input run on torch.fx's traced copy and are left out of its graph."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a = nn.Linear(6, 3)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.kind == "ema":
+            self.ema.mul_(0.5).add_(1.0)
+        elif self.kind == "ema_of_weight":
+            self.ema.lerp_(self.a.weight.detach().sum(1), 0.5)
+        return self.a(x) * self.calls + self.ema
+
+
+@pytest.mark.parametrize("kind", ["counter", "ema", "ema_of_weight"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_routed_and_subset_calls_keep_the_members_buffer_writes(backend, kind):
+    torch.manual_seed(0)
+    members = [WritesItsBuffer(kind) for _ in range(4)]
+    x = torch.randn(7, 6)
+    idx = torch.tensor([0, 2, 2, 3, 0, 2, 2])
+    alone = copy.deepcopy(members)
+    st = phalanx.stack(copy.deepcopy(members), backend=backend)
+    for _ in range(2):  # the second call reads the first's writes (and the cached plan)
+        ref = torch.zeros(7, 3)
+        for i, m in enumerate(alone):
+            rows = (idx == i).nonzero().flatten()
+            if len(rows):
+                ref[rows] = m(x[rows]).detach()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = st(x, members=idx)
+        torch.testing.assert_close(y.detach(), ref)
+        for name in ("calls", "ema"):
+            got = dict(st.module.named_buffers())[name]
+            torch.testing.assert_close(got, torch.stack([getattr(m, name) for m in alone]))
+    alone = copy.deepcopy(members)
+    st = phalanx.stack(copy.deepcopy(members), backend=backend)
+    ref = torch.stack([alone[2](x), alone[0](x)]).detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = st(x, subset=[2, 0])
+    torch.testing.assert_close(y.detach(), ref)
+    torch.testing.assert_close(st.module.calls, torch.stack([m.calls for m in alone]))
+    torch.testing.assert_close(st.module.ema, torch.stack([m.ema for m in alone]))

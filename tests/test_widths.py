@@ -425,3 +425,52 @@ def test_subset_calls_of_a_padded_stack_mask_their_gradients() -> None:
         mask = stack.padding.mask(name, p)
         assert torch.equal(p.grad[~mask], torch.zeros_like(p.grad[~mask])), name
         assert torch.equal(p.grad[[0, 2]], torch.zeros_like(p.grad[[0, 2]])), name
+
+
+def _widths(widths: list[int], seed: int) -> phalanx.Stack:
+    torch.manual_seed(seed)
+    return phalanx.stack([mlp(w, 4) for w in widths], pad_widths=True)
+
+
+def _padded_nonzero(stack: phalanx.Stack) -> int:
+    assert stack.padding is not None
+    return sum(
+        int(((p != 0) & ~stack.padding.mask(n, p)).sum())
+        for n, p in stack.module.named_parameters()
+    )
+
+
+def test_polyak_and_load_state_dict_refuse_members_of_other_widths(tmp_path) -> None:
+    target, source = _widths([3, 5, 8], 0), _widths([8, 5, 3], 1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"(?s)same widths.*'module.0.weight' member 0: \(3, 6\) in "
+                       r"the target, \(8, 6\) in the source"):  # fmt: skip
+        phalanx.polyak_(target, source, 0.3)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)other widths.*'module.0.weight' member 0: \(3, 6\)"
+    ):
+        target.load_state_dict(source.state_dict())
+    path = tmp_path / "sd.pt"  # the widths travel with torch.save's state dict
+    torch.save(source.state_dict(), path)
+    with pytest.raises(RuntimeError, match="other widths"):
+        target.load_state_dict(torch.load(path))
+    # a plain dict has no metadata: the padded entries that are not 0 give it away
+    with pytest.raises(RuntimeError, match=r"'module.0.weight' member 0 has nonzero entries"):
+        target.load_state_dict(dict(source.state_dict()))
+    one_width = phalanx.stack([mlp(8, 4) for _ in range(3)])
+    with pytest.raises(RuntimeError, match="stack is padded to the widest, the state dict of one"):
+        target.load_state_dict(one_width.state_dict())
+    with pytest.raises(ValueError, match="target is padded to the widest, the source of one"):
+        phalanx.polyak_(target, one_width, 0.5)
+    for k, v in target.state_dict().items():  # every refusal left the target as it was
+        assert torch.equal(v, before[k]), k
+    assert _padded_nonzero(target) == 0
+    # the same widths: accepted, and each member equal to its own module
+    other = _widths([3, 5, 8], 2)
+    phalanx.polyak_(target, other, 0.3)
+    target.load_state_dict(dict(other.state_dict()))
+    target.load_state_dict(other.state_dict())
+    assert _padded_nonzero(target) == 0
+    x = torch.randn(4, 6)
+    for i, own in enumerate(target.unstack()):
+        torch.testing.assert_close(target(x)[i], own(x))

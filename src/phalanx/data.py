@@ -12,7 +12,7 @@ index) computed with integer tensor ops, not a stateful generator. So
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -395,21 +395,51 @@ class _Collate:
             weights,
         )
 
-    def __call__(self, pairs: list[tuple[int, Any]]) -> tuple[Tensor, ...]:
+    def __call__(self, pairs: list[tuple[int, Any]]) -> Any:
         per_member: list[list[Any]] = [[] for _ in range(self.num_members)]
         for member, item in pairs:
             per_member[member].append(item)
-        parts = []
-        for items in per_member:
-            collated = self.collate(items)
-            parts.append((collated,) if isinstance(collated, Tensor) else tuple(collated))
+        parts = [self.collate(items) for items in per_member]
         width = max(len(items) for items in per_member) if not self.weights else self.width
-        out = [torch.stack([_pad(part[k], width) for part in parts]) for k in range(len(parts[0]))]
+        weights = None
         if self.weights:
             counts = torch.tensor([len(items) for items in per_member])
             real = torch.arange(width)[None, :] < counts[:, None]
-            out.append(real / counts.clamp(min=1)[:, None])
-        return tuple(out)
+            weights = real / counts.clamp(min=1)[:, None]
+        if isinstance(parts[0], Mapping):  # dict samples (Hugging Face style): a dict batch
+            out = _stacked(parts, width)
+            if weights is not None:
+                if "weights" in out:
+                    raise ValueError(
+                        "phalanx.data.MemberDataLoader: the samples hold a 'weights' key, the "
+                        "key under which per-member batch sizes put their (N, B) weights; "
+                        "rename it, or use one batch size."
+                    )
+                out["weights"] = weights
+            return out
+        fields = (parts[0],) if isinstance(parts[0], Tensor) else tuple(parts[0])
+        out = [
+            _stacked([p if isinstance(p, Tensor) else p[k] for p in parts], width)
+            for k in range(len(fields))
+        ]
+        return (*out, *(() if weights is None else (weights,)))
+
+
+def _stacked(parts: list[Any], width: int) -> Any:
+    """The N members' collated values as one: tensors padded to ``width`` rows and stacked
+    to (N, width, ...), dicts and sequences field by field; anything else (strings that
+    ``default_collate`` keeps as lists) as the list of the N members' values."""
+    first = parts[0]
+    if isinstance(first, Tensor):
+        return torch.stack([_pad(p, width) for p in parts])
+    if isinstance(first, Mapping):
+        return {k: _stacked([p[k] for p in parts], width) for k in first}
+    if isinstance(first, (tuple, list)) and all(
+        isinstance(v, (Tensor, Mapping, tuple, list)) for v in first
+    ):
+        fields = [_stacked([p[k] for p in parts], width) for k in range(len(first))]
+        return type(first)(fields) if type(first) in (tuple, list) else type(first)(*fields)
+    return list(parts)
 
 
 class MemberDataLoader:
@@ -451,7 +481,11 @@ class MemberDataLoader:
 
     Yields:
         Tuples of (N, B, ...) tensors, one per field of the items, and with per-member batch
-        sizes the (N, B) weights last.
+        sizes the (N, B) weights last. Items that are dicts (Hugging Face style) give dicts
+        of (N, B, ...) tensors, the weights under ``"weights"``; values ``default_collate``
+        keeps as lists (strings) come as the list of the N members' lists. An
+        ``IterableDataset`` without ``__len__`` is read to its end each epoch (``len()`` of
+        the loader then raises ``TypeError``, as ``DataLoader``'s does).
 
     Example:
         >>> from torch.utils.data import TensorDataset
@@ -537,8 +571,18 @@ class MemberDataLoader:
         return self.num_samples // b if self.drop_last else math.ceil(self.num_samples / b)
 
     def __len__(self) -> int:
-        """Steps per epoch: those of the member with the most batches per epoch."""
+        """Steps per epoch: those of the member with the most batches per epoch.
+
+        Raises:
+            TypeError: over an ``IterableDataset`` without ``__len__`` (as ``DataLoader``).
+        """
         if self.streaming:
+            if not hasattr(self.dataset, "__len__"):
+                raise TypeError(
+                    "phalanx.data.MemberDataLoader: the IterableDataset "
+                    f"{type(self.dataset).__name__} has no __len__, so the loader has no "
+                    "length (as torch's DataLoader); iterate it, or give the data set a __len__."
+                )
             return (
                 len(self.dataset) // self.sizes[0]
                 if self.drop_last
@@ -586,7 +630,7 @@ class MemberDataLoader:
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         """Yields the rest of the current epoch, then moves to the next one."""
-        if self.batch >= len(self):
+        if self._sized() and self.batch >= len(self):
             self.epoch, self.batch = self.epoch + 1, 0
         if self.streaming:
             yield from self._stream()
@@ -595,6 +639,9 @@ class MemberDataLoader:
             self.batch += 1
             yield batch
         self.epoch, self.batch = self.epoch + 1, 0
+
+    def _sized(self) -> bool:
+        return not self.streaming or hasattr(self.dataset, "__len__")
 
     def _stream(self) -> Iterator[tuple[Tensor, ...]]:
         from torch.utils.data import DataLoader

@@ -9,6 +9,7 @@ from torch import nn
 
 from phalanx import _torch_compat as compat
 from phalanx.core._stack import Stack
+from phalanx.core._widths import member_shapes, width_differences
 
 _BUFFERS = ("average", "copy", "keep")
 
@@ -54,6 +55,14 @@ def polyak_(
         raise ValueError(
             f"{where}: buffers must be one of {', '.join(map(repr, _BUFFERS))}; got {buffers!r}."
         )
+    if isinstance(target, Stack) and isinstance(source, Stack):
+        found = width_differences(member_shapes(target.padding), member_shapes(source.padding),
+                                  ("target", "source"))  # fmt: skip
+        if found:
+            raise ValueError(
+                f"{where}: target and source must have members of the same widths (padded "
+                f"entries stay 0 only between equal widths):\n  - " + "\n  - ".join(found)
+            )
     t_params, s_params = _pairs(where, "parameter", target.named_parameters(),
                                 source.named_parameters())  # fmt: skip
     t_bufs, s_bufs = _pairs(where, "buffer", target.named_buffers(), source.named_buffers())

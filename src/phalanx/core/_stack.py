@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, overload
 
@@ -27,7 +28,14 @@ from phalanx.core._validate import (
     check_materialised,
     check_same_architecture,
 )
-from phalanx.core._widths import Padding, mask_gradients, pad_members
+from phalanx.core._widths import (
+    WIDTHS_KEY,
+    Padding,
+    check_loaded_widths,
+    mask_gradients,
+    member_shapes,
+    pad_members,
+)
 from phalanx.routed import _routed
 
 InDims = int | None | Sequence[int | None]
@@ -53,6 +61,15 @@ def _swap_in(
         for leaf, old_buffer in own_buffers.items():
             if old_buffer is not None:
                 own_buffers[leaf] = by_id[id(old_buffer)]
+
+
+_LIVE: weakref.WeakSet[Stack] = weakref.WeakSet()
+
+
+def live_stacks() -> list[Stack]:
+    """The stacks alive in this process: integrations that are given bare parameters
+    (``accelerator.clip_grad_norm_``) find with it whether they belong to a stack."""
+    return list(_LIVE)
 
 
 class Stack(nn.Module, Generic[Out]):
@@ -86,6 +103,12 @@ class Stack(nn.Module, Generic[Out]):
     _template: nn.Module
     _view: StackView
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Stack:
+        # Every stack, copies and unpickled ones included, for live_stacks().
+        self = super().__new__(cls)
+        _LIVE.add(self)
+        return self
+
     def __init__(
         self,
         models: Sequence[nn.Module] | nn.ModuleList,
@@ -100,7 +123,9 @@ class Stack(nn.Module, Generic[Out]):
         if pad_widths:
             _check_backend(backend, where)
             member, params, buffers, padding = pad_members(members)
-            self._setup(member, params, buffers, len(members), backend, padding)
+            slots = generator_slots(members[0])  # each member draws from its own, as unpadded
+            generators = copy_generators(members, slots, where) if slots else None
+            self._setup(member, params, buffers, len(members), backend, padding, generators)
             return
         check_same_architecture(members, where)
         _check_backend(backend, where)
@@ -355,6 +380,19 @@ class Stack(nn.Module, Generic[Out]):
                     if self._padding.padded(name):
                         t.masked_fill_(~self._padding.mask(name, t), 0)
         return self
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        # The members' widths go in the state dict's metadata, for load_state_dict to check.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][WIDTHS_KEY] = member_shapes(self._padding)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any,
+                              *args: Any) -> None:  # fmt: skip
+        # Before the children copy anything: a refused state dict leaves the stack as it was.
+        check_loaded_widths(self._padding, state_dict, prefix, local_metadata)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
     def _row(self, t: torch.Tensor, name: str, i: int) -> torch.Tensor:
         """Member i's own entries of the stacked tensor ``t`` (a view)."""

@@ -43,7 +43,7 @@ from phalanx._errors import summary
 from phalanx._module_tree import meta_copy
 from phalanx.core._validate import architecture_differences, behaviour_differences, tie_differences
 
-__all__ = ["Padding", "mask_gradients", "pad_members"]
+__all__ = ["Padding", "check_loaded_widths", "mask_gradients", "pad_members", "width_differences"]
 
 _WHERE = "phalanx.stack(pad_widths=True)"
 
@@ -161,6 +161,83 @@ class Padding:
         return Padding(
             {k: [v[i] for i in index] for k, v in self.shapes.items()},
             [self.members[i] for i in index],
+        )
+
+
+WIDTHS_KEY = "phalanx_member_shapes"
+"""The key of a stack's state-dict metadata that holds each member's own shapes."""
+
+
+def member_shapes(padding: Padding | None) -> dict[str, list[tuple[int, ...]]] | None:
+    """Each member's own shape per stacked tensor name; None for a stack of one width."""
+    return (
+        None if padding is None else {k: [tuple(s) for s in v] for k, v in padding.shapes.items()}
+    )
+
+
+def width_differences(
+    mine: dict[str, list[tuple[int, ...]]] | None,
+    other: dict[str, list[tuple[int, ...]]] | None,
+    labels: tuple[str, str],
+) -> list[str]:
+    """Where two stacks' members differ in width (``member_shapes`` of each), one line each."""
+    if mine == other:
+        return []
+    if mine is None or other is None:
+        a, b = ("of one width" if m is None else "padded to the widest" for m in (mine, other))
+        return [f"the {labels[0]} is {a}, the {labels[1]} {b}"]
+    found = [
+        f"'module.{k}' member {i}: {tuple(a)} in the {labels[0]}, {tuple(b)} in the {labels[1]}"
+        for k in sorted(mine.keys() & other.keys())
+        for i, (a, b) in enumerate(zip(mine[k], other[k]))
+        if tuple(a) != tuple(b)
+    ]
+    return found or ["the members' shapes are keyed or counted differently"]
+
+
+def check_loaded_widths(
+    padding: Padding | None, state_dict: Any, prefix: str, metadata: dict[str, Any]
+) -> None:
+    """Refuses a state dict of members of other widths than the stack's, before any tensor is
+    copied. A state dict a stack wrote carries its members' shapes in its metadata; without
+    them (a plain dict), a padded entry that is not 0 shows a member of another width."""
+    where = "Stack.load_state_dict()"
+    fix = (
+        "Build the stack from members of the state dict's widths "
+        "(phalanx.stack(models, pad_widths=True)); phalanx.save/phalanx.load check this too."
+    )
+    if WIDTHS_KEY in metadata:
+        found = width_differences(
+            member_shapes(padding), metadata[WIDTHS_KEY], ("stack", "state dict")
+        )
+        if found:
+            raise RuntimeError(
+                f"{where}: the state dict holds members of other widths than the stack's:\n  - "
+                + "\n  - ".join(found)
+                + f"\n{fix}"
+            )
+        return
+    if padding is None:
+        return
+    found = []
+    for name, shapes in padding.shapes.items():
+        t = state_dict.get(f"{prefix}module.{name}")
+        if not padding.padded(name) or not isinstance(t, Tensor):
+            continue
+        if tuple(t.shape) != (len(shapes), *(max(d) for d in zip(*shapes))):
+            continue  # torch reports the shape mismatch itself
+        outside = (t != 0) & ~padding.mask(name, t)
+        for i in outside.flatten(1).any(1).nonzero().flatten().tolist():
+            found.append(
+                f"'module.{name}' member {i} has nonzero entries outside its own shape "
+                f"{tuple(shapes[i])}"
+            )
+    if found:
+        raise RuntimeError(
+            f"{where}: the state dict does not fit the members' widths (padded entries must "
+            f"be 0; these come from members of other widths):\n  - "
+            + "\n  - ".join(found)
+            + f"\n{fix}"
         )
 
 

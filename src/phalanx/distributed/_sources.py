@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -139,7 +140,12 @@ def _verify(directory: Path, entry: dict[str, Any], full: bool) -> str | None:
     """Why the file ``entry`` names is not the one the index committed, or None."""
     file = directory / entry["file"]
     try:
-        size = file.stat().st_size
+        # One stat for the kind and the size: a second look (is_file()) could find the file
+        # removed by a save that committed meanwhile and call it damaged.
+        info = file.stat()
+        if not stat.S_ISREG(info.st_mode):
+            return f"{file} is not a file"
+        size = info.st_size
         if size != entry["size"]:
             return (
                 f"{file} has {size} bytes, the index says {entry['size']} (truncated or replaced)"
@@ -148,8 +154,6 @@ def _verify(directory: Path, entry: dict[str, Any], full: bool) -> str | None:
             return f"{file} does not match the SHA-256 the index recorded (corrupt or replaced)"
     except FileNotFoundError:  # a save that committed meanwhile removed it
         return _gone(directory, file)
-    if not file.is_file():
-        return f"{file} is not a file"
     return None
 
 

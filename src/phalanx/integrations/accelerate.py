@@ -23,7 +23,7 @@ from accelerate.utils import DistributedType
 from torch import Tensor, nn
 
 from phalanx.checkpoint._single import load, save
-from phalanx.core._stack import Stack
+from phalanx.core._stack import Stack, live_stacks
 from phalanx.optim import MemberOptimizer
 from phalanx.train._clip import clip_grad_norm_
 from phalanx.train._scaler import MemberGradScaler
@@ -211,11 +211,20 @@ class PhalanxAccelerator(accelerate.Accelerator):
 
         Raises:
             ValueError: the parameters mix a stack's with others (one joint norm would couple
-                the members with them).
+                the members with them), or belong to a stack not passed to ``prepare``.
         """
         params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
         mine = [id(p) in self._stacked for p in params]
         if not any(mine):
+            ids = {id(p) for p in params}
+            if any(id(p) in ids for s in live_stacks() for p in s.parameters()):
+                raise ValueError(
+                    f"{_WHERE}.clip_grad_norm_(): the parameters belong to a phalanx stack that "
+                    f"was not passed to accelerator.prepare(), so accelerate would clip all its "
+                    f"members by one joint norm. Prepare the model that holds the stack "
+                    f"(accelerator.prepare(stack, optimizer)): then each member is clipped with "
+                    f"its own norm (and, in float16, scaled with its own scale)."
+                )
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
         if not all(mine):
             others = sum(1 for m in mine if not m)

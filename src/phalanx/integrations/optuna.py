@@ -252,9 +252,51 @@ class TrialGroup:
         self._dropped = []
         for trial, state, value in told:
             if state is TrialState.COMPLETE:
-                study.tell(trial, value)
+                _tell(study, trial, value)
             else:
-                study.tell(trial, state=state)
+                _tell(study, trial, state=state)
+
+
+def _tell(study: optuna.Study, trial: Trial, *args: Any, **kwargs: Any) -> None:
+    """``study.tell`` as inside ``study.optimize``: a sampler that calls ``study.stop()``
+    (GridSampler, in ``after_trial`` once its grid is used up) ends the search after the
+    running batch, as Optuna's own loop ends, instead of raising from ``tell``. Optuna keeps
+    that state in private attributes (``_thread_local.in_optimize_loop``, ``_stop_flag``:
+    optuna 3 to 5); without them ``stop()`` raises as before."""
+    local = getattr(study, "_thread_local", None)
+    if local is None or not hasattr(local, "in_optimize_loop") or not hasattr(study, "_stop_flag"):
+        study.tell(trial, *args, **kwargs)
+        return
+    outer = local.in_optimize_loop
+    local.in_optimize_loop = True
+    try:
+        study.tell(trial, *args, **kwargs)
+    finally:
+        local.in_optimize_loop = outer
+
+
+def _stop_requested(study: optuna.Study, *, reset: bool = False) -> bool:
+    """Whether a sampler called ``study.stop()`` during a ``_tell`` (see there)."""
+    if reset and hasattr(study, "_stop_flag"):
+        study._stop_flag = False
+    return bool(getattr(study, "_stop_flag", False))
+
+
+def _known_names(
+    study: optuna.Study, trials: list[Trial], group_by: Sequence[str], where: str
+) -> None:
+    """Refuses ``group_by`` names that no trial of the batch suggested (a misspelling would
+    group nothing), telling the batch's trials FAIL first."""
+    unknown = [n for n in group_by if not any(n in t.params for t in trials)]
+    if not unknown:
+        return
+    for t in trials:
+        _tell(study, t, state=TrialState.FAIL)
+    suggested = sorted({n for t in trials for n in t.params})
+    raise ValueError(
+        f"{where}: group_by names {unknown}, which no trial suggested (the trials suggested "
+        f"{suggested}); name parameters that model(trial) suggests with trial.suggest_*()."
+    )
 
 
 def _values(values: Any, n: int, where: str) -> list[float]:
@@ -337,12 +379,17 @@ def optimize(
         progress: a progress bar of the trials told, on standard error (tqdm): None (the
             default) shows it when standard error is a terminal; True or False to choose.
 
+    A sampler that stops the study (``GridSampler`` once its grid is used up calls
+    ``study.stop()``) ends the search after the running batch, as ``study.optimize`` ends
+    after its running trials.
+
     Returns:
         The trained groups, in order (each holds its trials and trained stack).
 
     Raises:
-        ValueError: ``n_trials`` or ``n_members`` not a positive int, or ``train`` did not return
-            one value per member.
+        ValueError: ``n_trials`` or ``n_members`` not a positive int, ``train`` did not return
+            one value per member, a study with several objectives, or a ``group_by`` name
+            that no trial of a batch suggested (that batch's trials are told FAIL).
         Exception: whatever ``train`` raised; that group's unfinished trials are told FAIL first.
 
     Example:
@@ -370,6 +417,13 @@ def optimize(
     for name, value in (("n_trials", n_trials), ("n_members", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{where}: {name} must be a positive int; got {value!r}.")
+    if len(study.directions) > 1:
+        raise ValueError(
+            f"{where}: the study has {len(study.directions)} objectives; optimize() tells each "
+            "trial one value (train(group) returns (N,)) and reports intermediate values for "
+            "pruning, which Optuna allows for single-objective studies only. Create the study "
+            "with one direction, or combine the objectives into one value in train()."
+        )
     with progress_bar(progress, total=n_trials, desc="optuna trials", unit="trial") as bar:
         return _optimize(study, model, train, n_trials, batch, group_by, seed, stack_kwargs, bar)
 
@@ -388,7 +442,8 @@ def _optimize(
     where = "phalanx.integrations.optuna.optimize()"
     done: list[TrialGroup] = []
     left = n_trials
-    while left > 0:
+    _stop_requested(study, reset=True)
+    while left > 0 and not _stop_requested(study):
         trials, nets = [], []
         for _ in range(min(batch, left)):
             trial = study.ask()
@@ -397,9 +452,10 @@ def _optimize(
                 nets.append(build_model(model, trial, seed))
             except Exception:
                 for t in trials:
-                    study.tell(t, state=TrialState.FAIL)
+                    _tell(study, t, state=TrialState.FAIL)
                 raise
         left -= len(trials)
+        _known_names(study, trials, group_by, where)
         groups = _group(trials, nets, group_by)
         _announce_split(groups, group_by, where)
         for k, (gtrials, gnets) in enumerate(groups):
@@ -410,7 +466,7 @@ def _optimize(
                 # The trials asked and not yet told (this group's, the batch's later groups')
                 # would stay RUNNING in the storage: tell them FAIL.
                 for t in (t for g, _ in groups[k:] for t in g):
-                    study.tell(t, state=TrialState.FAIL)
+                    _tell(study, t, state=TrialState.FAIL)
                 raise
             group._tell(study, finals)
             done.append(group)

@@ -54,8 +54,9 @@ def optimize(
         (trial id, configuration, value) for every configuration run, in order.
 
     Raises:
-        ValueError: ``n_trials`` or ``n_members`` not a positive int, the searcher has no metric,
-            or ``train`` did not return one value per configuration.
+        ValueError: ``n_trials`` or ``n_members`` not a positive int, the searcher has no metric
+            or another one than ``metric=``, or ``train`` did not return one value per
+            configuration.
         RuntimeError: the searcher gave no configuration (its search space is not set, or a
             ``ConcurrencyLimiter`` smaller than ``n_members`` wraps it).
 
@@ -75,7 +76,14 @@ def optimize(
     for name, count in (("n_trials", n_trials), ("n_members", batch)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{where}: {name} must be a positive int; got {count!r}.")
-    metric = metric or searcher.metric
+    own = getattr(searcher, "metric", None)
+    if metric and own and metric != own:
+        raise ValueError(
+            f"{where}: metric={metric!r} but the searcher optimizes {own!r}; it would be told "
+            f"results without its metric. Pass metric={own!r} (or leave it out), or build the "
+            f"searcher with metric={metric!r}."
+        )
+    metric = metric or own
     if not metric:
         raise ValueError(
             f"{where}: the searcher has no metric; build it with metric= and mode=, or pass "

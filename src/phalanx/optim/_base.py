@@ -889,6 +889,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         """Loads a ``state_dict``; step counts and counters move to the parameters' device."""
         state_dict = dict(state_dict)
         members = state_dict.pop("members", None)
+        _check_state_names(self, state_dict)
         super().load_state_dict(state_dict)
         self.param_groups = [_Group(group) for group in self.param_groups]
         for group in self.param_groups:
@@ -901,6 +902,46 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             self.last_skipped = members["last_skipped"].to(device, torch.bool)
             self.bad_steps = members["bad_steps"].to(device, torch.int64)
             self.frozen = members["frozen"].to(device, torch.bool)
+
+
+def _check_state_names(opt: MemberOptimizer, state_dict: dict[str, Any]) -> None:
+    """Refuses, before anything is loaded, a state dict whose per-parameter state is not the
+    rule's (Adam's ``exp_avg`` in SGD): torch.optim loads it silently and then steps with
+    state it never reads, or fails at the first step. The names expected are the rule's
+    ``init_state`` under the saved group's hyperparameters, plus "step"."""
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        return  # torch's own load says what is wrong
+    if len(groups) != len(opt.param_groups):
+        return
+    where = f"phalanx.optim.{type(opt).__name__}.load_state_dict()"
+    found = []
+    for mine, saved in zip(opt.param_groups, groups):
+        if not isinstance(saved, dict) or len(saved.get("params", ())) != len(mine["params"]):
+            return
+        merged = {**mine, **{k: v for k, v in saved.items() if k != "params"}}
+        for p, key in zip(mine["params"], saved["params"]):
+            entry = state.get(key)
+            if not isinstance(entry, dict) or not entry:
+                continue
+            try:
+                want = {"step", *opt.init_state(merged, torch.empty_like(p, device="meta"))}
+            except (KeyError, TypeError) as e:
+                found.append(f"its param group lacks {e} that {type(opt).__name__} needs")
+                break
+            have = set(entry)
+            if have != want and have - {"step"} != want - {"step"}:
+                found.append(
+                    f"parameter {key}: state {sorted(have)}, where {type(opt).__name__} keeps "
+                    f"{sorted(want)}"
+                )
+    if found:
+        raise ValueError(
+            f"{where}: the state dict is not one of this optimizer's (saved by another "
+            f"optimizer type?):\n  - "
+            + "\n  - ".join(found[:5])
+            + "\nLoad it into the optimizer type that saved it, or start this one fresh."
+        )
 
 
 def _flat_view(t: Tensor, p: Tensor) -> Tensor | None:

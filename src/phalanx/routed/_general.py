@@ -33,12 +33,21 @@ def general_path(
     segments = [(i, c) for i, c in enumerate(routing.count_list) if c] or [
         (0, 0)
     ]  # no rows at all: member 0 on the empty input gives the output's structure
+    written = False  # a member wrote into its rows of the gathered inputs
+    versions_in = [compat.version(a) if isinstance(a, torch.Tensor) else 0 for a in gathered]
     for i, count in segments:
         state = {k: v[i] for k, v in param_views.items()}
-        state.update({k: v[i] for k, v in buffers.items()})
+        # Each member's buffer rows with a version counter of their own (as its own buffers
+        # have): a view's is the stacked buffer's, so member 2 updating its step counter
+        # would invalidate what member 0 saved of its own for backward.
+        state.update({k: v[i] if v.requires_grad else v.data[i] for k, v in buffers.items()})
         member_args = tuple(
             a.narrow(0, start, count) if isinstance(a, torch.Tensor) else a for a in gathered
         )
+        if written:  # rows of their own, for the same reason
+            member_args = tuple(
+                a.clone() if isinstance(a, torch.Tensor) else a for a in member_args
+            )
         start += count
         call = lambda: functional_call(view.module, state, member_args, kwargs)  # noqa: B023, E731
         if view.generators is not None:  # member i draws from its own generators
@@ -46,6 +55,10 @@ def general_path(
         versions = {k: compat.version(state[k]) for k in tracked}
         outputs.append(attributes.run(i, view.module, call))
         check_writes(i, params, state, versions)
+        written = written or any(
+            isinstance(a, torch.Tensor) and compat.version(a) != v
+            for a, v in zip(gathered, versions_in)
+        )
     return concat(outputs, [c for _, c in segments])
 
 

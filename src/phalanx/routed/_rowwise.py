@@ -174,6 +174,9 @@ class Plan:
         self.direct: Direct | bool | None = True  # True until compiled; None: not compilable
         self.hooked = False  # a module of the tree held hooks when the fingerprint was taken
         self.witness: Witness | None = None  # what the fingerprint was taken from
+        # whether the forward writes a positional input in place (``x /= 2``, which torch.fx
+        # records as ``x = x / 2``); None until a subset call asks (``_subsets``)
+        self.writes_inputs: bool | None = None
 
 
 def direct_of(plan: Plan, view: StackView, signature: Any) -> Direct | None:
@@ -296,13 +299,22 @@ def plan_of(view: StackView) -> Plan | str:
         plan.witness = _witness(view.module)
         return plan
 
+    copied = meta_copy(view.module)
+    state = [*copied.named_parameters(), *copied.named_buffers()]
+    versions = [compat.version(t) for _, t in state]
     try:
-        traced = torch.fx.symbolic_trace(meta_copy(view.module))
+        traced = torch.fx.symbolic_trace(copied)
     except Exception as e:  # control flow on data, an untraceable call: the general path
         plan = Plan(fingerprint, None, None)
         plan.refused[None] = f"torch.fx cannot trace the member's forward ({summary(e)})"
     else:
         plan = Plan(fingerprint, traced.graph, traced)
+        # An in-place write to a parameter or buffer that reads no input (a step counter,
+        # an EMA) runs on the traced copy and is left out of the graph: the segment path
+        # would drop it, so such a forward takes the general path, which writes as the loop.
+        written = [k for (k, t), v in zip(state, versions) if compat.version(t) != v]
+        if written:
+            plan.refused[None] = f"the forward writes {written[0]!r} in place"
     plan.hooked = bool(hooked(view.module))  # the fingerprint holds each module's hook flag
     plan.witness = _witness(view.module)
     cache["plan"] = plan

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from phalanx import _torch_compat as compat
+from phalanx._module_tree import meta_copy
 from phalanx._torch_compat import pytree
 from phalanx.backends._state import PerMemberAttributes
 from phalanx.routed._direct import MemberViews
@@ -70,6 +72,38 @@ def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable
     return sub, write_back
 
 
+def _writes_inputs(
+    plan: Any, view: StackView, args: tuple[Any, ...], kwargs: dict[str, Any],
+    in_dims: tuple[int | None, ...],
+) -> bool:  # fmt: skip
+    """Whether the member's forward writes a positional input in place, found once per plan
+    by running it on ``meta`` copies: torch.fx records ``x /= 2`` as ``x = x / 2``, so the
+    trace cannot tell, and the segment path would leave the caller's input unwritten where
+    the backends write it once. Where the probe fails, assume it writes (the backend runs)."""
+    if plan.writes_inputs is None:
+        metas = [
+            torch.empty_like(a if d is None else a[0], device="meta")
+            if isinstance(a, torch.Tensor) else a
+            for a, d in zip(args, in_dims)
+        ]  # fmt: skip
+        versions = [compat.version(m) if isinstance(m, torch.Tensor) else 0 for m in metas]
+        meta_kwargs = {
+            k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+            for k, v in kwargs.items()
+        }
+        try:
+            with torch.no_grad():
+                meta_copy(view.template)(*metas, **meta_kwargs)  # one member, a copy
+        except Exception:  # a probe: any failure means "cannot tell"
+            plan.writes_inputs = True
+        else:
+            plan.writes_inputs = any(
+                isinstance(m, torch.Tensor) and compat.version(m) != v
+                for m, v in zip(metas, versions)
+            )
+    return bool(plan.writes_inputs)
+
+
 def subset_segment(
     view: StackView,
     requested: str,
@@ -97,6 +131,8 @@ def subset_segment(
     signature = ("subset", *((a.dim() - (d is not None), a.dtype) for a, d in zip(args, in_dims)))
     if isinstance(plan, str) or None in plan.refused or signature in plan.refused:
         return None
+    if _writes_inputs(plan, view, args, kwargs, in_dims):
+        return None  # the backend writes a shared input once, as an unrouted call does
     try:
         if k == 1 or per_segment(k, k * batch):
             direct = direct_of(plan, view, signature)
