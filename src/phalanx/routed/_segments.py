@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phalanx import _torch_compat as compat
 from phalanx.backends._bmm import linear_bmm, linear_ops
 from phalanx.routed._checks import Routing
 
@@ -84,7 +85,7 @@ class Segments:
 
     def index(self, device: torch.device) -> torch.Tensor:
         if self._index is None:
-            self._index = torch.tensor(self.members, device=device)
+            self._index = compat.from_host(self.members, torch.long, device)
         return self._index
 
     @property
@@ -104,7 +105,7 @@ class Segments:
     def scaled(self, inner: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
         """Counts and ``grouped_mm`` offsets when every row holds ``inner`` vectors."""
         if inner not in self._offsets:
-            ends = torch.tensor(self.count_list, device=device).mul_(inner).cumsum(0)
+            ends = compat.from_host(self.count_list, torch.long, device).mul_(inner).cumsum(0)
             self._offsets[inner] = ends.to(torch.int32)
         return [c * inner for c in self.count_list], self._offsets[inner]
 
