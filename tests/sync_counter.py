@@ -101,7 +101,9 @@ class _Functions(TorchFunctionMode):
         super().__init__()
         self.c = c
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__qualname__", str(func))
         c = self.c
@@ -126,7 +128,9 @@ class _Dispatch(TorchDispatchMode):
         super().__init__()
         self.c = c
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         c = self.c
         if c._depth == 0:

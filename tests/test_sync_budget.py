@@ -145,28 +145,43 @@ BUDGET: dict[str, tuple[Callable[[], Counts], int, int, str]] = {
     "eager skip_nonfinite (warning)": (lambda: eager(skip_nonfinite=True), 1, 0, "c"),
     "eager fused=True, skip_nonfinite": (lambda: eager(fused=True, skip_nonfinite=True), 1, 0, ""),
     "eager skip_nonfinite + clip + mask": (
-        lambda: eager(skip_nonfinite=True, clip=True, mask=True, member_lr=True), 1, 0, "s",
+        lambda: eager(skip_nonfinite=True, clip=True, mask=True, member_lr=True),
+        1,
+        0,
+        "s",
     ),
     "eager SGD momentum": (lambda: eager(opt="SGD"), 0, 0, "c"),
     "eager SGD fused=True": (lambda: eager(opt="SGD", fused=True, member_lr=True), 0, 0, "s"),
     "eager Lion": (lambda: eager(opt="Lion"), 0, 0, ""),
     "MemberGradScaler": (lambda: eager(scaler=True, member_lr=True), 0, 0, "s"),
     "MemberGradScaler + unscale_ + clip": (
-        lambda: eager(scaler=True, clip=True, member_lr=True), 0, 0, "s",
+        lambda: eager(scaler=True, clip=True, member_lr=True),
+        0,
+        0,
+        "s",
     ),
     "MemberGradScaler, a member overflowed": (
-        lambda: eager(scaler=True, overflow=True, member_lr=True), 0, 0, "s",
+        lambda: eager(scaler=True, overflow=True, member_lr=True),
+        0,
+        0,
+        "s",
     ),
     "captured": (lambda: captured(), 0, 0, ""),
     "captured + clip": (lambda: captured(clip=True), 0, 0, ""),
     "captured + mask": (lambda: captured(mask=True), 0, 0, ""),
     "captured + clip + mask": (lambda: captured(clip=True, mask=True), 0, 0, ""),
     "captured skip_nonfinite + clip (warning)": (
-        lambda: captured(skip_nonfinite=True, clip=True), 1, 0, "",
+        lambda: captured(skip_nonfinite=True, clip=True),
+        1,
+        0,
+        "",
     ),
     "captured fused=True": (lambda: captured(fused=True), 0, 0, ""),
     "captured fused=True, per-member lr": (
-        lambda: captured(fused=True, member_lr=True), 0, 0, "s",
+        lambda: captured(fused=True, member_lr=True),
+        0,
+        0,
+        "s",
     ),
     "routed members=": (lambda: routed("mlp", "members"), 1, 0, ""),
     "routed members= (cnn)": (lambda: routed("cnn", "members"), 1, 0, ""),
@@ -204,8 +219,7 @@ def test_blocking_copies(name):
     c = _counted(name)
     allowed = BUDGET[name][2]
     assert c.total("copies") <= allowed, (
-        f"{name}: {c.total('copies')} blocking copies per step, budget {allowed}: "
-        f"{c.describe()}"
+        f"{name}: {c.total('copies')} blocking copies per step, budget {allowed}: {c.describe()}"
     )
 
 

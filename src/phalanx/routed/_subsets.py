@@ -142,7 +142,9 @@ def subset_segment(
                 else a.reshape(k * batch, *a.shape[2:])
                 for a, d in zip(args, in_dims)
             )  # fmt: skip
-            member_of = compat.from_host(chosen, torch.long, gathered[0].device).repeat_interleave(batch)
+            member_of = compat.from_host(chosen, torch.long, gathered[0].device).repeat_interleave(
+                batch
+            )
             seg = Segments(chosen, [batch] * k, member_of, view.num_members)
             out = pytree.tree_map(
                 lambda t: t.view(k, batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t,
