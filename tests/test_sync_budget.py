@@ -241,3 +241,25 @@ def test_the_counter_sees_a_sync_and_a_blocking_copy():
         torch.tensor([1.0, 2.0], device=t.device)
         t.tolist()
     assert c.total("syncs") == 2 and c.total("copies") == 1, c.describe()
+
+
+def test_auto_saves_buffers_and_inputs_only_until_fused_ran_their_shapes(monkeypatch):
+    """Backend ``auto`` copies the buffers and inputs before a call only while fused has not
+    run calls of those shapes (in that grad mode and train/eval mode): on a GPU each copy is
+    a kernel launch on every call."""
+    from phalanx.backends import _auto
+
+    saved: list[bool] = []
+    init = _auto._Undo.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        saved.append(self.saved is not None)
+
+    monkeypatch.setattr(_auto._Undo, "__init__", spy)
+    stack, x, _ = _setup("cnn")
+    for b in (8, 8, 8, 4, 4):
+        stack(x[:b])
+    stack.eval()
+    stack(x[:4])
+    assert saved == [True, False, False, True, False, True]
