@@ -140,12 +140,24 @@ def per_segment(segments: int, rows: int) -> bool:
     return 1 < segments <= PER_SEGMENT_MAX and rows >= PER_SEGMENT_ROWS * segments
 
 
+_CAPABLE: dict[torch.device, bool] = {}
+
+
+def _grouped_capable(device: torch.device) -> bool:
+    """Whether ``F.grouped_mm`` runs on this CUDA device: compute capability >= 9.0."""
+    if device not in _CAPABLE:
+        _CAPABLE[device] = torch.cuda.get_device_capability(device) >= (9, 0)
+    return _CAPABLE[device]
+
+
 def _use_grouped(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
     grouped = getattr(F, "grouped_mm", None)
     if grouped is None or x.dtype not in _GROUPED_DTYPES or w.dtype != x.dtype:
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16
+        # torch's CUDA grouped GEMM (CUTLASS) is built for compute capability 9.0 and later;
+        # older GPUs take the per-segment path
+        return x.dtype == torch.bfloat16 and _grouped_capable(x.device)
     if x.device.type != "cpu":
         return False
     size = x.element_size()
