@@ -363,15 +363,14 @@ def seed_token() -> tuple[Any, ...]:
 # --------------------------------------------------------------------------- host to device
 
 
-def from_host(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def from_host(data: Any, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
     """A tensor on ``device`` made from Python data without making the host wait.
 
     ``torch.tensor(data, device="cuda")`` copies from pageable memory, a blocking copy that
     waits for the stream; here the data goes through pinned memory and an asynchronous copy
     (torch's caching host allocator keeps the pinned block alive until the copy has run).
-    On the CPU it is ``torch.tensor(data, dtype=dtype)``.
+    On the CPU (or ``device`` None) it is ``torch.tensor(data, dtype=dtype)``.
     """
-    device = torch.device(device)
-    if device.type != "cuda":
+    if device is None or device.type != "cuda":
         return torch.tensor(data, dtype=dtype).to(device)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

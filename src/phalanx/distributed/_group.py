@@ -13,7 +13,7 @@ import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -191,7 +191,7 @@ def comm_device() -> torch.device:
 
 # Under nccl, gloo groups over the same ranks as the job's groups, by ranks, with the WORLD
 # group they were made in (a new init makes new ones).
-_control: dict[tuple[int, ...], tuple[object, object]] = {}
+_control: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 
 def make_control_groups(rank_lists: list[list[int]]) -> None:
@@ -208,7 +208,7 @@ def make_control_groups(rank_lists: list[list[int]]) -> None:
         _control[key] = (world, side)
 
 
-def control_group(group: object | None) -> object | None:
+def control_group(group: Any) -> Any:
     """The group that carries phalanx's control-plane exchanges among ``group``'s ranks
     (None: the whole job): sizes, shapes and dtypes, headers, agreement tables.
 
@@ -222,7 +222,7 @@ def control_group(group: object | None) -> object | None:
     if not is_distributed() or dist.get_backend() != "nccl":
         return group
     ranks = tuple(
-        sorted(dist.get_process_group_ranks(group))  # type: ignore[arg-type]
+        sorted(dist.get_process_group_ranks(group))
         if group is not None
         else range(dist.get_world_size())
     )

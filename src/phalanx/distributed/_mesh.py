@@ -225,10 +225,11 @@ class Shard:
         return broadcast(x, self, src=src)
 
     def barrier(self) -> None:
-        """Waits until every rank reaches this point (bounded by the timeout)."""
+        """Waits until every rank reaches this point (bounded by the timeout); under nccl on
+        its gloo control group, so a dead rank raises here as under gloo."""
         if is_distributed() and dist.get_world_size() > 1:
             with collective("Shard.barrier()", self, "barrier"):
-                dist.barrier()
+                dist.barrier(group=control_group(None))
 
     def loader(self, *tensors: torch.Tensor, seed: int, **kwargs: Any) -> Any:
         """A :class:`phalanx.data.MemberLoader` for this rank's members, keyed by global index.
