@@ -436,7 +436,7 @@ class CompiledStep:
             _set_rng_state(rng)
         layout = dataclasses.replace(layout, outputs=tuple(returned), grads=tuple(grads))
         graph = simplify(graph)
-        run = compile_graph(graph, copies, real, self.backend, self.mode)
+        run = compile_graph(graph, copies, real, self.backend, self.mode, kept=len(layout.outputs))
         self._trace_s = time.perf_counter() - start
         return _Entry(run=run, layout=layout)
 

@@ -22,10 +22,17 @@ __all__ = ["compile_graph"]
 
 
 def compile_graph(
-    graph: Any, copies: list[Tensor], real: dict[str, Any], backend: Any, mode_asked: str | None
+    graph: Any,
+    copies: list[Tensor],
+    real: dict[str, Any],
+    backend: Any,
+    mode_asked: str | None,
+    kept: int | None = None,
 ) -> Callable[[list[Tensor]], tuple[Tensor, ...]]:
     """``graph`` (traced on ``copies``) compiled by ``backend``: a function of the flat list
-    of the step's tensors (``real`` holds them by kind, for CUDA graphs' static addresses)."""
+    of the step's tensors (``real`` holds them by kind, for CUDA graphs' static addresses).
+    ``kept``: how many leading outputs outlive the call (the rest, gradients a fused
+    optimizer applies at once, are read before the next replay); None: all."""
     cuda = real["params"][0].is_cuda
     mode = mode_asked if mode_asked is not None else ("reduce-overhead" if cuda else None)
     options: dict[str, Any] = {}
@@ -43,7 +50,7 @@ def compile_graph(
             # faster path (one bench run each, --quick).
             options["cpp.min_chunk_size"] = 65536
     if (cuda and mode == "reduce-overhead") or (mode is not None and backend != "inductor"):
-        run = _through_dynamo(graph, real, backend, mode, options)
+        run = _through_dynamo(graph, real, backend, mode, options, kept)
     else:
         compiled: Any  # compiled directly (see the module's docstring)
         with torch.no_grad():  # an inference graph: the step takes its own gradients
@@ -64,6 +71,7 @@ def _through_dynamo(
     backend: Any,
     mode: str | None,
     options: dict[str, Any],
+    kept: int | None = None,
 ) -> Callable[[list[Tensor]], tuple[Tensor, ...]]:
     """The graph compiled by ``torch.compile``: CUDA graphs need its static inputs."""
     static = static_inputs(real) if mode == "reduce-overhead" else []
@@ -97,7 +105,9 @@ def _through_dynamo(
         with _guards_skipped(calls > 0 and not moved):
             out = compiled(*flat)
         calls += 1
-        return tuple(x.clone() for x in out)  # CUDA graphs overwrite their outputs
+        # CUDA graphs overwrite their outputs at the next replay: the kept ones are cloned
+        # out of the graph's pool, the gradients a fused optimizer applies now are not
+        return tuple(x.clone() if kept is None or i < kept else x for i, x in enumerate(out))
 
     return run
 
