@@ -11,6 +11,7 @@ records what AOTAutograd hands inductor, and the rule is applied to it.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -86,3 +87,35 @@ def test_every_input_the_captured_step_mutates_is_static(options):
             f"inputs {outside} are mutated but not static: CUDA graph trees would skip the "
             f"whole step (static inputs: {static})"
         )
+
+
+def test_state_replaced_by_load_state_dict_is_marked_static_and_guarded():
+    """``opt.load_state_dict`` replaces the optimizer's state tensors: the next captured call
+    marks the new ones static (CUDA graph trees then re-record on their addresses instead of
+    replaying on the old ones) and evaluates torch.compile's guards on that call."""
+    from phalanx import _torch_compat as compat
+    from phalanx.step import _compile
+
+    torch.manual_seed(0)
+    stack = phalanx.stack([nn.Linear(6, 3) for _ in range(N)])
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-3, skip_nonfinite=True)
+    step = compile_step(
+        stack, F.cross_entropy, opt, backend=_recorder([]), mode="reduce-overhead",
+        prefer="captured", warmup_steps=1,
+    )  # fmt: skip
+    guarded: list[bool] = []
+    skipped = _compile._guards_skipped
+    _compile._guards_skipped = lambda skip: guarded.append(not skip) or skipped(skip)
+    try:
+        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+        for _ in range(3):
+            step(x, y)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        step(x, y)
+        step(x, y)
+    finally:
+        _compile._guards_skipped = skipped
+    assert step.choice == "captured"
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert state and all(compat.is_static_address(t) for t in [*state, opt.bad_steps])
+    assert guarded == [True, False, True, False], guarded
