@@ -120,7 +120,9 @@ for w in ("W2", "W4") if mode == "gpu" else ():  # a CPU's figures are not this 
         lines += [f"`phalanx bench --quick --workloads {w}`:", "", "```", *f.read_text().rstrip().splitlines(), "```", ""]
 text = doc.read_text()
 head = text.split("## Last run of the check")[0].rstrip()
-doc.write_text(head + "\n\n" + "\n".join(lines).rstrip() + "\n")
+section = "\n".join(lines).rstrip() + "\n"
+(out / "report.md").write_text(section)
+doc.write_text(head + "\n\n" + section)
 print(f"wrote {doc}")
 PYEOF
 exit $status
