@@ -23,11 +23,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from sync_counter import Counts, counting
 from torch import nn
 
 import phalanx
 from phalanx.step._api import compile_step
+from sync_counter import Counts, counting
 
 N = 4
 OPTIMIZER = "optimizer syncs: fixed on wip-optim"
