@@ -191,6 +191,11 @@ def mark_static_address(t: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(t)
 
 
+def is_static_address(t: torch.Tensor) -> bool:
+    """Whether ``mark_static_address`` marked ``t`` (the attribute it sets on the tensor)."""
+    return hasattr(t, "_dynamo_static_input_type")
+
+
 # ------------------------------------------------------------------------------ distributed
 
 
@@ -353,3 +358,19 @@ def seed_token() -> tuple[Any, ...]:
         return (torch.initial_seed(), cuda.initial_seed())
     tracker = getattr(cuda, "_lazy_seed_tracker", None)
     return (torch.initial_seed(), getattr(tracker, "manual_seed_all_cb", None))
+
+
+# --------------------------------------------------------------------------- host to device
+
+
+def from_host(data: Any, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+    """A tensor on ``device`` made from Python data without making the host wait.
+
+    ``torch.tensor(data, device="cuda")`` copies from pageable memory, a blocking copy that
+    waits for the stream; here the data goes through pinned memory and an asynchronous copy
+    (torch's caching host allocator keeps the pinned block alive until the copy has run).
+    On the CPU (or ``device`` None) it is ``torch.tensor(data, dtype=dtype)``.
+    """
+    if device is None or device.type != "cuda":
+        return torch.tensor(data, dtype=dtype).to(device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -35,7 +35,8 @@ def _reason(e: BaseException) -> str:
 
 
 SNAPSHOT_BYTES = 8 << 20
-"""Buffers and inputs up to this size are saved before every call, larger ones on the first."""
+"""Buffers and inputs up to this size are saved before each call whose input shapes fused has
+not run yet in this context, larger ones on the first call only."""
 PARAMETER_SNAPSHOT_BYTES = 256 << 20
 """The parameters are saved before the first call when they total at most this size."""
 
@@ -53,7 +54,9 @@ class _Undo:
     counter), and ``auto`` raises rather than run such a write twice.
     """
 
-    def __init__(self, view: StackView, args: tuple, kwargs: dict, first: bool) -> None:
+    def __init__(
+        self, view: StackView, args: tuple, kwargs: dict, first: bool, seen: bool = False
+    ) -> None:
         params, buffers = view.state()
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             inputs = list(args)  # the common call: no structure to walk
@@ -65,7 +68,10 @@ class _Undo:
         self.params = list(params.items())
         self.saved_params: list[torch.Tensor] | None = None
         self.versions = [compat.version(p) for _, p in self.params]
-        if first or size <= SNAPSHOT_BYTES:
+        # Once fused has run calls of these shapes in this context (``seen``), nothing is
+        # saved: a copy of every buffer and input on every call is a kernel launch each on a
+        # GPU, for a failure that shapes alone no longer predict.
+        if first or (size <= SNAPSHOT_BYTES and not seen):
             self.saved = [t.detach().clone() for t in self.tensors]
         if first:
             weights = sum(p.numel() * p.element_size() for _, p in self.params)
@@ -94,14 +100,26 @@ class _Undo:
             raise RuntimeError(
                 f"Stack.forward(): backend 'auto' cannot hand this call over to the loop: "
                 f"backend 'fused' failed ({_reason(failure)}) after the member's forward may "
-                f"have written into its buffers or inputs, which are too large to have been "
-                f"saved on every call. Nothing else ran. Pass backend='loop' to "
-                f"phalanx.stack() for this model."
+                f"have written into its buffers or inputs, which were not saved on this call "
+                f"(they are saved on the first call, and on calls of input shapes fused has "
+                f"not run yet when they total at most {SNAPSHOT_BYTES >> 20} MB). Nothing else "
+                f"ran. Pass backend='loop' to phalanx.stack() for this model."
             ) from failure
         with torch.no_grad():
             for t, saved in zip(self.tensors, self.saved):
                 if not torch.equal(t, saved):
                     t.copy_(saved)
+
+
+def _shapes(
+    context: tuple[bool, bool], training: bool, args: tuple, kwargs: dict, in_dims: tuple
+) -> Any:
+    """The key of the calls that need no snapshot once fused ran one: the context, the
+    stack's train/eval mode, the input dims and each input's shape, dtype and device; None (always saved) for any call
+    but the common one of plain tensors without keywords."""
+    if kwargs or not all(type(a) is torch.Tensor for a in args):
+        return None
+    return (context, training, in_dims, *((a.shape, a.dtype, a.device) for a in args))
 
 
 class AutoBackend:
@@ -136,7 +154,9 @@ class AutoBackend:
             return get_backend("loop").forward(view, args, kwargs, in_dims, kw_dims)
         if torch.compiler.is_compiling():
             return get_backend("fused").forward(view, args, kwargs, in_dims, kw_dims)
-        undo = _Undo(view, args, kwargs, first=not state["settled"])
+        shapes = _shapes(context, view.module.training, args, kwargs, in_dims)
+        seen = state.setdefault("ran", set())
+        undo = _Undo(view, args, kwargs, first=not state["settled"], seen=shapes in seen)
         try:
             out = get_backend("fused").forward(view, args, kwargs, in_dims, kw_dims)
         except Exception as e:
@@ -144,6 +164,8 @@ class AutoBackend:
             failure = e
         else:
             state["settled"] = True
+            if shapes is not None and len(seen) < 64:
+                seen.add(shapes)
             return out
         # Outside the except block: the loop's error is the member's own and is raised as
         # such, not as one that happened while handling fused's.

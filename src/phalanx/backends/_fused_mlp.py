@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from phalanx.backends import StackView
 
 _ACTIVATIONS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU)
-_CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about an L2 cache
+_CHUNK_BYTES = 1 << 20  # activations per chunk under no_grad: about a CPU core's L2 cache
 
 
 def mlp_layers(seq: nn.Module) -> list[nn.Module] | None:
@@ -245,10 +245,16 @@ def run_mlp(view: StackView, x: torch.Tensor, shared: bool) -> torch.Tensor | No
 
 
 def _no_grad(n: int, h: torch.Tensor, shared: bool, spec: tuple, params: list) -> torch.Tensor:
-    """Forward in member chunks whose activations stay in cache."""
+    """Forward in member chunks whose activations stay in cache (on the CPU).
+
+    On other devices one chunk: each chunk costs a kernel launch per layer, and a GPU's
+    caches are not what the chunks are sized for (unmeasured on a GPU).
+    """
     widest = max(p.shape[1] for p in params[::2])
     rows = h.shape[-2]
     chunk = max(1, min(n, _CHUNK_BYTES // max(1, rows * widest * h.element_size())))
+    if h.device.type != "cpu":
+        chunk = n
     if chunk >= n:
         return _forward(h, shared, spec, tuple(params))
     outs = []

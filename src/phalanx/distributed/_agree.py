@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.distributed._errors import DistributedError
-from phalanx.distributed._mesh import Shard, collective
+from phalanx.distributed._mesh import Shard, collective, control_group
 
 __all__ = ["describe_members", "differences", "exchange"]
 
@@ -34,7 +34,7 @@ def exchange(obj: Any, shard: Shard, where: str, what: str) -> list[Any]:
     call = f"{where}: {what}"
     table: list[Any] = [None] * dist.get_world_size()
     with collective(where, shard, f"all_gather of {what}"):
-        dist.all_gather_object(table, {"call": call, "value": obj})
+        dist.all_gather_object(table, {"call": call, "value": obj}, group=control_group(None))
     calls = [row.get("call") if isinstance(row, dict) else repr(row) for row in table]
     if any(c != call for c in calls):
         raise DistributedError(

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx._torch_compat import pytree
-from phalanx.distributed._group import collective, comm_device
+from phalanx.distributed._group import collective, comm_device, control_group
 
 if TYPE_CHECKING:
     from phalanx.distributed._mesh import Shard
@@ -94,11 +94,14 @@ def _check_same_everywhere(leaves: list[torch.Tensor], shard: Shard, where: str)
     """Raises on every rank when the ranks' leaves differ in count, dtype or trailing shape."""
     # N and K too: ranks with another N pad to another width, and all_gather of tensors of
     # different sizes aborts the process inside gloo instead of raising.
+    # On the control group (gloo, CPU tensors, under nccl too): a dead or diverging peer
+    # raises here on every backend, before any data collective.
     facts = [shard.num_members, shard.world_size, len(leaves), _signature(leaves)]
-    mine = torch.tensor(facts, dtype=torch.int64, device=comm_device())
+    mine = torch.tensor(facts, dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(shard.world_size)]
+    control = control_group(shard.group)
     with collective(where, shard, "all_gather of shapes"):
-        dist.all_gather(everyone, mine, group=shard.group)
+        dist.all_gather(everyone, mine, group=control)
     if all(torch.equal(e, everyone[0]) for e in everyone):
         return
     described = (
@@ -107,7 +110,7 @@ def _check_same_everywhere(leaves: list[torch.Tensor], shard: Shard, where: str)
     )
     table: list[Any] = [None] * shard.world_size
     with collective(where, shard, "all_gather of shapes"):
-        dist.all_gather_object(table, described, group=shard.group)
+        dist.all_gather_object(table, described, group=control)
     lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(table))
     raise ValueError(
         f"{where}: the ranks passed tensors of different dtypes or shapes (after dim 0, the "
@@ -158,7 +161,9 @@ def broadcast(x: Any, shard: Shard, *, src: int = 0) -> Any:
             else (pytree.treespec_dumps(spec), [(t.dtype, tuple(t.shape)) for t in leaves]),
         ]
     with collective(where, shard, "broadcast"):
-        dist.broadcast_object_list(header, group_src=src, group=shard.group, device=comm_device())
+        dist.broadcast_object_list(
+            header, group_src=src, group=control_group(shard.group), device=torch.device("cpu")
+        )
     if header[0] is None:
         raise TypeError(
             f"{where}: rank {src} must pass a tensor or a tuple, list or dict of tensors; "

@@ -13,7 +13,7 @@ import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ __all__ = [
     "DistributedError",
     "collective",
     "comm_device",
+    "control_group",
     "failure_timeout",
     "init",
     "is_distributed",
@@ -109,6 +110,7 @@ def init(
         failure_timeout = _seconds(failure_timeout).total_seconds()
     _failure_timeout = failure_timeout
     if is_distributed():
+        make_control_groups([list(range(dist.get_world_size()))])
         _start_heartbeat()
         return True
     if init_method is None:
@@ -139,6 +141,7 @@ def init(
         device_id=device_id,
     )
     _timeout = timeout
+    make_control_groups([list(range(world_size))])
     _start_heartbeat()
     return True
 
@@ -153,7 +156,7 @@ def _start_heartbeat() -> None:
         return
     # A key space for this group's beats, drawn by rank 0: one collective, at init.
     run = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(run, src=0, device=comm_device())
+    dist.broadcast_object_list(run, src=0, group=control_group(None), device=torch.device("cpu"))
     interval = min(1.0, _failure_timeout / 15)
     _health.start(
         store, dist.get_rank(), dist.get_world_size(), interval, _failure_timeout, str(run[0])
@@ -173,6 +176,7 @@ def shutdown() -> None:
     """
 
     _health.stop("finished")
+    _control.clear()
     gc.collect()
     if is_distributed():
         dist.destroy_process_group()
@@ -183,6 +187,53 @@ def comm_device() -> torch.device:
     if is_distributed() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# Under nccl, gloo groups over the same ranks as the job's groups, by ranks, with the WORLD
+# group they were made in (a new init makes new ones).
+_control: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
+def make_control_groups(rank_lists: list[list[int]]) -> None:
+    """Under nccl, makes a gloo group over each list of ranks (collectively: every rank of
+    the job calls this with the same lists, in the same order); under gloo, nothing."""
+    if not is_distributed() or dist.get_backend() != "nccl":
+        return
+    world = dist.group.WORLD
+    for ranks in rank_lists:
+        key = tuple(sorted(ranks))
+        if key in _control and _control[key][0] is world:
+            continue
+        side = dist.new_group(list(key), timeout=_timeout, backend="gloo")
+        _control[key] = (world, side)
+
+
+def control_group(group: Any) -> Any:
+    """The group that carries phalanx's control-plane exchanges among ``group``'s ranks
+    (None: the whole job): sizes, shapes and dtypes, headers, agreement tables.
+
+    Under gloo it is ``group``. Under nccl it is a gloo group over the same ranks, made by
+    ``init`` and ``layout``: gloo raises at once when a peer is gone or calls differ, where
+    nccl has no error to raise (a collective whose peer died waits until the watchdog's
+    timeout aborts the process, or hangs), so the checks that come before the data
+    collectives raise the same :class:`DistributedError` on either backend. Their tensors
+    are on the CPU.
+    """
+    if not is_distributed() or dist.get_backend() != "nccl":
+        return group
+    ranks = tuple(
+        sorted(dist.get_process_group_ranks(group))
+        if group is not None
+        else range(dist.get_world_size())
+    )
+    found = _control.get(ranks)
+    if found is None or found[0] is not dist.group.WORLD:
+        raise RuntimeError(
+            f"phalanx.distributed: no gloo control group over ranks {list(ranks)}; the job's "
+            f"groups are made by phalanx.distributed.init() and layout()/shard(). Build "
+            f"the shard with phalanx.distributed.shard() after init()."
+        )
+    return found[1]
 
 
 @contextmanager

@@ -25,9 +25,11 @@ from phalanx.distributed._group import (
     DistributedError,
     collective,
     comm_device,
+    control_group,
     failure_timeout,
     init,
     is_distributed,
+    make_control_groups,
     shutdown,
 )
 
@@ -38,6 +40,7 @@ __all__ = [
     "Shard",
     "collective",
     "comm_device",
+    "control_group",
     "failure_timeout",
     "init",
     "is_distributed",
@@ -222,10 +225,11 @@ class Shard:
         return broadcast(x, self, src=src)
 
     def barrier(self) -> None:
-        """Waits until every rank reaches this point (bounded by the timeout)."""
+        """Waits until every rank reaches this point (bounded by the timeout); under nccl on
+        its gloo control group, so a dead rank raises here as under gloo."""
         if is_distributed() and dist.get_world_size() > 1:
             with collective("Shard.barrier()", self, "barrier"):
-                dist.barrier()
+                dist.barrier(group=control_group(None))
 
     def loader(self, *tensors: torch.Tensor, seed: int, **kwargs: Any) -> Any:
         """A :class:`phalanx.data.MemberLoader` for this rank's members, keyed by global index.
@@ -260,6 +264,8 @@ def _mesh(world: int, replicas: int) -> Any:
     kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
     names = ("member",) if replicas == 1 else ("member", "replica")
     mesh = init_device_mesh(kind, shape, mesh_dim_names=names)
+    # nccl: a gloo twin of each member-axis group for the control-plane exchanges
+    make_control_groups([list(range(r, world, replicas)) for r in range(replicas)])
     _built = (group, shape, mesh)
     return mesh
 

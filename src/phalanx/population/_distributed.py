@@ -17,6 +17,7 @@ from torch import Tensor
 
 from phalanx._members import pairs
 from phalanx.distributed import DistributedError
+from phalanx.distributed._group import control_group
 from phalanx.population._rows import copy_within, member_tensors
 
 if TYPE_CHECKING:
@@ -73,10 +74,11 @@ def copy_across_ranks(
     size = sum(t.numel() for t in like)
     # One small collective first, so that ranks whose stacks or optimizers differ (one has
     # stepped, one has not) fail with a message instead of a mismatched receive.
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(shard.world_size)]
+    # On the control group (gloo under nccl too): a dead peer raises here, at once.
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(shard.world_size)]
     try:
         dist.all_gather(
-            sizes, torch.tensor([size], dtype=torch.int64, device=device), group=shard.group
+            sizes, torch.tensor([size], dtype=torch.int64), group=control_group(shard.group)
         )
     except RuntimeError as e:
         raise _error(shard, "the all_gather of member sizes", e) from e
@@ -105,17 +107,27 @@ def copy_across_ranks(
     try:
         # Peers are ranks of the member axis: with data replicas, each replica's ranks copy
         # among themselves, so every replica's target receives the same source.
+        # One batch of point-to-point operations (ncclGroupStart/End under nccl): nccl
+        # ignores tags and matches a pair's sends and receives in the order they are posted,
+        # so single isend/irecv calls of two ranks exchanging members both ways can wait on
+        # each other. Both ends post a pair's messages in the order of the (source, target)
+        # list, the same on every rank, so the k-th message between two ranks is the same
+        # member on both sides.
         group = shard.group
-        requests = [dist.isend(buf, group=group, group_dst=owner[d], tag=d) for buf, d in outgoing]
-        requests += [
-            dist.irecv(buf, group=group, group_src=owner[s], tag=d) for buf, s, d in incoming
+        ops = [
+            dist.P2POp(dist.isend, buf, group=group, group_peer=owner[d], tag=d)
+            for buf, d in outgoing
         ]
+        ops += [
+            dist.P2POp(dist.irecv, buf, group=group, group_peer=owner[s], tag=d)
+            for buf, s, d in incoming
+        ]
+        requests = dist.batch_isend_irecv(ops) if ops else []
         if local:
             ls, ld = zip(*local)
             copy_within(stack, list(ls), list(ld), optimizer, None, hyperparameters, WHERE)
         for request in requests:
-            if request is not None:
-                request.wait()
+            request.wait()
     except RuntimeError as e:
         raise _error(shard, "a point-to-point copy", e) from e
     tensors = member_tensors(stack)

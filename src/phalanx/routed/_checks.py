@@ -43,22 +43,39 @@ class Routing:
         self.entries = position.index_select(0, order)  # flat positions in segment order
         self.source_rows = self.entries // self.k if self.k > 1 else self.entries
         self.member_of = flat.index_select(0, order)  # each sorted entry's member
-        self.counts = torch.bincount(flat, minlength=num_members)
-        self.count_list: list[int] = self.counts.tolist()  # the one host sync
+        # Everything the host needs in one read, the call's one host sync: the index's
+        # range (checked here, before any use), each member's count (counted on the
+        # clamped index, so an index out of range cannot fault a device kernel before the
+        # check raises; bincount would sync on its own), and whether the rows are in order.
+        last = num_members - 1
+        counts = torch.zeros(num_members, dtype=torch.long, device=flat.device)
+        counts.index_add_(0, flat.clamp(0, last), torch.ones_like(flat))
+        if flat.numel():
+            low, high = torch.aminmax(flat)
+        else:
+            low = high = torch.zeros((), dtype=torch.long, device=flat.device)
+        # a stable sort of a sorted index keeps every row in place
+        ordered = index.dim() == 1 and keep is None
+        same = (self.member_of == index).all() if ordered else low.new_zeros((), dtype=torch.bool)
+        read: list[int] = torch.cat(
+            [low.view(1), high.view(1), same.long().view(1), counts]
+        ).tolist()
+        if flat.numel() and (read[0] < 0 or read[1] > last):
+            bad = read[0] if read[0] < 0 else read[1]
+            raise IndexError(
+                f"{WHERE}: members= holds member index {bad}, but the stack has {num_members} "
+                f"members (indices 0 to {last}); every entry must be a member index."
+            )
+        self.counts = counts
+        self.count_list: list[int] = read[3:]
         self.total = int(flat.numel())
-        self._in_order: bool | None = None
+        self._in_order = ordered and bool(read[2])
 
     @property
     def in_order(self) -> bool:
         """One member per row, none dropped, and the rows already in member order: the
         sorted rows are the input's own (``entries`` is ``0..B-1``), so no gather and no
         scatter is needed."""
-        if self._in_order is None:
-            self._in_order = (  # a stable sort of a sorted index keeps every row in place
-                self.index.dim() == 1
-                and self.keep is None
-                and torch.equal(self.member_of, self.index)
-            )
         return self._in_order
 
     def gather(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -110,16 +127,7 @@ def routing_from(
             f"{WHERE}: members= is on {members.device}, the inputs on {device}; move it with "
             f"index.to({str(device)!r})."
         )
-    members = members.long()
-    checked = members if keep is None else members[keep]
-    if checked.numel():
-        low, high = (int(v) for v in torch.aminmax(checked))
-        if low < 0 or high >= num_members:
-            bad = low if low < 0 else high
-            raise IndexError(
-                f"{WHERE}: members= holds member index {bad}, but the stack has {num_members} "
-                f"members (indices 0 to {num_members - 1}); every entry must be a member index."
-            )
+    members = members.long()  # its range is checked by Routing, in the call's one host read
     if weights is not None:
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
             raise TypeError(

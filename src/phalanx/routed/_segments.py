@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phalanx import _torch_compat as compat
 from phalanx.backends._bmm import linear_bmm, linear_ops
 from phalanx.routed._checks import Routing
 
@@ -84,7 +85,7 @@ class Segments:
 
     def index(self, device: torch.device) -> torch.Tensor:
         if self._index is None:
-            self._index = torch.tensor(self.members, device=device)
+            self._index = compat.from_host(self.members, torch.long, device)
         return self._index
 
     @property
@@ -104,7 +105,7 @@ class Segments:
     def scaled(self, inner: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
         """Counts and ``grouped_mm`` offsets when every row holds ``inner`` vectors."""
         if inner not in self._offsets:
-            ends = torch.tensor(self.count_list, device=device).mul_(inner).cumsum(0)
+            ends = compat.from_host(self.count_list, torch.long, device).mul_(inner).cumsum(0)
             self._offsets[inner] = ends.to(torch.int32)
         return [c * inner for c in self.count_list], self._offsets[inner]
 
@@ -139,12 +140,24 @@ def per_segment(segments: int, rows: int) -> bool:
     return 1 < segments <= PER_SEGMENT_MAX and rows >= PER_SEGMENT_ROWS * segments
 
 
+_CAPABLE: dict[torch.device, bool] = {}
+
+
+def _grouped_capable(device: torch.device) -> bool:
+    """Whether ``F.grouped_mm`` runs on this CUDA device: compute capability >= 9.0."""
+    if device not in _CAPABLE:
+        _CAPABLE[device] = torch.cuda.get_device_capability(device) >= (9, 0)
+    return _CAPABLE[device]
+
+
 def _use_grouped(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
     grouped = getattr(F, "grouped_mm", None)
     if grouped is None or x.dtype not in _GROUPED_DTYPES or w.dtype != x.dtype:
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16
+        # torch's CUDA grouped GEMM (CUTLASS) is built for compute capability 9.0 and later;
+        # older GPUs take the per-segment path
+        return x.dtype == torch.bfloat16 and _grouped_capable(x.device)
     if x.device.type != "cpu":
         return False
     size = x.element_size()

@@ -50,17 +50,31 @@ def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable
             return None
     else:
         device = next(iter({**params, **buffers}.values())).device if (params or buffers) else None
-        idx = torch.tensor(chosen, device=device)
+        idx = compat.from_host(chosen, torch.long, device)
         sub_params = {k: v.index_select(0, idx) for k, v in params.items()}
         with torch.no_grad():
             sub_buffers = {k: v.index_select(0, idx) for k, v in buffers.items()}
         sent = {k: v.clone() for k, v in sub_buffers.items()} if buffers else {}
 
         def write_back() -> None:
+            # Only the buffers the members changed are written back (an in-place write of
+            # an unchanged buffer could break a backward that saved it), found with one host
+            # read for all of them rather than one torch.equal each.
+            names = list(sub_buffers)
+            if not names:
+                return
             with torch.no_grad():
-                for k, v in sub_buffers.items():
-                    if not torch.equal(v, sent[k]):
-                        buffers[k].index_copy_(0, idx, v)
+                changed = torch.stack(
+                    [
+                        (sub_buffers[k] != sent[k]).any()
+                        if sub_buffers[k].shape == sent[k].shape
+                        else sent[k].new_ones((), dtype=torch.bool)
+                        for k in names
+                    ]
+                ).tolist()
+                for k, c in zip(names, changed, strict=True):
+                    if c:
+                        buffers[k].index_copy_(0, idx, sub_buffers[k])
 
     sub = StackView(len(chosen), view.module, view.template, lambda: (sub_params, sub_buffers))
     sub.lock = view.lock
@@ -163,7 +177,9 @@ def subset_segment(
                 else a.reshape(k * batch, *a.shape[2:])
                 for a, d in zip(args, in_dims)
             )  # fmt: skip
-            member_of = torch.tensor(chosen, device=gathered[0].device).repeat_interleave(batch)
+            member_of = compat.from_host(chosen, torch.long, gathered[0].device).repeat_interleave(
+                batch
+            )
             seg = Segments(chosen, [batch] * k, member_of, view.num_members)
             out = pytree.tree_map(
                 lambda t: t.view(k, batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t,

@@ -135,6 +135,8 @@ class CompiledStep:
         self._max_norm: tuple[Any, Tensor] | None = None
         self._mode_modules = list(stack.modules())  # whose train/eval modes the signature reads
         self._groups: dict[int, dict[str, Any]] = {}  # id(param) -> its optimizer group
+        # CUDA: a step's skipped/frozen flags on their way to the host (see _after_isolation)
+        self._flags_in_flight: tuple[Tensor, Any, bool] | None = None
         # Injected by tests: the clock of the timings, and the exchange of every rank's
         # medians (a list with this rank's object alone outside torch.distributed).
         self._clock: Callable[[], float] = time.perf_counter
@@ -435,7 +437,7 @@ class CompiledStep:
             _set_rng_state(rng)
         layout = dataclasses.replace(layout, outputs=tuple(returned), grads=tuple(grads))
         graph = simplify(graph)
-        run = compile_graph(graph, copies, real, self.backend, self.mode)
+        run = compile_graph(graph, copies, real, self.backend, self.mode, kept=len(layout.outputs))
         self._trace_s = time.perf_counter() - start
         return _Entry(run=run, layout=layout)
 
@@ -464,12 +466,40 @@ class CompiledStep:
         return out["losses"]
 
     def _after_isolation(self, skipped: Tensor | None, newly_frozen: Tensor | None) -> None:
-        """Records skipped members on the optimizer and warns, as its own step does."""
+        """Records skipped members on the optimizer and warns, as its own step does.
+
+        On CUDA the flags travel to the host by an asynchronous copy and the warning comes
+        when they have arrived, at the latest after the next step is queued: reading them
+        at once would make the host wait for the step after every replay.
+        """
         opt: Any = self.optimizer
         assert skipped is not None
         opt.last_skipped = skipped
-        if opt.warn_skipped:
+        if not opt.warn_skipped:
+            return
+        if not skipped.is_cuda:
             opt.warn_if_skipped(skipped, newly_frozen)
+            return
+        previous = self._flags_in_flight
+        frozen = torch.zeros_like(skipped) if newly_frozen is None else newly_frozen
+        flags = torch.stack([skipped, frozen])  # (2, N) bool
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._flags_in_flight = (host, done, newly_frozen is not None)
+        if previous is not None:  # the step before this one: finished or nearly
+            previous[1].synchronize()
+            self._warn_from_host(previous)
+        if done.query():
+            self._warn_from_host(self._flags_in_flight)
+            self._flags_in_flight = None
+
+    def _warn_from_host(self, flags: tuple[Tensor, Any, bool]) -> None:
+        host, _, frozen = flags
+        opt: Any = self.optimizer
+        if bool(host.any()):  # a host tensor: no device sync
+            opt.warn_if_skipped(host[0], host[1] if frozen else None)
 
     def _tensors(self, args: tuple, target: Any, mask: Tensor | None) -> dict[str, Any]:
         """The graph's inputs: the live tensors of the stack and the optimizer, and the data.

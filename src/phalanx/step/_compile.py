@@ -22,10 +22,17 @@ __all__ = ["compile_graph"]
 
 
 def compile_graph(
-    graph: Any, copies: list[Tensor], real: dict[str, Any], backend: Any, mode_asked: str | None
+    graph: Any,
+    copies: list[Tensor],
+    real: dict[str, Any],
+    backend: Any,
+    mode_asked: str | None,
+    kept: int | None = None,
 ) -> Callable[[list[Tensor]], tuple[Tensor, ...]]:
     """``graph`` (traced on ``copies``) compiled by ``backend``: a function of the flat list
-    of the step's tensors (``real`` holds them by kind, for CUDA graphs' static addresses)."""
+    of the step's tensors (``real`` holds them by kind, for CUDA graphs' static addresses).
+    ``kept``: how many leading outputs outlive the call (the rest, gradients a fused
+    optimizer applies at once, are read before the next replay); None: all."""
     cuda = real["params"][0].is_cuda
     mode = mode_asked if mode_asked is not None else ("reduce-overhead" if cuda else None)
     options: dict[str, Any] = {}
@@ -43,7 +50,7 @@ def compile_graph(
             # faster path (one bench run each, --quick).
             options["cpp.min_chunk_size"] = 65536
     if (cuda and mode == "reduce-overhead") or (mode is not None and backend != "inductor"):
-        run = _through_dynamo(graph, real, backend, mode, options)
+        run = _through_dynamo(graph, real, backend, mode, options, kept)
     else:
         compiled: Any  # compiled directly (see the module's docstring)
         with torch.no_grad():  # an inference graph: the step takes its own gradients
@@ -64,16 +71,12 @@ def _through_dynamo(
     backend: Any,
     mode: str | None,
     options: dict[str, Any],
+    kept: int | None = None,
 ) -> Callable[[list[Tensor]], tuple[Tensor, ...]]:
     """The graph compiled by ``torch.compile``: CUDA graphs need its static inputs."""
-    if real["params"][0].is_cuda and mode == "reduce-overhead":
-        # CUDA graphs may write only into tensors whose address never changes.
-        for k in ("params", "buffers"):
-            for x in real[k]:
-                compat.mark_static_address(x)
-        for state in real["state"]:
-            for x in state.values():
-                compat.mark_static_address(x)
+    static = static_inputs(real) if mode == "reduce-overhead" else []
+    for x in static:
+        compat.mark_static_address(x)
     if backend == "inductor":
         mode = None  # torch.compile takes a mode or options, not both: it is in options
     compiled = torch.compile(
@@ -85,15 +88,43 @@ def _through_dynamo(
         dynamic=False,
     )
     calls = 0
+    marked = {id(x) for x in static}
+    where: list[int] = []  # the positions of the static inputs in the flat list
 
     def run(flat: list[Tensor]) -> tuple[Tensor, ...]:
         nonlocal calls
-        with _guards_skipped(calls > 0):
+        if calls == 0:
+            where[:] = [i for i, x in enumerate(flat) if id(x) in marked]
+        # A static tensor replaced since the capture (opt.load_state_dict() replaces the
+        # optimizer's state and counters): marked in its turn, and the guards evaluated on
+        # this call; CUDA graph trees re-record on the new address rather than replay on
+        # the stale one.
+        moved = [flat[i] for i in where if not compat.is_static_address(flat[i])]
+        for x in moved:
+            compat.mark_static_address(x)
+        with _guards_skipped(calls > 0 and not moved):
             out = compiled(*flat)
         calls += 1
-        return tuple(x.clone() for x in out)  # CUDA graphs overwrite their outputs
+        # CUDA graphs overwrite their outputs at the next replay: the kept ones are cloned
+        # out of the graph's pool, the gradients a fused optimizer applies now are not
+        return tuple(x.clone() if kept is None or i < kept else x for i, x in enumerate(out))
 
     return run
+
+
+def static_inputs(real: dict[str, Any]) -> list[Tensor]:
+    """The step's inputs whose address must not change for CUDA graphs: every tensor the
+    graph writes in place (parameters, buffers, optimizer state, and with
+    ``skip_nonfinite`` the optimizer's ``bad_steps`` and ``frozen`` counters).
+
+    Inductor's CUDA graph trees skip CUDA graphs for a whole graph that mutates an input
+    not in its static inputs (``check_for_mutation`` in ``torch/_inductor/cudagraph_utils.py``:
+    "skipping cudagraphs due to mutated inputs").
+    """
+    static = [*real["params"], *real["buffers"]]
+    static += [x for state in real["state"] for x in state.values()]
+    static += [real[k] for k in ("bad_steps", "frozen") if real.get(k) is not None]
+    return static
 
 
 def _guards_skipped(skip: bool) -> Any:

@@ -45,7 +45,10 @@ def _grads(fn: str, parameters: Tensor | Iterable[Tensor]) -> tuple[list[Tensor]
 
 
 def _per_member(fn: str, name: str, value: float | Tensor, n: int, like: Tensor) -> Tensor:
-    """``value`` as (N, 1) in ``like``'s dtype and device."""
+    """``value`` as (N,) in ``like``'s dtype and device."""
+    if isinstance(value, (int, float)):
+        # a fill on the device: torch.as_tensor(number, device="cuda") is a blocking copy
+        return torch.full((n,), float(value), dtype=like.dtype, device=like.device)
     t = torch.as_tensor(value, dtype=like.dtype, device=like.device)
     if t.shape not in {(), (n,)}:
         raise ValueError(

@@ -175,9 +175,8 @@ class MemberGradScaler:
         if not state["unscaled"]:
             self.unscale_(optimizer)
         self.last_skipped = state["found_inf"].clone()
-        if mask is None and not bool(self.last_skipped.any()):
-            # one host sync, as torch's GradScaler has; the unmasked step is the cheaper one
-            return optimizer.step(closure)
+        # Always the masked step: asking whether any member overflowed would be a host sync
+        # (torch's GradScaler makes one); the mask is read on the device.
         active = ~state["found_inf"]
         if mask is not None:
             active = active & torch.as_tensor(mask, dtype=torch.bool, device=active.device)

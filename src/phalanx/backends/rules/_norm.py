@@ -49,7 +49,11 @@ _BN_NAMES = (
 _BN_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
 
 ALONE_BYTES = 1 << 18
-"""A member's input of at least this many bytes is normalised by a call of its own."""
+"""A member's CPU input of at least this many bytes is normalised by a call of its own."""
+ALONE_BYTES_ELSEWHERE = 64 << 20
+"""... and on another device (a GPU): there each member's call is a kernel launch, so the one
+call is kept up to large members, whose copies the per-member calls spare. A choice made
+without a GPU to measure it: unmeasured."""
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -104,7 +108,7 @@ def _batch_norm(
         dims[0] == 0
         and not compat.tracing()
         and xs[0].is_contiguous()
-        and xs[0].nbytes >= ALONE_BYTES
+        and xs[0].nbytes >= (ALONE_BYTES if xs.device.type == "cpu" else ALONE_BYTES_ELSEWHERE)
     ):
         # each member's input, a contiguous view, as it is alone: its own call, no copy (not
         # under a trace: a symbolic size has no value to compare)
