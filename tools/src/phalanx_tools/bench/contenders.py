@@ -381,7 +381,9 @@ class TaughtRunner:
         self.captured = captured
         self.compiled = None
         if captured:
-            kwargs = {} if compile_backend == "inductor" else {"backend": compile_backend}
+            kwargs: dict[str, Any] = (
+                {} if compile_backend == "inductor" else {"backend": compile_backend}
+            )
             self.compiled = phalanx.compile_step(
                 self.stack, self.loss_fn, self.optimizer, in_dims=self.in_dims, **kwargs
             )

@@ -33,7 +33,7 @@ import math
 import platform
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,9 +195,9 @@ class TorchFuncRouted(nn.Module):
 
     The stacked tensors are leaves that train (``parameters()``)."""
 
-    def __init__(self, members: list[nn.Module], how: str) -> None:
+    def __init__(self, members: Sequence[nn.Module], how: str) -> None:
         super().__init__()
-        params, buffers = torch.func.stack_module_state(members)
+        params, buffers = torch.func.stack_module_state(list(members))
         self.names = list(params)
         self.stacked = nn.ParameterList(nn.Parameter(v.detach()) for v in params.values())
         self.buffers_ = buffers
@@ -219,11 +219,11 @@ class TorchFuncRouted(nn.Module):
             subb = {k: v.index_select(0, chosen) for k, v in buffers.items()}
             return torch.func.vmap(self._member, in_dims=(0, 0, *shared))(sub, subb, *args)
         if self.how == "rows":
-            rows = {k: v.index_select(0, index) for k, v in params.items()}
+            rowp = {k: v.index_select(0, index) for k, v in params.items()}
             rowb = {k: v.index_select(0, index) for k, v in buffers.items()}
             ones = tuple(a.unsqueeze(1) for a in args)  # each row a batch of one
             out = torch.func.vmap(self._member, in_dims=(0, 0, *(0,) * len(args)))(
-                rows, rowb, *ones
+                rowp, rowb, *ones
             )
             return tuple(o.squeeze(1) for o in out) if isinstance(out, tuple) else out.squeeze(1)
         out = torch.func.vmap(self._member, in_dims=(0, 0, *shared))(params, buffers, *args)
@@ -234,6 +234,7 @@ class TorchFuncRouted(nn.Module):
             if index.dim() == 1:
                 return o[index, rows]
             picked = o[index, rows[:, None]]  # (B, k, ...)
+            assert weights is not None, "k members a row need their weights"
             w = weights.to(o.dtype).view(*weights.shape, *(1,) * (o.dim() - 2))
             return (picked * w).sum(1)
 
