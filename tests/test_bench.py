@@ -33,12 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 HAS_JAX = jax_contender.missing() is None
 CONTENDERS = [
     "loop", "loop+fused", "loop+compile", "torch.func", *(f"phalanx:{b}" for b in BACKENDS),
-    "phalanx:auto", "phalanx:compiled", *["jax"] * HAS_JAX,
+    "phalanx:auto", "phalanx:compiled", "taught", "taught:eager", *["jax"] * HAS_JAX,
 ]  # fmt: skip
-TRAIN_ONLY = ("loop+compile", "phalanx:compiled", "jax")
+TRAIN_ONLY = ("loop+compile", "phalanx:compiled", "taught", "taught:eager", "jax")
 # The contenders that run W2 and W3 today; "fused" is checked too, but may still be n/a.
 WORKING = ["loop", "loop+fused", "loop+compile", "torch.func", "phalanx:vmap", "phalanx:loop",
-           "phalanx:auto", "jax"]  # fmt: skip
+           "phalanx:auto", "taught", "taught:eager", "jax"]  # fmt: skip
 FAKE_MACHINE = Machine("cpu", "cpu", "cpu", 1, "", "", "", 1, 1, 10.0, 1, 10.0)
 ONE_ROUND = Settings(rounds=2, min_rounds=2, warmup=0, target_s=0.0, budget_s=0.0)
 
@@ -101,6 +101,9 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
             assert compiled["status"] == "ok", compiled["reason"]
             assert compiled["compile_s"] > 0
             assert compiled["note"].startswith(("eager: eager step", "captured: eager step"))
+            # the README tour's step, captured and eager, with the compile seconds
+            assert rows["taught"]["compile_s"] > 0 and rows["taught"]["vs_torch_func"] > 0
+            assert rows["taught:eager"]["note"].startswith("eager step, backend ")
         if train and HAS_JAX:  # JAX's jit(vmap(step)): checked against the loop, timed
             assert rows["jax"]["compile_s"] > 0 and rows["jax"]["vs_loop"] > 0
     assert doc["machine"]["gemm_gflops"] > 0 and doc["machine"]["bandwidth_gbs"] > 0
@@ -110,6 +113,7 @@ def test_quick_run_checks_and_times_every_contender(quick_run):
     assert printed.startswith("$ phalanx bench --workloads W2,W3 --device cpu --quick --threads 1")
     assert "torch 2" in printed and "1 intra-op thread\n" in printed
     assert "GFLOP/s" in printed and "Summary" in printed
+    assert "The taught path (the README tour" in printed
 
 
 def test_benchmarks_page_renders_from_a_run(quick_run):
@@ -368,3 +372,19 @@ def test_a_jax_that_does_not_start_is_said_in_the_header(monkeypatch):
         "jax        jax is installed but does not start (Unable to initialize backend 'cpu'): "
         "its rows are n/a"
     )
+
+
+def test_several_thread_counts_run_the_bench_once_each(monkeypatch, capsys):
+    import argparse
+
+    from phalanx_tools.bench import cli as bench_cli
+
+    assert bench_cli._thread_counts("2") == 2 and bench_cli._thread_counts("1,2") == [1, 2]
+    with pytest.raises(argparse.ArgumentTypeError, match="several separated by commas"):
+        bench_cli._thread_counts("one")
+    seen = []
+    monkeypatch.setattr(bench_cli, "run", lambda a: seen.append((a.threads, a.json)) or len(seen))
+    args = argparse.Namespace(threads=[1, 2], json="out/bench.json", plot=None)
+    assert bench_cli._each_thread_count(args) == 2
+    assert seen == [(1, "out/bench.threads1.json"), (2, "out/bench.threads2.json")]
+    assert "=== --threads 2" in capsys.readouterr().out

@@ -79,6 +79,7 @@ def test_demo_trains_and_reports_accuracy(capsys, tmp_path):
     argv = ["demo", "--members", "8", "--seeds", "2", "--epochs", "2", "--hidden", "16"]
     argv += ["--lr-min", "0.01", "--lr-max", "1e3", "--top-k", "3", "--loop-members", "2"]
     argv += ["--threads", "1"]  # tiny ops: a second thread only waits on a busy machine
+    argv += ["--compile-backend", "aot_eager"]  # compile_step's capture without inductor's C++
     assert main([*argv, "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     # 4 learning rates 0.01, 0.464, 21.5, 1000: the two largest overflow and are frozen
@@ -87,6 +88,7 @@ def test_demo_trains_and_reports_accuracy(capsys, tmp_path):
     ensemble = re.search(r"Ensemble of the top 3 \(mean of softmax\): test accuracy ([0-9.]+)", out)
     assert ensemble and float(ensemble[1]) > 0.5, f"chance is 0.1; 2 epochs learn more: {out}"
     assert re.search(r"loop over nn\.Modules.*EXTRAPOLATED from 2 members", out), out
+    assert re.search(r"training step: compile_step, (captured|eager): eager step", out), out
     assert re.search(r"\(a\) one shared batch stream: .*\n +\(b\) own bootstrap batches: ", out)
     assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), "the plot is not a PNG"
 

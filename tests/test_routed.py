@@ -288,6 +288,7 @@ def test_both_segment_kernels_match_the_loop(monkeypatch, grouped_rows, dtype):
     """grouped_mm (float32, few rows per member) and one GEMM per segment (the others)."""
     monkeypatch.setattr(_segments, "GROUPED_ROWS", grouped_rows)
     monkeypatch.setattr(_segments, "GROUPED_SEGMENTS", 1)
+    monkeypatch.setattr(_segments, "PER_SEGMENT_FEW", 1)  # all rows at once, grouped
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(6)]
     stack = phalanx.stack(copy.deepcopy(models)).to(dtype)
@@ -336,6 +337,14 @@ def test_per_segment_runs_match_the_loop(monkeypatch, arch, grad):
     assert stack.routed_path == "segment"
     assert len(runs) >= len(index.unique())  # once per member with rows
     assert _segments.per_segment(3, rows * 2) and not _segments.per_segment(40, rows * 2)
+
+
+def test_few_small_segments_run_the_loops_own_path():
+    """A PETS call (5 members, 400 rows, 80 a member) ran once over all rows, with per-row
+    gathers, at 0.6-0.7x the loop; a few segments run once each, whatever their size."""
+    assert _segments.per_segment(5, 400) and _segments.per_segment(8, 16)
+    assert not _segments.per_segment(12, 120) and _segments.per_segment(12, 128 * 12)
+    assert not _segments.per_segment(1, 400) and not _segments.per_segment(40, 10**6)
 
 
 def test_output_shapes():
@@ -444,6 +453,7 @@ def test_subset_matches_those_members_alone(monkeypatch, backend, chosen, per_se
     """Both subset paths of the cost rule: each chosen member on the whole input (views,
     nothing gathered) and one run over the repeated input."""
     monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", per_segment_rows)
+    monkeypatch.setattr(_segments, "PER_SEGMENT_FEW", 1)  # the rows decide, even for few
     runs = _count_plan_runs(monkeypatch, _subsets)
     torch.manual_seed(0)
     models = [TwoInputs() for _ in range(10)]
@@ -488,6 +498,7 @@ def test_subset_per_member_inputs_and_buffers():
 @pytest.mark.parametrize("per_segment_rows", [1, 10**9])
 def test_subset_per_member_inputs_on_the_segment_path(monkeypatch, per_segment_rows):
     monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", per_segment_rows)
+    monkeypatch.setattr(_segments, "PER_SEGMENT_FEW", 1)  # the rows decide, even for few
     torch.manual_seed(0)
     models = [Gaussian() for _ in range(5)]
     stack = phalanx.stack(copy.deepcopy(models), backend="auto")
@@ -642,6 +653,8 @@ def test_no_grad_calls_match_the_loop(monkeypatch, arch, grouped):
     """Under no_grad a Linear's activation runs inside its segment loop, in place."""
     if grouped:
         monkeypatch.setattr(_segments, "GROUPED_SEGMENTS", 1)
+        monkeypatch.setattr(_segments, "PER_SEGMENT_FEW", 1)
+    monkeypatch.setattr(_segments, "PER_SEGMENT_FEW", 1)  # all rows at once, grouped
     models, stack = build(arch, 4, "auto")
     gen = torch.Generator().manual_seed(3)
     args = inputs(arch, 30, gen)

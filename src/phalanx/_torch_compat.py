@@ -175,8 +175,65 @@ def inductor_compile(graph: Any, example_inputs: Any, options: dict[str, Any]) -
         # torch.jit.script_method: torch's own warning, not the user's concern.
         warnings.filterwarnings("ignore", "`torch.jit.script_method`")
         from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return compile_fx(graph, example_inputs, config_patches=options)
+    # Inductor's on-disk caches (the FX graph cache, AOTAutograd's) key a graph with the
+    # tracing context's ShapeEnv and bypass it without one ("No shape env"): compile_fx
+    # called alone makes a fake mode without one, so every run compiled afresh (a minute on
+    # a small CPU). A ShapeEnv of our own, with no symbols (the graph's shapes are static),
+    # makes a second run of the same step a cache hit.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    if _vec_isa_probed():
+        options = {**options, "cpp.vec_isa_ok": True}
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        return compile_fx(graph, example_inputs, config_patches=options)
+
+
+def _vec_isa_probed() -> bool:
+    """Whether this machine's CPU vector ISAs are known to build and load, so inductor may
+    skip its probe (``cpp.vec_isa_ok``).
+
+    Inductor probes each ISA the CPU reports once per process, compiling a test library
+    and loading it in a child Python (``torch._inductor.cpu_vec_isa.VecISA.check_build``):
+    seconds on a loaded machine, paid even when every kernel comes from the on-disk cache.
+    The first process probes and, where every ISA the CPU reports passed, records that in
+    inductor's cache folder (keyed by torch's version, the compiler and the CPU's flags); later
+    processes skip the probe. The option is part of inductor's cache key, so it is set in the
+    first process too, once its probe has passed. False (probe as torch does) off x86 and
+    wherever an ISA the CPU reports failed."""
+    import os
+    import platform
+
+    try:
+        from torch._inductor import cpu_vec_isa
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        if platform.machine() not in ("x86_64", "AMD64") or os.getenv("TORCHINDUCTOR_VEC_ISA_OK"):
+            return False
+        flags = cpu_vec_isa.x86_isa_checker()
+        reported = [
+            str(isa)
+            for isa in cpu_vec_isa.supported_vec_isa_list
+            if all(flag in flags for flag in str(isa).split())
+        ]
+        key = f"torch {torch.__version__}; {get_cpp_compiler()}; {' '.join(sorted(flags))}; {reported}"
+        marker = os.path.join(cache_dir(), "phalanx_vec_isa_ok")
+        if os.path.exists(marker):
+            with open(marker) as f:
+                if f.read() == key:
+                    return True
+        if [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != reported:  # the probe
+            return False
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        temporary = f"{marker}.{os.getpid()}"
+        with open(temporary, "w") as f:
+            f.write(key)
+        os.replace(temporary, marker)
+        return True
+    except Exception:  # a torch without these internals: probe as torch does
+        return False
 
 
 def dynamo_backend(name: Any) -> Any:

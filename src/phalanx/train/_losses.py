@@ -7,7 +7,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.func import vmap
 
 from phalanx._errors import summary
@@ -15,82 +14,16 @@ from phalanx._torch_compat import pytree
 from phalanx.backends._outputs import refuse_opaque
 from phalanx.core._hf import own_loss
 from phalanx.train import _smoothing
+from phalanx.train._builtin_losses import BUILTIN, batched_loss
 from phalanx.train._loss_checks import check_targets
-
-# Losses that are a mean of per-element terms: computed once on (N, B, ...) with
-# reduction="none", then averaged per member, instead of through vmap's per-call overhead.
-_ELEMENTWISE = {
-    F.mse_loss: (),
-    F.l1_loss: (),
-    F.smooth_l1_loss: ("beta",),
-    F.huber_loss: ("delta",),
-    F.binary_cross_entropy_with_logits: (),
-    F.binary_cross_entropy: (),
-}
-# Losses over a class dimension (dim 1 of a member's (B, C, ...) output) with a mean over
-# the samples: computed on the (N * B, C, ...) flattening.
-# A class `weight` of shape (C,) is shared by the members; with class indices the mean is then
-# over the targets' weights, as torch's reduction="mean" divides.
-_CLASSWISE = {
-    F.cross_entropy: ("label_smoothing", "weight", "ignore_index"),
-    F.nll_loss: ("weight", "ignore_index"),
-}
-
-
-def _batched_loss(
-    loss_fn: Callable[..., torch.Tensor],
-    output: torch.Tensor,
-    target: Any,
-    in_dims: tuple[int | None, int | None],
-    kwargs: dict[str, Any],
-) -> torch.Tensor | None:
-    """The (N,) losses without vmap for the common losses with a plain mean; else None."""
-    if not isinstance(target, torch.Tensor) or in_dims[0] != 0 or output.dim() < 2:
-        return None
-    n = output.shape[0]
-    if in_dims[1] is None:
-        target = target.expand(n, *target.shape)
-    # A mean over every dim but the member axis, without flattening: the outputs of the fused
-    # backend are often strided views, which flatten(1) would copy (and copy back in backward).
-    if loss_fn in _ELEMENTWISE and set(kwargs) <= set(_ELEMENTWISE[loss_fn]):
-        if target.shape != output.shape:
-            return None  # broadcasting targets: let the loss itself warn or refuse
-        per_element = loss_fn(output, target, reduction="none", **kwargs)
-        return per_element.mean(dim=tuple(range(1, per_element.dim())))
-    if loss_fn in _CLASSWISE and set(kwargs) <= set(_CLASSWISE[loss_fn]) and output.dim() >= 3:
-        if target.shape[:2] != output.shape[:2]:
-            return None
-        # The members become the loss's batch and a member's batch its first "spatial" dim:
-        # (N, B, C, ...) is read as (N, C, B, ...), a view, with no copy of a shared target.
-        if target.is_floating_point():  # class probabilities, shaped like the output
-            if target.shape != output.shape:
-                return None
-            per_sample = loss_fn(output.movedim(2, 1), target.movedim(2, 1), reduction="none",
-                                 **kwargs)  # fmt: skip
-            return per_sample.mean(dim=tuple(range(1, per_sample.dim())))
-        weight = kwargs.get("weight")
-        if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
-            return None
-        per_sample = loss_fn(output.movedim(2, 1), target, reduction="none", **kwargs)
-        # reduction="mean" divides by the number of samples not equal to ignore_index, or with
-        # class weights by the sum of their targets' weights (label smoothing's term included)
-        counted = target != kwargs.get("ignore_index", -100)
-        dims = tuple(range(1, target.dim()))
-        if weight is None:
-            total = counted.sum(dim=dims)
-        else:
-            picked = weight.to(per_sample.dtype)[target.where(counted, 0)]
-            total = picked.where(counted, 0).sum(dim=dims)
-        return per_sample.sum(dim=tuple(range(1, per_sample.dim()))) / total
-    return None
 
 
 def member_losses(
     loss_fn: Callable[..., torch.Tensor] | None,
     output: Any,
     target: Any = None,
-    *,
-    in_dims: tuple[int | None, int | None] = (0, None),
+    *more_targets: Any,
+    in_dims: tuple[int | None, ...] = (0, None),
     **kwargs: Any,
 ) -> torch.Tensor:
     """Applies ``loss_fn`` to each member's output alone and returns one loss per member.
@@ -111,19 +44,36 @@ def member_losses(
             ``ModelOutput`` of such tensors.
         target: ``(B, ...)`` shared by every member (the default), or ``(N, B, ...)`` with
             ``in_dims=(0, 0)`` for per-member targets.
-        in_dims: how ``output`` and ``target`` map over the member axis, as in
+        *more_targets: further tensors ``loss_fn`` takes after the target, e.g. the variances
+            of ``F.gaussian_nll_loss(out, y, var)``; ``in_dims`` then has one entry for each
+            (``in_dims=(0, 0, 0)``: all per-member). With the default ``in_dims`` they are
+            shared by every member.
+        in_dims: how ``output`` and each target map over the member axis, as in
             ``torch.func.vmap``.
         **kwargs: passed to ``loss_fn`` for every member (e.g. ``label_smoothing=0.1``).
             ``label_smoothing`` may also be one value per member, an ``(N,)`` tensor or a
             list, with ``F.cross_entropy`` (a smoothing sweep).
+
+    torch's built-in losses (``cross_entropy``, ``nll_loss``, ``mse_loss``, ``l1_loss``,
+    ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy`` (``_with_logits``),
+    ``kl_div``, ``gaussian_nll_loss``, ``poisson_nll_loss``), passed as themselves, run once
+    on the whole ``(N, B, ...)`` output with the reduction applied per member: equal to each
+    member's own call to float rounding, without vmap's per-operator cost. Any other
+    ``loss_fn`` (a lambda, a function of your own) runs under ``torch.func.vmap``; one that
+    vmap cannot run (a Python ``if`` on a tensor's value, ``.item()``) raises an error that
+    says how to write it. For speed with a loss of your own, pass the built-in loss itself
+    and reshape the output first (``member_losses(F.mse_loss, out.squeeze(-1), y)``) or
+    reduce per member yourself (``((out - y) ** 2).mean(dim=(1, 2))``).
 
     Returns:
         ``(N,)``: the members' losses.
 
     Raises:
         ValueError: the target carries the member axis but ``in_dims`` says it is shared (or
-            ``in_dims=(0, 0)`` and its first size is not N), or ``loss_fn`` does not return
-            one scalar per member.
+            ``in_dims`` says per-member and its first size is not N), or ``loss_fn`` does not
+            return one scalar per member.
+        RuntimeError: ``loss_fn`` is a function of your own that ``torch.func.vmap`` cannot
+            run; the message names the fix.
         TypeError: ``loss_fn`` cannot read a member's structured output (it raised a
             TypeError, AttributeError, KeyError or IndexError on it).
 
@@ -143,44 +93,96 @@ def member_losses(
             f"{where}: the loss function comes first: member_losses(loss_fn, output, target); "
             f"got a {type(loss_fn).__name__} where loss_fn goes."
         )
+    targets = (target, *more_targets)
     if isinstance(in_dims, list):
-        in_dims = (in_dims[0], in_dims[1]) if len(in_dims) == 2 else in_dims
+        in_dims = tuple(in_dims)
+    if more_targets and in_dims == (0, None):
+        in_dims = (0,) + (None,) * len(targets)  # the default: every target shared
     if (
         not isinstance(in_dims, tuple)
-        or len(in_dims) != 2
+        or len(in_dims) != 1 + len(targets)
         or any(d not in (0, None) or isinstance(d, bool) for d in in_dims)
-        or in_dims == (None, None)
+        or all(d is None for d in in_dims)
     ):
+        entries = (
+            "the output and the target"
+            if not more_targets
+            else (f"the output and each of the {len(targets)} targets")
+        )
         raise ValueError(
-            f"{where}: in_dims={in_dims!r} must say where the member axis is: 0 (dim 0 is "
-            f"the member axis) or None (shared by every member) for the output and the "
-            f"target, at least one of them 0. The stack's output carries the member axis: "
+            f"{where}: in_dims={in_dims!r} must say where the member axis is, one entry for "
+            f"{entries}: 0 (dim 0 is the member axis) or None (shared by every member), at "
+            f"least one of them 0. The stack's output carries the member axis: "
             f"in_dims=(0, None) for a target shared by every member, (0, 0) for per-member "
             f"targets."
         )
     if not isinstance(output, torch.Tensor) and in_dims[0] == 0:
-        return _structured_losses(loss_fn, output, target, in_dims[1], kwargs, where)
+        return _structured_losses(loss_fn, output, targets, in_dims[1:], kwargs, where)
     if _smoothing.is_per_member(kwargs):
         return _smoothing.smoothed_losses(member_losses, loss_fn, output, target, in_dims, kwargs)
-    if (
-        in_dims[1] is None
-        and isinstance(target, torch.Tensor)
-        and in_dims[0] == 0
-        and target.shape == output.shape
-        and target.dim() > 0
-    ):
-        raise ValueError(
-            f"{where}: the target has the output's shape {tuple(output.shape)}, member axis "
-            f"included, but in_dims={in_dims} treats it as shared by every member. For a "
-            f"per-member target pass in_dims=(0, 0); for a shared one pass a target without the "
-            f"member axis."
-        )
-    check_targets(output, target, in_dims)  # per-member targets declared shared, or the reverse
-    losses = _batched_loss(loss_fn, output, target, in_dims, kwargs)
+    for k, (each, dim) in enumerate(zip(targets, in_dims[1:])):
+        if (
+            dim is None
+            and isinstance(each, torch.Tensor)
+            and in_dims[0] == 0
+            and each.shape == output.shape
+            and each.dim() > 0
+        ):
+            which = "the target" if k == 0 else f"target {k + 1}"
+            fix = "(0, 0)" if not more_targets else "with 0 for it"
+            raise ValueError(
+                f"{where}: {which} has the output's shape {tuple(output.shape)}, member axis "
+                f"included, but in_dims={in_dims} treats it as shared by every member. For a "
+                f"per-member target pass in_dims={fix}; for a shared one pass a target "
+                f"without the member axis."
+            )
+    for each, dim in zip(
+        targets, in_dims[1:]
+    ):  # per-member targets declared shared, or the reverse
+        check_targets(output, each, (in_dims[0], dim))
+    losses = None
+    if isinstance(output, torch.Tensor):
+        losses = batched_loss(loss_fn, output, targets, in_dims, kwargs)
     if losses is None:
-        losses = vmap(lambda o, t: loss_fn(o, t, **kwargs), in_dims=in_dims)(output, target)
-    n = output.shape[0] if in_dims[0] == 0 else target.shape[0]
+        losses = _vmapped(loss_fn, output, targets, in_dims, kwargs, where)
+    n = output.shape[0] if in_dims[0] == 0 else _member_count(targets, in_dims)
     return _checked(losses, n, where)
+
+
+# torch.func.vmap's own refusals (its messages begin "vmap:" or name a batching rule)
+_VMAP_REFUSALS = ("vmap:", "Batching rule not implemented", "data-dependent", "vmap over")
+
+
+def _vmapped(
+    loss_fn: Callable[..., torch.Tensor],
+    output: Any,
+    targets: tuple[Any, ...],
+    in_dims: tuple[int | None, ...],
+    kwargs: dict[str, Any],
+    where: str,
+) -> Any:
+    """``loss_fn`` on each member under vmap; vmap's refusals re-raised saying what to do."""
+    try:
+        return vmap(lambda o, *t: loss_fn(o, *t, **kwargs), in_dims=in_dims)(output, *targets)
+    except RuntimeError as e:
+        if not any(mark in str(e) for mark in _VMAP_REFUSALS):
+            raise
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        builtin = ", ".join(sorted(f"F.{f.__name__}" for f in BUILTIN))
+        raise RuntimeError(
+            f"{where}: loss_fn {name!r} cannot run on one member at a time under "
+            f"torch.func.vmap, which member_losses uses for a loss function of your own: "
+            f"{summary(e)}. Either pass torch's built-in loss itself ({builtin}), which runs "
+            f"on the whole (N, B, ...) output without vmap, with its extra tensors after the "
+            f"target (member_losses(F.gaussian_nll_loss, out, y, var, in_dims=(0, 0, 0))); or "
+            f"compute the (N,) losses yourself on the stacked output, reducing every dim but "
+            f"the member axis (((out - y) ** 2).mean(dim=tuple(range(1, out.dim())))), "
+            f"without Python branches on a tensor's value or .item()."
+        ) from e
+
+
+def _member_count(targets: tuple[Any, ...], in_dims: tuple[int | None, ...]) -> int:
+    return next(t.shape[0] for t, d in zip(targets, in_dims[1:]) if d == 0)
 
 
 def _checked(losses: Any, n: int, where: str) -> torch.Tensor:
@@ -196,8 +198,8 @@ def _checked(losses: Any, n: int, where: str) -> torch.Tensor:
 def _structured_losses(
     loss_fn: Callable[..., torch.Tensor],
     output: Any,
-    target: Any,
-    target_dim: int | None,
+    targets: tuple[Any, ...],
+    target_dims: tuple[int | None, ...],
     kwargs: dict[str, Any],
     where: str,
 ) -> torch.Tensor:
@@ -223,9 +225,9 @@ def _structured_losses(
             f"returns them."
         )
     dims = pytree.tree_map(lambda x: 0 if isinstance(x, torch.Tensor) else None, tree)
-    per_member = vmap(lambda o, t: loss_fn(o, t, **kwargs), in_dims=(dims, target_dim))
+    per_member = vmap(lambda o, *t: loss_fn(o, *t, **kwargs), in_dims=(dims, *target_dims))
     try:
-        losses = per_member(tree, target)
+        losses = per_member(tree, *targets)
     except (TypeError, AttributeError, KeyError, IndexError) as e:
         hint = f"lambda out, y: F.mse_loss({_first_part(output)}, y)"
         if hasattr(output, "loss") or (isinstance(output, Mapping) and "loss" in output):

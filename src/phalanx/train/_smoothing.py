@@ -26,7 +26,7 @@ def smoothed_losses(
     loss_fn: Callable[..., torch.Tensor],
     output: torch.Tensor,
     target: Any,
-    in_dims: tuple[int | None, int | None],
+    in_dims: tuple[int | None, ...],
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """``member_losses`` with ``kwargs["label_smoothing"]`` one value per member, ``(N,)``."""

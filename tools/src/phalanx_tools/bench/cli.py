@@ -54,10 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_thread_counts,
         metavar="T",
         help="torch intra-op threads (default: torch's choice). On a machine that other "
-        "processes share, --threads 1 avoids threads waiting for each other's cores",
+        "processes share, --threads 1 avoids threads waiting for each other's cores. "
+        "Several counts, --threads 1,2, run the whole benchmark once per count, one table "
+        "each (batched kernels spread over cores where the loop's small GEMMs do not)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
     parser.add_argument(
@@ -134,6 +136,34 @@ def _exact_fp32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def _thread_counts(text: str) -> int | list[int]:
+    """``--threads``: one count, or several (``1,2``), each a run of its own."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of threads, or several separated by commas (1,2)"
+        ) from None
+    return counts[0] if len(counts) == 1 else counts
+
+
+def _each_thread_count(args: argparse.Namespace) -> int:
+    """``run`` once per ``--threads`` count, the JSON file suffixed with the count."""
+    rc = 0
+    for count in args.threads:
+        one = argparse.Namespace(**vars(args))
+        one.threads = count
+        if args.json:
+            stem, dot, ext = str(args.json).rpartition(".")
+            one.json = f"{stem}.threads{count}.{ext}" if dot else f"{args.json}.threads{count}"
+        if args.plot:
+            stem, dot, ext = str(args.plot).rpartition(".")
+            one.plot = f"{stem}.threads{count}.{ext}" if dot else f"{args.plot}.threads{count}"
+        print(f"=== --threads {count}", flush=True)
+        rc = max(rc, run(one))
+    return rc
+
+
 def _command(args: argparse.Namespace, workloads: list[str], phases: list[str]) -> str:
     parts = ["phalanx bench"]
     if workloads != list(WORKLOADS):
@@ -181,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         0 on success, 1 when a contender gave a wrong answer, 2 on a usage error (an unknown
         workload or phase, ``--device cuda`` without a GPU, ``--procs`` unavailable).
     """
+    if isinstance(args.threads, list):
+        return _each_thread_count(args)
     if args.dynamic:
         from phalanx_tools.bench.dynamic import main as dynamic_main
 

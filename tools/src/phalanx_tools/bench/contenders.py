@@ -350,11 +350,98 @@ class CompiledRunner(PhalanxRunner):
         return self.compiled.report
 
 
+class TaughtRunner:
+    """The training step exactly as the README's tour writes it, and nothing more:
+    ``phalanx.stack(members)``, ``phalanx.optim.Adam``, ``phalanx.member_losses`` of the
+    workload's own torch loss, and ``phalanx.compile_step`` (``captured=True``) or the eager
+    step a user writes from the same lines (``captured=False``). No backend, optimizer mode
+    or compile option is chosen for it: what a user who follows the tour runs."""
+
+    whole_step = True
+
+    def __init__(
+        self,
+        members: list[nn.Module],
+        data: Data,
+        workload: Workload,
+        *,
+        captured: bool,
+        compile_backend: str = "inductor",
+    ):
+        self.stack = phalanx.stack([copy.deepcopy(m) for m in members])
+        self.optimizer = phalanx.optim.Adam(self.stack.parameters(), lr=LR)
+        self.loss_fn = loss_function(workload)
+        self.mode = workload.input_mode
+        n, x, t = workload.num_members, data.x, data.target
+        if self.mode == "sliced":
+            self.x, self.t = phalanx.split(x, n, dim=1), phalanx.split(t, n, dim=1)
+        else:
+            self.x, self.t = x, t
+        self.in_dims = None if self.mode == "shared" else 0
+        self.captured = captured
+        self.compiled = None
+        if captured:
+            kwargs: dict[str, Any] = (
+                {} if compile_backend == "inductor" else {"backend": compile_backend}
+            )
+            self.compiled = phalanx.compile_step(
+                self.stack, self.loss_fn, self.optimizer, in_dims=self.in_dims, **kwargs
+            )
+            # its warm-up (eager steps, the compilation, timed steps), then the weights and
+            # optimizer state put back: the check sees a step from every contender's state
+            start = {k: v.clone() for k, v in self.stack.state_dict().items()}
+            while self.compiled.choice is None:
+                self.compiled(self.x, self.t)
+            with torch.no_grad():
+                for k, v in self.stack.state_dict().items():
+                    v.copy_(start[k])
+                for state in self.optimizer.state.values():
+                    for v in state.values():
+                        if isinstance(v, torch.Tensor):
+                            v.zero_()
+
+    def forward(self) -> torch.Tensor:
+        raise NotImplementedError("the taught path is timed as a training step")
+
+    def backward(self) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled(self.x, self.t)
+        # the tour's eager step, as written there
+        losses = phalanx.member_losses(
+            self.loss_fn,
+            self.stack(self.x, in_dims=self.in_dims),
+            self.t,
+            in_dims=(0, self.in_dims),
+        )
+        self.optimizer.zero_grad()
+        losses.sum().backward()
+        self.optimizer.step()
+        return losses.detach()
+
+    def step(self) -> None:
+        pass  # backward() ran the whole step
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        return {}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k.removeprefix("module."): v for k, v in self.stack.state_dict().items()}
+
+    def compile_seconds(self) -> float | None:
+        return None if self.compiled is None else self.compiled.compile_seconds
+
+    def note(self) -> str:
+        if self.compiled is None:
+            return f"eager step, backend {self.stack.backend}"
+        return self.compiled.report
+
+
 def default_contenders(
     optimizer: OptimizerFactory | None = None, *, compile_backend: str = "inductor"
 ) -> list[Contender]:
     """loop (the reference, first), loop+fused, loop+compile (training only), torch.func,
-    every phalanx backend, phalanx auto, phalanx:compiled (the captured training step) and,
+    every phalanx backend, phalanx auto, phalanx:compiled (the captured training step), taught
+    and taught:eager (the README tour's step, captured and eager: :class:`TaughtRunner`) and,
     where jax and optax are installed, jax (``jax.jit(jax.vmap(step))`` with optax's Adam,
     training only: :mod:`phalanx_tools.bench.jax_contender`).
 
@@ -388,5 +475,17 @@ def default_contenders(
         Contender("torch.func", "baseline", TorchFuncRunner),
         *(phalanx_contender(b) for b in (*BACKENDS, "auto")),
         Contender("phalanx:compiled", "phalanx", compiled, train_only=True),
+        Contender(
+            "taught",
+            "phalanx",
+            functools.partial(TaughtRunner, captured=True, compile_backend=compile_backend),
+            train_only=True,
+        ),
+        Contender(
+            "taught:eager",
+            "phalanx",
+            functools.partial(TaughtRunner, captured=False),
+            train_only=True,
+        ),
         *[Contender("jax", "baseline", jax_contender.JaxRunner, train_only=True)] * with_jax,
     ]

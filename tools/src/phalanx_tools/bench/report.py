@@ -122,7 +122,7 @@ def _summary(r: Result) -> list[str]:
         time_of(fused),
         time_of(compiled),
         time_of(tf),
-        f"{time_of(best)} ({best.name.split(':')[1]})" if best else "none passed",
+        f"{time_of(best)} ({best.name.removeprefix('phalanx:')})" if best else "none passed",
         _fmt(best.vs_loop if best else None, ".2f", "x"),
         _fmt(best_over(fused), ".2f", "x"),
         _fmt(best_over(compiled), ".2f", "x"),
@@ -131,6 +131,37 @@ def _summary(r: Result) -> list[str]:
         _fmt(auto.vs_loop if auto else None, ".2f", "x"),
         _fmt(auto.vs_torch_func if auto else None, ".2f", "x"),
     ]
+
+
+TAUGHT_HEADERS = ["workload", "taught", "vs torch.func", "taught:eager", "vs torch.func",
+                  "compile", "captured step chose"]  # fmt: skip
+
+
+def _taught_rows(results: list[Result]) -> list[list[str]]:
+    """The README tour's step (captured, and eager) against the torch.func recipe."""
+    rows = []
+    for r in results:
+        taught, eager = r.row("taught"), r.row("taught:eager")
+        if r.phase != "train" or (taught is None and eager is None):
+            continue
+
+        def time_of(row: Row | None) -> str:
+            if row is None:
+                return "-"
+            return fmt_time(row.median_s) if row.status == "ok" else row.status
+
+        def vs(row: Row | None) -> str:
+            return _fmt(row.vs_torch_func if row is not None else None, ".2f", "x")
+
+        chose = "-"
+        if taught is not None and taught.status == "ok":
+            chose = taught.note.split(":")[0] or "-"
+        compile_s = taught.compile_s if taught is not None else None
+        rows.append([
+            r.workload, time_of(taught), vs(taught), time_of(eager), vs(eager),
+            "-" if compile_s is None else f"{compile_s:.1f} s", chose,
+        ])  # fmt: skip
+    return rows
 
 
 JAX_HEADERS = ["workload", "phalanx:compiled", "jax", "captured / jax", "jax compile"]
@@ -199,6 +230,13 @@ def format_text(results: list[Result]) -> str:
         blocks.append(f"{title}\n{text_table(DETAIL_HEADERS, rows)}")
     summary = text_table(SUMMARY_HEADERS, [_summary(r) for r in results])
     blocks.append(f"Summary (time per call, speed-ups)\n{summary}")
+    taught_rows = _taught_rows(results)
+    if taught_rows:
+        title = (
+            "The taught path (the README tour's step: stack, member_losses, phalanx Adam, "
+            "compile_step; and its eager form) against the torch.func recipe"
+        )
+        blocks.append(f"{title}\n{text_table(TAUGHT_HEADERS, taught_rows)}")
     jax_rows = _jax_rows(results)
     if jax_rows:
         title = "The captured step against JAX's jit(vmap(step)) (training step, time per call)"
@@ -209,6 +247,10 @@ def format_text(results: list[Result]) -> str:
 def format_markdown(results: list[Result]) -> str:
     """The same tables in Markdown: the summary first, then one per workload."""
     parts = ["### Summary", "", _markdown_table(SUMMARY_HEADERS, [_summary(r) for r in results])]
+    taught_rows = _taught_rows(results)
+    if taught_rows:
+        parts += ["", "### The taught path against the torch.func recipe", ""]
+        parts.append(_markdown_table(TAUGHT_HEADERS, taught_rows))
     jax_rows = _jax_rows(results)
     if jax_rows:
         parts += ["", "### The captured step against JAX's jit(vmap(step))", ""]

@@ -16,6 +16,10 @@ contenders interleaved round by round (``timing.interleaved``), for a forward un
 - ``redq``: REDQ's target, 2 of 10 critics (CleanRL's SoftQNetwork, 256-256-1), B=256.
   Against the loop over the 2 chosen modules.
 
+Each workload also runs torch.func's ensembling recipe written for the routed call
+(``TorchFuncRouted``: every member on every row then picked, each row's member's parameters
+gathered, or the chosen members indexed).
+
 Every contender is first checked against the loop (outputs and gradients to float
 tolerance); a contender that disagrees is reported as wrong and not timed.
 """
@@ -29,7 +33,7 @@ import math
 import platform
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +181,79 @@ class SoftQNetwork(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
+class TorchFuncRouted(nn.Module):
+    """torch.func's ensembling recipe (``stack_module_state`` + ``functional_call`` +
+    ``vmap``) written for a routed call, as its users write it, since torch.func has no
+    routing of its own:
+
+    - ``"dense"``: every member on every row, then each row's output picked (and, with k
+      members a row, their weighted sum): N times the arithmetic, one batched call;
+    - ``"rows"``: each row's member's parameters gathered, ``(B, *shape)``, and the forward
+      vmapped over the rows (a row a batch of one): for tiny members, where N copies of
+      every row would not fit;
+    - ``"subset"``: the chosen members' parameters indexed and vmapped on the shared input.
+
+    The stacked tensors are leaves that train (``parameters()``)."""
+
+    def __init__(self, members: Sequence[nn.Module], how: str) -> None:
+        super().__init__()
+        params, buffers = torch.func.stack_module_state(list(members))
+        self.names = list(params)
+        self.stacked = nn.ParameterList(nn.Parameter(v.detach()) for v in params.values())
+        self.buffers_ = buffers
+        self.base = copy.deepcopy(members[0]).to("meta")
+        self.how = how
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.stacked))
+
+    def _member(self, params: dict, buffers: dict, *args: torch.Tensor) -> Any:
+        return torch.func.functional_call(self.base, (params, buffers), args)
+
+    def forward(self, *args: torch.Tensor, index: Any, weights: torch.Tensor | None = None) -> Any:
+        params, buffers = self._params(), self.buffers_
+        shared = (None,) * len(args)
+        if self.how == "subset":
+            chosen = torch.as_tensor(index)
+            sub = {k: v.index_select(0, chosen) for k, v in params.items()}
+            subb = {k: v.index_select(0, chosen) for k, v in buffers.items()}
+            return torch.func.vmap(self._member, in_dims=(0, 0, *shared))(sub, subb, *args)
+        if self.how == "rows":
+            rowp = {k: v.index_select(0, index) for k, v in params.items()}
+            rowb = {k: v.index_select(0, index) for k, v in buffers.items()}
+            ones = tuple(a.unsqueeze(1) for a in args)  # each row a batch of one
+            out = torch.func.vmap(self._member, in_dims=(0, 0, *(0,) * len(args)))(
+                rowp, rowb, *ones
+            )
+            return tuple(o.squeeze(1) for o in out) if isinstance(out, tuple) else out.squeeze(1)
+        out = torch.func.vmap(self._member, in_dims=(0, 0, *shared))(params, buffers, *args)
+        b = args[0].shape[0]
+        rows = torch.arange(b, device=args[0].device)
+
+        def pick(o: torch.Tensor) -> torch.Tensor:  # (N, B, ...) -> (B, ...)
+            if index.dim() == 1:
+                return o[index, rows]
+            picked = o[index, rows[:, None]]  # (B, k, ...)
+            assert weights is not None, "k members a row need their weights"
+            w = weights.to(o.dtype).view(*weights.shape, *(1,) * (o.dim() - 2))
+            return (picked * w).sum(1)
+
+        return tuple(pick(o) for o in out) if isinstance(out, tuple) else pick(out)
+
+
+class TorchFuncMoE(nn.Module):
+    """The MoE layer with torch.func's recipe: the gate, then every expert on every token."""
+
+    def __init__(self, gate: nn.Linear, experts: list[nn.Module], top_k: int) -> None:
+        super().__init__()
+        self.gate, self.top_k = gate, top_k
+        self.experts = TorchFuncRouted(experts, "dense")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index, weights = phalanx.routing.top_k(self.gate(x), self.top_k)
+        return self.experts(x, index=index, weights=weights)
+
+
 # ---------------------------------------------------------------------------------- workloads
 
 
@@ -199,9 +276,11 @@ def _moe(tokens: int) -> Workload:
     x = torch.randn(tokens, hidden)
     v4 = V4MoE(copy.deepcopy(gate), copy.deepcopy(members), k)
     ours = PhalanxMoE(copy.deepcopy(gate), copy.deepcopy(members), k)
+    recipe = TorchFuncMoE(copy.deepcopy(gate), copy.deepcopy(members), k)
     contenders: dict[str, tuple[nn.Module, Callable[[], Any]]] = {
         "v4 loop (ModuleList)": (v4, lambda: v4(x)),
         "phalanx members=": (ours, lambda: ours(x)),
+        "torch.func (dense)": (recipe, lambda: recipe(x)),
     }
     notes = []
     try:
@@ -237,6 +316,7 @@ def _pets(particles: int, states: int) -> Workload:
     index = member_of_particle.repeat_interleave(states)
     loop_models = nn.ModuleList(copy.deepcopy(members))
     stack = phalanx.stack(copy.deepcopy(members))
+    recipe = TorchFuncRouted(copy.deepcopy(members), "dense")
 
     def loop() -> tuple[torch.Tensor, torch.Tensor]:
         mean = x.new_empty(rows, obs + 1)
@@ -255,6 +335,7 @@ def _pets(particles: int, states: int) -> Workload:
         {
             "loop over members": (loop_models, loop),
             "phalanx members=": (stack, lambda: stack(x, members=index)),
+            "torch.func (dense)": (recipe, lambda: recipe(x, index=index)),
         },
         "loop over members",
     )
@@ -272,6 +353,7 @@ def _kilonerf(points: int) -> Workload:
     local = p * grid - torch.floor(p * grid)
     loop_models = nn.ModuleList(copy.deepcopy(members))
     stack = phalanx.stack(copy.deepcopy(members))
+    recipe = TorchFuncRouted(copy.deepcopy(members), "rows")
 
     def loop() -> torch.Tensor:
         out = local.new_empty(points, 4)
@@ -287,6 +369,7 @@ def _kilonerf(points: int) -> Workload:
         {
             "loop over cells": (loop_models, loop),
             "phalanx members=": (stack, lambda: stack(local, members=cell)),
+            "torch.func (rows)": (recipe, lambda: recipe(local, index=cell)),
         },
         "loop over cells",
     )
@@ -301,6 +384,7 @@ def _redq(batch: int) -> Workload:
     chosen = torch.randperm(n, generator=gen)[:2].tolist()
     loop_models = nn.ModuleList(copy.deepcopy(critics))
     stack = phalanx.stack(copy.deepcopy(critics))
+    recipe = TorchFuncRouted(copy.deepcopy(critics), "subset")
     return Workload(
         "redq",
         f"REDQ target: 2 of {n} critics (SoftQNetwork 256-256-1), B={batch}",
@@ -310,6 +394,7 @@ def _redq(batch: int) -> Workload:
                 lambda: torch.stack([loop_models[i](obs, act) for i in chosen]),
             ),
             "phalanx subset=": (stack, lambda: stack(obs, act, subset=chosen)),
+            "torch.func (subset)": (recipe, lambda: recipe(obs, act, index=chosen)),
         },
         "loop over the 2",
     )
@@ -489,6 +574,13 @@ def format_results(results: list[dict[str, Any]]) -> str:
             met = "met" if min(f, t) >= r["goal"] else "NOT met"
             lines.append(f"  goal >= {r['goal']}x the {r['baseline']}: {met} "
                          f"(forward {f:.2f}x, train {t:.2f}x)")  # fmt: skip
+            recipe = [n for n in r["forward"] if n.startswith("torch.func")]
+            if recipe:
+                ratios = [
+                    r[ph][recipe[0]]["ms"] / r[ph][ours[0]]["ms"] for ph in ("forward", "train")
+                ]
+                lines.append(f"  phalanx against {recipe[0]}: forward {ratios[0]:.2f}x, "
+                             f"train {ratios[1]:.2f}x")  # fmt: skip
     return "\n".join(lines)
 
 
