@@ -63,10 +63,10 @@ def _swap_in(
                 own_buffers[leaf] = by_id[id(old_buffer)]
 
 
-_LIVE: weakref.WeakSet[Stack] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Stack[Any]] = weakref.WeakSet()
 
 
-def live_stacks() -> list[Stack]:
+def live_stacks() -> list[Stack[Any]]:
     """The stacks alive in this process: integrations that are given bare parameters
     (``accelerator.clip_grad_norm_``) find with it whether they belong to a stack."""
     return list(_LIVE)
@@ -103,7 +103,7 @@ class Stack(nn.Module, Generic[Out]):
     _template: nn.Module
     _view: StackView
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Stack:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         # Every stack, copies and unpickled ones included, for live_stacks().
         self = super().__new__(cls)
         _LIVE.add(self)
