@@ -16,6 +16,8 @@ from phalanx.backends import CHOICES, StackView, get_backend
 from phalanx.backends._keywords import KwInDims, keyword_dims
 from phalanx.backends._memory import reuse_freed_memory
 from phalanx.backends._random import MemberGenerators, copy_generators, generator_slots
+from phalanx.backends._state import PerMemberAttributes, RemappedAttributes
+from phalanx.core._chunks import ChunkInputs
 from phalanx.core._hf import check_call, guard_stacked
 from phalanx.core._input_warnings import check_inputs, record_outputs
 from phalanx.core._memory_format import to_member_format
@@ -469,6 +471,7 @@ class Stack(nn.Module):
         *args: Any,
         chunk_members: int,
         in_dims: InDims = None,
+        kw_in_dims: KwInDims = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward of the members ``chunk_members`` at a time, for less memory.
@@ -481,7 +484,16 @@ class Stack(nn.Module):
         unchunked step's to float rounding (bit for bit where the backend's kernels do not
         depend on the number of members: the loop, and vmap on one intra-op thread, as the
         tests check).
-        Random operations (dropout) draw chunk by chunk, not as one call draws.
+
+        What the members see is what one call gives them: each member draws from its own
+        ``torch.Generator`` where it holds one (the loop; ``auto`` hands such members to it),
+        and a shared input the forward writes in place (``x /= 255``) is written once, by the
+        first chunk, every later chunk seeing the input as given (as the loop's members do).
+        Global random operations (dropout) draw chunk by chunk, not as one call draws. An
+        input that requires grad gets the gradient of the sum of every member's loss, as
+        ``backward`` gives it: into ``x.grad`` for a leaf, through its graph otherwise (once,
+        after the last chunk). Gradients of tensors ``loss_fn`` itself uses (targets that
+        require grad) are not computed.
 
         Args:
             loss_fn: ``loss_fn(outputs, rows)`` with ``outputs`` the chunk's outputs
@@ -492,7 +504,9 @@ class Stack(nn.Module):
             *args: the inputs, as for ``stack(*args)``; per-member inputs are cut to the chunk.
             chunk_members: k >= 1, the members per chunk (the last chunk may be smaller).
             in_dims: as for ``stack(*args, in_dims=...)``.
-            **kwargs: keyword inputs shared by every member.
+            kw_in_dims: as for ``stack(..., kw_in_dims=...)``: the per-member keyword inputs,
+                ``(N, B, ...)``, cut to the chunk; other keywords are shared.
+            **kwargs: keyword inputs, shared by every member unless ``kw_in_dims`` says not.
 
         Returns:
             The members' losses ``(N,)``, detached.
@@ -515,12 +529,14 @@ class Stack(nn.Module):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"{where}: chunk_members must be a positive int; got {k!r}.")
         dims = self._normalize_in_dims(in_dims, args)
+        kw_dims = keyword_dims(kw_in_dims, kwargs, self.num_members, args, dims)
         self._check_devices(args, kwargs)
         check_call(self.module, kwargs)
         if self.retired is not None:
             raise RuntimeError(f"{where}: {self.retired}")
         params, buffers = self.stacked_state()
         backend = get_backend(self._requested)
+        inputs = ChunkInputs(args, dims, kwargs, kw_dims)
         losses = []
         for start in range(0, self.num_members, k):
             rows = slice(start, min(start + k, self.num_members))
@@ -533,9 +549,11 @@ class Stack(nn.Module):
                 else mask_gradients(leaves, self._padding, full=params, rows=rows)
             )
             view = self._chunk_view(rows, held, {n: b[rows] for n, b in buffers.items()})
-            chunk_args = tuple(a if d is None else a[rows] for a, d in zip(args, dims))
+            chunk_args, chunk_kwargs = inputs.chunk(rows)
             with torch.enable_grad(), self._view.lock:
-                loss = loss_fn(backend.forward(view, chunk_args, dict(kwargs), dims), rows)
+                out = backend.forward(view, chunk_args, chunk_kwargs, dims, kw_dims)
+                inputs.after_first_chunk()
+                loss = loss_fn(out, rows)
             size = rows.stop - rows.start
             if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != (size,):
                 got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -545,7 +563,10 @@ class Stack(nn.Module):
                     f"phalanx.member_losses(loss, outputs, targets[rows], in_dims=(0, 0))."
                 )
             wanted = [(n, t) for n, t in leaves.items() if t.requires_grad]
-            grads = torch.autograd.grad(loss.sum(), [t for _, t in wanted], allow_unused=True)
+            fed = inputs.fed_with_grad()
+            grads = torch.autograd.grad(
+                loss.sum(), [t for _, t in wanted] + fed, allow_unused=True
+            )
             with torch.no_grad():
                 for (name, _), g in zip(wanted, grads):
                     if g is None:
@@ -554,18 +575,26 @@ class Stack(nn.Module):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     p.grad[rows] += g
+            inputs.add_grads(rows, grads[len(wanted) :])
             losses.append(loss.detach())
+        inputs.backward()
         return torch.cat(losses)
 
     def _chunk_view(
         self, rows: slice, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
     ) -> StackView:
-        """A view of members ``rows`` over the given tensors; ``auto``'s choices are shared."""
+        """A view of members ``rows`` over the given tensors: their own generators and the
+        loop's per-member attributes; ``auto``'s choices are shared."""
         view = StackView(
             rows.stop - rows.start, self.module, self._template, lambda: (params, buffers)
         )
         view.lock = self._view.lock
+        chosen = list(range(rows.start, rows.stop))
+        if self._view.generators is not None:  # member i draws from its own generators
+            view.generators = self._view.generators.subset(chosen)
         view.cache["auto"] = self._view.cache_of("auto")
+        attributes = self._view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
+        view.cache["loop"] = {"attributes": RemappedAttributes(attributes, chosen)}
         return view
 
     def _shared_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

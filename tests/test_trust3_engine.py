@@ -1,0 +1,145 @@
+"""Where two features meet (issue: exact where features meet), the engine's side: chunked
+backward, the captured step, auto's hand-over and export's vmap levels, each against the
+members run alone, member by member."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+from phalanx.testing import assert_close
+
+
+class Noisy(nn.Module):
+    """Draws from a torch.Generator of its own."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin, self.gen = nn.Linear(4, 4), torch.Generator().manual_seed(50 + seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.randn(x.shape[0], 4, generator=self.gen)
+
+
+class Halve(nn.Module):
+    """Writes its shared input in place."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x /= 2.0
+        return self.a(x)
+
+
+def quiet(backend: str, members: list[nn.Module]) -> phalanx.Stack:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return phalanx.stack(copy.deepcopy(members), backend=backend)
+
+
+def sq(out: torch.Tensor, rows: slice) -> torch.Tensor:
+    return out.pow(2).sum(dim=(1, 2))
+
+
+# ------------------------------------------------------------------- backward_in_chunks
+
+
+@pytest.mark.parametrize("backend", ["loop", "auto"])
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_chunks_draw_each_members_own_generator(backend: str, k: int) -> None:
+    """Failed before the fix: the chunk's view carried no generators (losses off by 8.5)."""
+    members = [Noisy(i) for i in range(5)]
+    x = torch.randn(3, 4)
+    alone = copy.deepcopy(members)
+    first = [m(x).pow(2).sum() for m in alone]
+    second = [m(x) for m in alone]
+    stack = quiet(backend, members)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        losses = stack.backward_in_chunks(sq, x, chunk_members=k)
+        nxt = stack(x)
+    for i in range(5):
+        torch.testing.assert_close(losses[i], first[i].detach(), rtol=0, atol=0)
+        torch.testing.assert_close(nxt[i], second[i], rtol=0, atol=0)
+        first[i].backward()
+        assert_close(stack.module.lin.weight.grad[i], alone[i].lin.weight.grad)
+
+
+@pytest.mark.parametrize("backend", ["loop", "fused", "auto", "vmap"])
+def test_chunks_write_a_shared_input_once(backend: str) -> None:
+    """Failed before the fix: every chunk wrote x again (chunk 2 saw x / 4)."""
+    members = [Halve(i) for i in range(4)]
+    x = torch.randn(5, 6)
+    alone = copy.deepcopy(members)
+    want = [m(x.clone()).pow(2).sum() for m in alone]
+    stack = quiet(backend, members)
+    xs = x.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = stack.backward_in_chunks(sq, xs, chunk_members=2)
+    torch.testing.assert_close(xs, x / 2, rtol=0, atol=0)  # written once
+    for i in range(4):
+        assert_close(got[i], want[i].detach())
+        want[i].backward()
+        assert_close(stack.module.a.weight.grad[i], alone[i].a.weight.grad)
+
+
+@pytest.mark.parametrize("backend", ["loop", "fused"])
+@pytest.mark.parametrize("per_member", [False, True])
+def test_chunks_give_an_input_that_requires_grad_its_gradient(
+    backend: str, per_member: bool
+) -> None:
+    """Failed before the fix: x.grad stayed None (and a non-leaf input's graph got nothing)."""
+    members = [nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(5)]
+    raw = torch.randn(5, 4, 6) if per_member else torch.randn(4, 6)
+    scale = torch.tensor(1.5, requires_grad=True)  # a non-leaf input: x = raw * scale
+    leaf = raw.clone().requires_grad_()
+    dims = 0 if per_member else None
+    for m in members:
+        for p in m.parameters():
+            p.grad = None
+    # the unchunked loop, the reference
+    ref_stack = quiet("loop", members)
+    ref_scale = scale.detach().clone().requires_grad_()
+    ref_leaf = raw.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (sq(ref_stack(ref_leaf, in_dims=dims), slice(None)).sum()).backward()
+        (sq(ref_stack(raw * ref_scale, in_dims=dims), slice(None)).sum()).backward()
+        stack = quiet(backend, members)
+        stack.backward_in_chunks(sq, leaf, chunk_members=2, in_dims=dims)
+        stack.backward_in_chunks(sq, raw * scale, chunk_members=2, in_dims=dims)
+    assert leaf.grad is not None and scale.grad is not None
+    assert_close(leaf.grad, ref_leaf.grad)
+    assert_close(scale.grad, ref_scale.grad)
+
+
+def test_chunks_take_per_member_keyword_inputs() -> None:
+    """Failed before the fix: kw_in_dims reached the member's forward (TypeError)."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.a(x) * mask
+
+    torch.manual_seed(0)
+    members = [Masked() for _ in range(4)]
+    x, mask = torch.randn(5, 6), torch.rand(4, 5, 1)
+    want = [m(x, mask=mask[i]).pow(2).sum() for i, m in enumerate(members)]
+    stack = phalanx.stack(copy.deepcopy(members), backend="loop")
+    got = stack.backward_in_chunks(sq, x, chunk_members=3, mask=mask, kw_in_dims={"mask": 0})
+    for i in range(4):
+        assert_close(got[i], want[i].detach())
