@@ -143,3 +143,50 @@ def test_chunks_take_per_member_keyword_inputs() -> None:
     got = stack.backward_in_chunks(sq, x, chunk_members=3, mask=mask, kw_in_dims={"mask": 0})
     for i in range(4):
         assert_close(got[i], want[i].detach())
+
+
+# ---------------------------------------------------------------- export's vmap levels
+
+
+class Gathers(nn.Module):
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.w = nn.Parameter(torch.randn(10, 3))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.op == "gather":
+            return torch.gather(self.w, 0, idx) * x
+        if self.op == "index_select":
+            return self.w.index_select(0, idx[:, 0]) * x
+        if self.op == "scatter_add":
+            return torch.zeros(10, 3).scatter_add(0, idx, x) @ self.w.t()
+        return torch.take_along_dim(self.w, idx, 0) * x
+
+
+def _process_is_whole() -> None:
+    torch.rand(3).numpy()  # raised "Cannot access data pointer" with a vmap level left open
+    torch.rand(4).bernoulli_(0.5)
+    assert torch._C._functorch.maybe_current_level() is None
+
+
+@pytest.mark.parametrize("backend", ["auto", "vmap"])
+@pytest.mark.parametrize("op", ["gather", "index_select", "scatter_add", "take_along_dim"])
+def test_an_exported_request_out_of_range_is_refused_and_leaves_no_level(
+    backend: str, op: str
+) -> None:
+    """Failed before the fix (gather, scatter_add, take_along_dim): the exported program
+    raised inside its vmap level, and the process was broken afterwards."""
+    torch.manual_seed(0)
+    members = [Gathers(op) for _ in range(3)]
+    stack = quiet(backend, members).eval()
+    x, idx = torch.randn(4, 3), torch.randint(0, 10, (3, 4, 3))
+    program = torch.export.export(stack, (x, idx), kwargs={"in_dims": (None, 0)})
+    got = program.module()(x, idx, in_dims=(None, 0))
+    for i, m in enumerate(members):
+        assert_close(got[i], m(x, idx[i]))
+    bad = idx.clone()
+    bad[1, 0, 0] = 99
+    with pytest.raises(RuntimeError, match="index out of range|out of bounds"):
+        program.module()(x, bad, in_dims=(None, 0))
+    _process_is_whole()

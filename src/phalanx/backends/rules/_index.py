@@ -1,0 +1,100 @@
+"""Index operations under ``torch.export`` (both vmap backends): no member's bad index may
+raise inside the exported vmap level.
+
+An exported graph enters and leaves the vmap level with operations of its own; an operation
+that raises between them (``gather`` with an index out of range) would leave the serving
+process inside the level for good: every random operation and ``.numpy()`` fail after it.
+While export traces, these routes check each index against its dimension with
+:func:`~phalanx.backends.rules._registry.holds` (asserted after the level, ``deferred``)
+and hand the operation indices clamped into range until then, so the request is refused
+with the member's reason and the process is left as it was. Eager calls are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from phalanx import _torch_compat as compat
+from phalanx.backends.rules._registry import holds, register
+
+
+def _size(t: torch.Tensor, dim: int) -> Any:
+    """``t.size(dim)`` as the member sees it (the member axis left out)."""
+    physical = compat.unwrapped_member_first(t)
+    shape = t.shape if physical is None else physical.shape[1:]
+    return shape[dim] if len(shape) else 1
+
+
+def _checked(index: torch.Tensor, size: Any, negative: bool, what: str) -> torch.Tensor:
+    """``index`` clamped into range, its range asserted after the vmap level."""
+    physical = compat.unwrapped_member_first(index)
+    raw = index if physical is None else physical
+    if raw.numel():
+        low, high = torch.aminmax(raw)
+        bound = -size if negative else 0
+        holds(
+            (low >= bound) & (high < size),
+            f"{what}: index out of range for a dimension of size {size} (the member alone "
+            f"raises 'index out of bounds')",
+        )
+    return index.clamp(-size if negative else 0, size - 1)
+
+
+def _route(
+    func: Callable[..., Any],
+    name: str,
+    *,
+    index_at: int,
+    dim_at: int,
+    index_kw: str = "index",
+    negative: bool = False,
+) -> Callable[[tuple, dict], Any]:
+    def route(args: tuple, kwargs: dict) -> Any:
+        args, kwargs = list(args), dict(kwargs)
+        if len(args) > index_at:
+            index = args[index_at]
+        else:
+            index = kwargs.get(index_kw)
+        dim = args[dim_at] if len(args) > dim_at else kwargs.get("dim")
+        source = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        if (
+            not torch.compiler.is_exporting()
+            or not isinstance(index, torch.Tensor)
+            or not isinstance(source, torch.Tensor)
+            or not isinstance(dim, int)
+        ):
+            return func(*args, **kwargs)
+        clamped = _checked(index, _size(source, dim), negative, name)
+        if len(args) > index_at:
+            args[index_at] = clamped
+        else:
+            kwargs[index_kw] = clamped
+        return func(*args, **kwargs)
+
+    return route
+
+
+for _f, _name in ((torch.gather, "torch.gather"), (torch.Tensor.gather, "Tensor.gather")):
+    register(_f, _route(_f, _name, index_at=2, dim_at=1), table="export")
+for _f, _name in (
+    (torch.index_select, "torch.index_select"),
+    (torch.Tensor.index_select, "Tensor.index_select"),
+):
+    register(_f, _route(_f, _name, index_at=2, dim_at=1, negative=True), table="export")
+for _name in ("scatter", "scatter_add", "scatter_reduce"):
+    for _owner in (torch, torch.Tensor):
+        _f = getattr(_owner, _name)
+        register(_f, _route(_f, _name, index_at=2, dim_at=1), table="export")
+    _f = getattr(torch.Tensor, _name + "_")
+    register(_f, _route(_f, _name + "_", index_at=2, dim_at=1), table="export")
+for _name in ("index_add", "index_copy", "index_fill"):
+    for _f in (getattr(torch.Tensor, _name), getattr(torch.Tensor, _name + "_")):
+        register(_f, _route(_f, _name, index_at=2, dim_at=1, negative=True), table="export")
+register(
+    torch.take_along_dim,
+    _route(torch.take_along_dim, "torch.take_along_dim", index_at=1, dim_at=2, index_kw="indices"),
+    table="export",
+)
