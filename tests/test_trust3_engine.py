@@ -15,6 +15,8 @@ from torch import nn
 import phalanx
 from phalanx.testing import assert_close
 
+pytestmark = pytest.mark.filterwarnings("ignore:Stack.forward.. input 0 is shared")
+
 
 class Noisy(nn.Module):
     """Draws from a torch.Generator of its own."""
@@ -190,3 +192,38 @@ def test_an_exported_request_out_of_range_is_refused_and_leaves_no_level(
     with pytest.raises(RuntimeError, match="index out of range|out of bounds"):
         program.module()(x, bad, in_dims=(None, 0))
     _process_is_whole()
+
+
+# --------------------------------------------------- refusals inside the caller's transform
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.r, self.o = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.r(x)[0][:, -1])
+
+
+def test_jacrev_through_gru_members_on_vmap_is_the_documented_refusal() -> None:
+    """Failed before the fix: the diagnosis of the member's own error called requires_grad_
+    inside the caller's jacrev, a raw functorch error."""
+    from phalanx.backends import BackendRefusal
+
+    torch.manual_seed(0)
+    members = [Recurrent() for _ in range(3)]
+    x = torch.randn(2, 5, 3)
+    stack = phalanx.stack(copy.deepcopy(members), backend="vmap")
+    with pytest.raises(BackendRefusal, match=r"Batching rule not implemented for aten::gru"):
+        torch.func.jacrev(stack)(x)
+    loop = phalanx.stack(copy.deepcopy(members), backend="loop")
+    got = torch.func.jacrev(loop)(x)
+    for i, m in enumerate(members):
+        assert_close(got[i], torch.func.jacrev(m)(x))
+
+
+def test_a_members_own_error_inside_jacrev_is_the_members() -> None:
+    stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)], backend="vmap")
+    with pytest.raises(RuntimeError, match=r"member 0's own forward"):
+        torch.func.jacrev(stack)(torch.randn(5, 3))

@@ -165,12 +165,17 @@ def members_own_error(
         return None
     params, buffers = view.state()
     paths = {id(m): p for p, m in view.module.named_modules()}
+    # Inside the caller's torch.func transform (jacrev of the stack) a copy cannot be made a
+    # leaf that requires grad (torch.func refuses requires_grad_ there); the member's own
+    # errors do not depend on it but for in-place writes of leaves, which the transform's
+    # wrapped tensors do not forbid either.
+    leaves = not (compat.transforms_active() or compat.forward_ad_active())
 
     def copy(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         c = t.detach().clone()
-        return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c
+        return c.requires_grad_() if leaves and t.requires_grad and c.is_floating_point() else c
 
     for i in range(view.num_members):
         state = {k: copy(v[i]) for k, v in params.items()}
