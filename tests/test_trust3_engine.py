@@ -15,7 +15,7 @@ from torch import nn
 import phalanx
 from phalanx.testing import assert_close
 
-pytestmark = pytest.mark.filterwarnings("ignore:Stack.forward.. input 0 is shared")
+pytestmark = pytest.mark.filterwarnings("ignore:Stack.forward.*input 0 is shared")
 
 
 class Noisy(nn.Module):
@@ -227,3 +227,185 @@ def test_a_members_own_error_inside_jacrev_is_the_members() -> None:
     stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)], backend="vmap")
     with pytest.raises(RuntimeError, match=r"member 0's own forward"):
         torch.func.jacrev(stack)(torch.randn(5, 3))
+
+
+# ------------------------------------------------------------------------- compile_step
+
+
+class OwnGenerator(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        torch.manual_seed(i)
+        self.a, self.gen = nn.Linear(6, 3), torch.Generator().manual_seed(50 + i)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + torch.randn(x.shape[0], 3, generator=self.gen)
+
+
+class Reseeds(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        torch.manual_seed(i)
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(123)
+        return self.a(x) + torch.randn(x.shape[0], 3)
+
+
+class MakesGenerator(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        torch.manual_seed(i)
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(7)
+        return self.a(x) + torch.randn(x.shape[0], 3, generator=g)
+
+
+def _trained_alone(members: list[nn.Module], x: torch.Tensor, y: torch.Tensor, steps: int):
+    alone = copy.deepcopy(members)
+    for m in alone:
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(steps):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+    return alone
+
+
+@pytest.mark.parametrize("cls", [OwnGenerator, Reseeds, MakesGenerator])
+def test_compile_step_on_random_members_runs_eager_and_says_why(cls: type) -> None:
+    """Failed before the fix (OwnGenerator, Reseeds): the captured graph trained with other
+    noise, silently (weights off by 0.09 and 0.1 after 3 steps)."""
+    members = [cls(i) for i in range(4)]
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    alone = _trained_alone(members, x, y, 3)
+    stack = quiet("auto", members)
+    opt = phalanx.optim.SGD(stack.parameters(), lr=0.1)
+    step = phalanx.compile_step(stack, F.mse_loss, opt, warmup_steps=1)
+    with pytest.warns(UserWarning, match=r"compile_step\(\).*(torch.Generator|reseeds)"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="phalanx: backend 'fused'")
+            for _ in range(3):
+                step(x, y)
+    for i in range(4):
+        assert_close(stack.module.a.weight[i], alone[i].a.weight)
+        assert_close(stack.module.a.bias[i], alone[i].a.bias)
+
+
+@pytest.mark.parametrize("warmup", [1, 3])
+def test_compile_step_writes_an_input_once_per_step(warmup: int) -> None:
+    """Failed before the fix: the capture step's trace wrote x, then its graph again."""
+    members = [Halve(i) for i in range(4)]
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    alone = copy.deepcopy(members)
+    xa = x.clone()
+    for _ in range(5):  # each member alone on the same, shrinking input
+        for m in alone:
+            o = torch.optim.SGD(m.parameters(), lr=0.1)
+            o.zero_grad()
+            F.mse_loss(m(xa.clone()), y).backward()
+            o.step()
+        xa /= 2
+    stack = quiet("auto", members)
+    opt = phalanx.optim.SGD(stack.parameters(), lr=0.1)
+    step = phalanx.compile_step(stack, F.mse_loss, opt, warmup_steps=warmup)
+    xs = x.clone()
+    for k in range(5):
+        step(xs, y)
+        torch.testing.assert_close(xs, x / 2 ** (k + 1), rtol=0, atol=0)
+    for i in range(4):
+        assert_close(stack.module.a.weight[i], alone[i].a.weight)
+
+
+# ------------------------------------------------------- random streams: made, held, spent
+
+
+class Dropping(nn.Module):
+    """Draws dropout, then turns its data into a Python value: fused refuses after drawing."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        torch.manual_seed(i)
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.a(x), 0.5, training=True)
+        return h * 2 if bool(h.sum() > 0) else h
+
+
+class HoldsUnused(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        torch.manual_seed(i)
+        self.a, self.gen = nn.Linear(6, 3), torch.Generator().manual_seed(i)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
+@pytest.mark.parametrize("backend", ["fused", "vmap"])
+def test_a_forward_that_makes_its_own_generator_is_refused_on_vmapped_backends(
+    backend: str,
+) -> None:
+    """Failed before the fix: fused and vmap drew other numbers, silently (3.76 off)."""
+    from phalanx.backends import BackendRefusal
+
+    stack = phalanx.stack([MakesGenerator(i) for i in range(3)], backend=backend)
+    with pytest.raises(BackendRefusal, match=r"draws from a torch.Generator object.*loop"):
+        stack(torch.randn(5, 6))
+
+
+def test_auto_hands_a_forward_that_makes_its_own_generator_to_the_loop() -> None:
+    """Failed before the fix: auto ran fused, other draws than the members' (3.76 off)."""
+    members = [MakesGenerator(i) for i in range(3)]
+    x = torch.randn(5, 6)
+    stack = phalanx.stack(copy.deepcopy(members))
+    with pytest.warns(UserWarning, match=r"torch.Generator object.*runs 'loop'"):
+        got = stack(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(got[i], m(x), rtol=0, atol=0)
+
+
+def test_auto_leaves_the_global_stream_as_the_loop_alone_would() -> None:
+    """Failed before the fix: the refused fused attempt's dropout draws were spent, so the
+    caller's next draw differed from the loop's."""
+    members = [Dropping(i) for i in range(3)]
+    x = torch.randn(5, 6)
+    loop = phalanx.stack(copy.deepcopy(members), backend="loop")
+    auto = phalanx.stack(copy.deepcopy(members), backend="auto")
+    torch.manual_seed(1)
+    want = loop(x)
+    want_next = torch.rand(4)
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match=r"runs 'loop'"):
+        got = auto(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.rand(4), want_next, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["fused", "vmap", "auto"])
+def test_a_generator_held_but_never_drawn_from_costs_no_backend(backend: str) -> None:
+    """Failed before the fix: refused on fused and vmap (saying the member draws from it);
+    auto ran the loop."""
+    members = [HoldsUnused(i) for i in range(3)]
+    x = torch.randn(5, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stack = phalanx.stack(copy.deepcopy(members), backend=backend)
+        got = stack(x)
+    for i, m in enumerate(members):
+        assert_close(got[i], m(x))
+    if backend == "auto":
+        assert stack._view.cache_of("auto")["dropped"] == {}
+
+
+@pytest.mark.parametrize("backend", ["fused", "vmap"])
+def test_a_held_generator_drawn_from_is_still_refused(backend: str) -> None:
+    from phalanx.backends import BackendRefusal
+
+    stack = phalanx.stack([Noisy(i) for i in range(3)], backend=backend)
+    with pytest.raises(BackendRefusal, match=r"draws from a torch.Generator object"):
+        stack(torch.randn(5, 4))

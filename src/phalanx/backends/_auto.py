@@ -5,10 +5,12 @@ runs ``fused`` on the real call, and only if that fails does the loop run the sa
 call then runs once more, so what the failed attempt did is undone first: the parameters, the
 buffers and the inputs where the attempt wrote into them (on the first call they are saved
 beforehand; later, where something was written that cannot be put back, ``auto`` raises
-instead of running the member twice). The random streams are never put back: another thread
-may be drawing from them meanwhile, and would draw the same numbers twice. The draws the
-attempt made are spent, as any other code's would be; the loop draws the next ones. The loop's own error is the
-member's error and is raised as is; otherwise fused is dropped, with one warning naming the
+instead of running the member twice). The global random streams are put back too (the CPU
+generator and the CUDA one of the stack's devices, saved before each attempt): the loop
+draws what it would have drawn had it run alone, as DESIGN asks of every RNG the user can
+see. (Another thread drawing from the global stream while the attempt runs would see
+numbers the loop then draws again: the global stream is the process's, not the call's.)
+The loop's own error is the member's error and is raised as is; otherwise fused is dropped, with one warning naming the
 reason and the backend ``auto`` runs instead, for the context it failed in (grad mode, and
 whether a ``torch.func`` transform is around the stack: a refusal under the user's
 ``vmap(jacrev(...))`` does not cost ordinary training calls their fast path).
@@ -104,6 +106,23 @@ class _Undo:
                     t.copy_(saved)
 
 
+def _rng_state(view: StackView) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """The global generators' states: the CPU one, and the CUDA one of each device the
+    stack's tensors are on (about a microsecond each)."""
+    cuda = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        params, buffers = view.state()
+        devices = {t.device.index for t in (*params.values(), *buffers.values()) if t.is_cuda}
+        cuda = [(d, torch.cuda.get_rng_state(d)) for d in sorted(devices)]
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> None:
+    torch.set_rng_state(state[0])
+    for device, cuda in state[1]:
+        torch.cuda.set_rng_state(cuda, device)
+
+
 class AutoBackend:
     name = "auto"
 
@@ -137,10 +156,12 @@ class AutoBackend:
         if torch.compiler.is_compiling():
             return get_backend("fused").forward(view, args, kwargs, in_dims, kw_dims)
         undo = _Undo(view, args, kwargs, first=not state["settled"])
+        rng = _rng_state(view)
         try:
             out = get_backend("fused").forward(view, args, kwargs, in_dims, kw_dims)
         except Exception as e:
             undo.undo(e)
+            _set_rng_state(rng)
             failure = e
         else:
             state["settled"] = True

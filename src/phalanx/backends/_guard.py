@@ -47,13 +47,9 @@ class Guarded:
         in_dims: tuple[int | None, ...],
         kw_dims: frozenset[str] = frozenset(),
     ) -> Any:
-        if view.generators is not None:
-            _refuse(
-                self.name,
-                f"the member holds a torch.Generator of its own ({view.generators.path()!r}), "
-                f"and one vmapped call draws every member's noise from one generator; the "
-                f"loop draws each member's from its own",
-            )
+        # A member's own torch.Generator (held, or made in the forward) is refused where it
+        # is drawn from (``rules.BatchedOps``): one it holds and never draws from costs
+        # nothing.
         if any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values())):
             _refuse(
                 self.name,

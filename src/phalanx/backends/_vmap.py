@@ -89,8 +89,8 @@ def vmapped(
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
         put_back(stored_tensors(before))
         failure = e
-    if isinstance(failure, OpaqueOutput):
-        raise failure  # the output itself: no backend can stack it
+    if isinstance(failure, (OpaqueOutput, BackendRefusal)):
+        raise failure  # the output itself (no backend can stack it), or a rule's refusal
     if failure is not None:
         # Outside the except block: a member's own error is raised as the loop raises it,
         # not as one that happened while handling torch.func's.

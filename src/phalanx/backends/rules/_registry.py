@@ -304,10 +304,32 @@ class BatchedOps(TorchFunctionMode):
             # GRU tutorials write it): a leaf no one outside the forward can differentiate
             # against. torch.func refuses ``requires_grad_`` inside a transform; leave it as is.
             return args[0]
+        if kwargs and isinstance(kwargs.get("generator"), torch.Generator):
+            _refuse_generator(func)
         rule = self.rules.get(func)
         if rule is None:
             return func(*args, **(kwargs or {}))
         return rule(tuple(args), kwargs or {})
+
+
+def _refuse_generator(func: Any) -> None:
+    """A draw from a ``torch.Generator`` object (one the member holds, or makes and seeds in
+    its forward): one vmapped call would draw every member's numbers from that one stream at
+    once; each member alone draws its own from it. Refused before anything is drawn."""
+    from phalanx.backends import BackendRefusal
+
+    why = (
+        f"the member's forward draws from a torch.Generator object "
+        f"({getattr(func, '__name__', func)}(generator=...)), and one vmapped call draws every "
+        f"member's numbers from it at once; the loop draws each member's as it draws alone"
+    )
+    refusal = BackendRefusal(
+        f"Stack.forward(): the vmapped backends cannot give each member its own random "
+        f"numbers: {why}.\nUse phalanx.stack(models, backend='loop'), or backend='auto', "
+        f"which hands over to the loop by itself."
+    )
+    refusal.why = why  # type: ignore[attr-defined]
+    raise refusal
 
 
 def _fresh_leaf(args: Any, kwargs: Any) -> bool:
