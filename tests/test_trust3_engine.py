@@ -409,3 +409,4 @@ def test_a_held_generator_drawn_from_is_still_refused(backend: str) -> None:
     stack = phalanx.stack([Noisy(i) for i in range(3)], backend=backend)
     with pytest.raises(BackendRefusal, match=r"draws from a torch.Generator object"):
         stack(torch.randn(5, 4))
+

@@ -8,8 +8,9 @@ beforehand; later, where something was written that cannot be put back, ``auto``
 instead of running the member twice). The global random streams are put back too (the CPU
 generator and the CUDA one of the stack's devices, saved before each attempt): the loop
 draws what it would have drawn had it run alone, as DESIGN asks of every RNG the user can
-see. (Another thread drawing from the global stream while the attempt runs would see
-numbers the loop then draws again: the global stream is the process's, not the call's.)
+see. The global stream is the process's, not the call's: where other (non-daemon) threads
+run, one of them may have drawn from it meanwhile, and putting it back would replay its numbers;
+there the attempt's draws are spent and the hand-over's warning says so.
 The loop's own error is the member's error and is raised as is; otherwise fused is dropped, with one warning naming the
 reason and the backend ``auto`` runs instead, for the context it failed in (grad mode, and
 whether a ``torch.func`` transform is around the stack: a refusal under the user's
@@ -18,6 +19,7 @@ whether a ``torch.func`` transform is around the stack: a refusal under the user
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -123,6 +125,13 @@ def _set_rng_state(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -
         torch.cuda.set_rng_state(cuda, device)
 
 
+def _alone() -> bool:
+    """Whether no other thread that may draw runs: daemon threads (a progress bar's monitor,
+    a notebook's kernel threads) are taken not to draw from torch's global stream."""
+    me = threading.current_thread()
+    return not any(t is not me and not t.daemon for t in threading.enumerate())
+
+
 class AutoBackend:
     name = "auto"
 
@@ -161,7 +170,9 @@ class AutoBackend:
             out = get_backend("fused").forward(view, args, kwargs, in_dims, kw_dims)
         except Exception as e:
             undo.undo(e)
-            _set_rng_state(rng)
+            put_back = _alone()
+            if put_back:
+                _set_rng_state(rng)
             failure = e
         else:
             state["settled"] = True
@@ -169,11 +180,13 @@ class AutoBackend:
         # Outside the except block: the loop's error is the member's own and is raised as
         # such, not as one that happened while handling fused's.
         out = get_backend("loop").forward(view, args, kwargs, in_dims, kw_dims)
-        self._drop(state, context, _reason(failure))
+        self._drop(state, context, _reason(failure), put_back)
         return out
 
     @staticmethod
-    def _drop(state: dict[str, Any], context: tuple[bool, bool], reason: str) -> None:
+    def _drop(
+        state: dict[str, Any], context: tuple[bool, bool], reason: str, put_back: bool = True
+    ) -> None:
         if state["dropped"].setdefault(context, reason) is not reason:
             return  # another thread dropped it first (setdefault is atomic) and said so
         grad, transformed = context
@@ -184,6 +197,13 @@ class AutoBackend:
             f"phalanx: backend 'fused' cannot run this model exactly ({reason}); backend "
             f"'auto' runs 'loop' instead {where}. Pass backend='loop' to phalanx.stack() to "
             f"choose it directly and silence this warning."
+            + (
+                ""
+                if put_back
+                else " Other (non-daemon) threads are running, so the global random stream was not put "
+                "back: the refused attempt's draws are spent (putting it back could replay "
+                "another thread's draws)."
+            )
         )
 
 

@@ -1,8 +1,9 @@
 """What one vmapped call (``fused``, ``vmap``) needs beyond the member's own forward.
 
 :class:`Guarded` wraps both backends: it refuses where one call's random numbers could not be
-each member's own (``_random``: a member's own ``torch.Generator``, one passed to the
-forward, a forward that reseeds the global generator), and gives members that hold no
+each member's own (``_random``: a ``torch.Generator`` passed to the forward, a forward that
+reseeds the global generator; a draw from a generator object the member holds or makes is
+refused where it is drawn, by ``rules.BatchedOps``), and gives members that hold no
 tensors at all (an activation, a parameter-free block) a member axis when every input is
 shared: ``vmap`` needs one input to map over, and each member then sees the shared input as
 it is (a broadcast view, its own shape and strides).
