@@ -410,3 +410,64 @@ def test_a_held_generator_drawn_from_is_still_refused(backend: str) -> None:
     with pytest.raises(BackendRefusal, match=r"draws from a torch.Generator object"):
         stack(torch.randn(5, 4))
 
+
+# ----------------------------------------------------------------------- padded widths
+
+
+class PooledConv(nn.Module):
+    def __init__(self, width: int, how: str) -> None:
+        super().__init__()
+        self.c, self.how = nn.Conv2d(1, width, 3), how
+        self.l = nn.Linear(width * (1 if how in ("mean", "gap", "amax") else 9), 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c(x))
+        if self.how == "max":
+            h = F.max_pool2d(h, 2)
+        elif self.how == "avg":
+            h = F.avg_pool2d(h, 2)
+        elif self.how == "adaptive":
+            h = F.adaptive_avg_pool2d(h, 3)
+        elif self.how == "amax":
+            h = F.adaptive_max_pool2d(h, 1)
+        elif self.how == "mean":
+            h = h.mean(dim=(2, 3))
+        elif self.how == "gap":
+            h = torch.mean(h, dim=(-2, -1), keepdim=True)
+        return self.l(torch.flatten(h, 1))
+
+
+@pytest.mark.parametrize("backend", ["loop", "fused"])
+@pytest.mark.parametrize("how", ["max", "avg", "adaptive", "amax", "mean", "gap"])
+def test_functional_pools_after_padded_conv_channels_are_exact(backend: str, how: str) -> None:
+    """Failed before the fix: every functional pool and spatial mean was refused at
+    phalanx.stack(pad_widths=True), though pooling over channels is accepted."""
+    torch.manual_seed(0)
+    members = [PooledConv(w, how) for w in (4, 6, 5)]
+    x = torch.randn(2, 1, 8, 8)
+    stack = phalanx.stack(copy.deepcopy(members), pad_widths=True, backend=backend)
+    out = stack(x)
+    out.pow(2).sum().backward()
+    for i, m in enumerate(members):
+        want = m(x)
+        assert_close(out[i], want)
+        want.pow(2).sum().backward()
+        w = m.c.weight.shape[0]
+        assert_close(stack.module.c.weight.grad[i, :w], m.c.weight.grad)
+        assert torch.equal(
+            stack.module.c.weight.grad[i, w:], torch.zeros_like(stack.module.c.weight.grad[i, w:])
+        )
+
+
+class ReducesChannels(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c, self.l = nn.Conv2d(1, width, 3), nn.Linear(36, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(torch.flatten(self.c(x).mean(dim=1), 1))
+
+
+def test_a_reduction_over_padded_channels_is_still_refused() -> None:
+    with pytest.raises(ValueError, match=r"reduces over more than the spatial dims"):
+        phalanx.stack([ReducesChannels(w) for w in (4, 6)], pad_widths=True)
