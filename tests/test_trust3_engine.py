@@ -471,3 +471,20 @@ class ReducesChannels(nn.Module):
 def test_a_reduction_over_padded_channels_is_still_refused() -> None:
     with pytest.raises(ValueError, match=r"reduces over more than the spatial dims"):
         phalanx.stack([ReducesChannels(w) for w in (4, 6)], pad_widths=True)
+
+
+def test_routed_and_subset_calls_of_a_forward_that_makes_its_own_generator() -> None:
+    """Failed before the fix: subset= on auto drew other numbers, silently (2.78 off): the
+    row-wise trace kept the generator made while tracing."""
+    members = [MakesGenerator(i) for i in range(3)]
+    x, idx = torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0])
+    stack = quiet("auto", members)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        routed = stack(x, members=idx)
+        sub = stack(x, subset=[2, 0])
+    for j, m in enumerate(members):
+        rows = (idx == j).nonzero()[:, 0]
+        torch.testing.assert_close(routed[rows], m(x[rows]), rtol=0, atol=0)
+    torch.testing.assert_close(sub[0], members[2](x), rtol=0, atol=0)
+    torch.testing.assert_close(sub[1], members[0](x), rtol=0, atol=0)
