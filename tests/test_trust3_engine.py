@@ -189,7 +189,7 @@ def test_an_exported_request_out_of_range_is_refused_and_leaves_no_level(
         assert_close(got[i], m(x, idx[i]))
     bad = idx.clone()
     bad[1, 0, 0] = 99
-    with pytest.raises(RuntimeError, match="index out of range|out of bounds"):
+    with pytest.raises(RuntimeError, match=r"index out of range|out of bounds"):
         program.module()(x, bad, in_dims=(None, 0))
     _process_is_whole()
 
@@ -285,11 +285,13 @@ def test_compile_step_on_random_members_runs_eager_and_says_why(cls: type) -> No
     stack = quiet("auto", members)
     opt = phalanx.optim.SGD(stack.parameters(), lr=0.1)
     step = phalanx.compile_step(stack, F.mse_loss, opt, warmup_steps=1)
-    with pytest.warns(UserWarning, match=r"compile_step\(\).*(torch.Generator|reseeds)"):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="phalanx: backend 'fused'")
-            for _ in range(3):
-                step(x, y)
+    with (
+        pytest.warns(UserWarning, match=r"compile_step\(\).*(torch.Generator|reseeds)"),
+        warnings.catch_warnings(),
+    ):
+        warnings.filterwarnings("ignore", message="phalanx: backend 'fused'")
+        for _ in range(3):
+            step(x, y)
     for i in range(4):
         assert_close(stack.module.a.weight[i], alone[i].a.weight)
         assert_close(stack.module.a.bias[i], alone[i].a.bias)

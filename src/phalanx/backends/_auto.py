@@ -8,8 +8,8 @@ beforehand; later, where something was written that cannot be put back, ``auto``
 instead of running the member twice). The global random streams are put back too (the CPU
 generator and the CUDA one of the stack's devices, saved before each attempt): the loop
 draws what it would have drawn had it run alone, as DESIGN asks of every RNG the user can
-see. The global stream is the process's, not the call's: where other (non-daemon) threads
-run, one of them may have drawn from it meanwhile, and putting it back would replay its numbers;
+see. The global stream is the process's, not the call's: where another thread is at work
+(not waiting on a lock, queue or selector), it may have drawn from it meanwhile, and putting it back would replay its numbers;
 there the attempt's draws are spent and the hand-over's warning says so.
 The loop's own error is the member's error and is raised as is; otherwise fused is dropped, with one warning naming the
 reason and the backend ``auto`` runs instead, for the context it failed in (grad mode, and
@@ -19,6 +19,7 @@ whether a ``torch.func`` transform is around the stack: a refusal under the user
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -125,11 +126,21 @@ def _set_rng_state(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -
         torch.cuda.set_rng_state(cuda, device)
 
 
+_WAITING = ("threading.py", "queue.py", "selectors.py", "thread.py", "connection.py")
+"""Where a thread waits (a lock, a queue, a selector, an executor's idle worker)."""
+
+
 def _alone() -> bool:
-    """Whether no other thread that may draw runs: daemon threads (a progress bar's monitor,
-    a notebook's kernel threads) are taken not to draw from torch's global stream."""
-    me = threading.current_thread()
-    return not any(t is not me and not t.daemon for t in threading.enumerate())
+    """Whether no other thread is running Python code that could draw from the global
+    stream: every other thread is waiting (a progress bar's monitor, an idle executor's
+    workers, a notebook's kernel threads), its innermost frame in the standard library's
+    waiting code. A thread inside a C call holding no frame of ours may still run: this is
+    the best a library can see, and where it sees another thread at work it says so."""
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident != me and not frame.f_code.co_filename.endswith(_WAITING):
+            return False
+    return True
 
 
 class AutoBackend:
@@ -200,7 +211,7 @@ class AutoBackend:
             + (
                 ""
                 if put_back
-                else " Other (non-daemon) threads are running, so the global random stream was not put "
+                else " Another thread was running, so the global random stream was not put "
                 "back: the refused attempt's draws are spent (putting it back could replay "
                 "another thread's draws)."
             )

@@ -82,7 +82,11 @@ def vmapped(
 
     failure: BaseException | None = None
     try:
-        with BatchedOps(rules, view.module), _recompute.seen(_recompute.refuse_under_vmap), deferred():
+        with (
+            BatchedOps(rules, view.module),
+            _recompute.seen(_recompute.refuse_under_vmap),
+            deferred(),
+        ):
             tensors = vmap(member, in_dims=(0, 0, 0, *in_dims), randomness="different")(
                 params, buffers, per_member_kwargs, *args
             )

@@ -30,16 +30,16 @@ class ChunkInputs:
         kw_dims: frozenset[str],
     ) -> None:
         # (key, value, per-member): key an int for a positional input, a str for a keyword
-        self.entries = [(i, a, d == 0) for i, (a, d) in enumerate(zip(args, dims))]
+        self.entries: list[tuple[int | str, Any, bool]] = [
+            (i, a, d == 0) for i, (a, d) in enumerate(zip(args, dims))
+        ]
         self.entries += [(k, v, k in kw_dims) for k, v in kwargs.items()]
         shared = [
             (key, a) for key, a, per in self.entries if not per and isinstance(a, torch.Tensor)
         ]
         self.versions = {key: compat.version(a) for key, a in shared}
         with torch.no_grad():  # what the first chunk may write, as the loop keeps it
-            self.before: dict[Any, torch.Tensor] | None = {
-                key: a.clone() for key, a in shared
-            }
+            self.before: dict[Any, torch.Tensor] | None = {key: a.clone() for key, a in shared}
         self.originals: dict[Any, torch.Tensor] = {}
         self.fed: list[tuple[Any, torch.Tensor, bool]] = []
         self.grads: dict[Any, list[torch.Tensor]] = {}
@@ -66,8 +66,8 @@ class ChunkInputs:
         """Called after each chunk's forward: the first keeps the inputs it wrote."""
         if self.before is None:
             return
-        for key, a, per in self.entries:
-            if not per and key in self.versions and compat.version(a) != self.versions[key]:
+        for key, a, _ in self.entries:
+            if key in self.versions and compat.version(a) != self.versions[key]:
                 self.originals[key] = self.before[key]
         self.before = None
 
@@ -75,8 +75,8 @@ class ChunkInputs:
         """The chunk's inputs that require grad, to differentiate the chunk's losses against."""
         return [a for _, a, _ in self.fed]
 
-    def add_grads(self, rows: slice, grads: tuple[torch.Tensor | None, ...]) -> None:
-        for (key, a, per), g in zip(self.fed, grads):
+    def add_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        for (key, a, _), g in zip(self.fed, grads):
             if g is None:
                 g = torch.zeros_like(a)
             self.grads.setdefault(key, []).append(g)

@@ -564,9 +564,7 @@ class Stack(nn.Module):
                 )
             wanted = [(n, t) for n, t in leaves.items() if t.requires_grad]
             fed = inputs.fed_with_grad()
-            grads = torch.autograd.grad(
-                loss.sum(), [t for _, t in wanted] + fed, allow_unused=True
-            )
+            grads = torch.autograd.grad(loss.sum(), [t for _, t in wanted] + fed, allow_unused=True)
             with torch.no_grad():
                 for (name, _), g in zip(wanted, grads):
                     if g is None:
@@ -575,7 +573,7 @@ class Stack(nn.Module):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     p.grad[rows] += g
-            inputs.add_grads(rows, grads[len(wanted) :])
+            inputs.add_grads(grads[len(wanted) :])
             losses.append(loss.detach())
         inputs.backward()
         return torch.cat(losses)

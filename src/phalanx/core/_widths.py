@@ -518,9 +518,12 @@ def _pool(x: Any) -> tuple[Any, str | None]:
 def _spatial_reduction(node: fx.Node, x: _Padded) -> tuple[Any, str | None]:
     """``h.mean((2, 3))`` (global average pooling), ``sum``, ``amax``, ``amin`` over the
     spatial dims of padded channels: each channel reduced on its own, as a pool does."""
-    refused = None, (
-        "it reduces over more than the spatial dims of padded channels (only a reduction "
-        "over explicit spatial dims keeps each channel on its own)"
+    refused = (
+        None,
+        (
+            "it reduces over more than the spatial dims of padded channels (only a reduction "
+            "over explicit spatial dims keeps each channel on its own)"
+        ),
     )
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)

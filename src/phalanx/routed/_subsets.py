@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from phalanx._torch_compat import pytree
 from phalanx.backends._state import PerMemberAttributes, RemappedAttributes

@@ -52,12 +52,9 @@ def _route(
     index_kw: str = "index",
     negative: bool = False,
 ) -> Callable[[tuple, dict], Any]:
-    def route(args: tuple, kwargs: dict) -> Any:
-        args, kwargs = list(args), dict(kwargs)
-        if len(args) > index_at:
-            index = args[index_at]
-        else:
-            index = kwargs.get(index_kw)
+    def route(given: tuple, given_kwargs: dict) -> Any:
+        args, kwargs = list(given), dict(given_kwargs)
+        index = args[index_at] if len(args) > index_at else kwargs.get(index_kw)
         dim = args[dim_at] if len(args) > dim_at else kwargs.get("dim")
         source = args[0] if args else kwargs.get("input", kwargs.get("self"))
         if (
@@ -77,22 +74,29 @@ def _route(
     return route
 
 
-for _f, _name in ((torch.gather, "torch.gather"), (torch.Tensor.gather, "Tensor.gather")):
-    register(_f, _route(_f, _name, index_at=2, dim_at=1), table="export")
-for _f, _name in (
-    (torch.index_select, "torch.index_select"),
-    (torch.Tensor.index_select, "Tensor.index_select"),
-):
-    register(_f, _route(_f, _name, index_at=2, dim_at=1, negative=True), table="export")
+_ROUTES: list[tuple[Any, str, int, int, bool]] = [
+    (torch.gather, "torch.gather", 2, 1, False),
+    (torch.Tensor.gather, "Tensor.gather", 2, 1, False),
+    (torch.index_select, "torch.index_select", 2, 1, True),
+    (torch.Tensor.index_select, "Tensor.index_select", 2, 1, True),
+]
 for _name in ("scatter", "scatter_add", "scatter_reduce"):
-    for _owner in (torch, torch.Tensor):
-        _f = getattr(_owner, _name)
-        register(_f, _route(_f, _name, index_at=2, dim_at=1), table="export")
-    _f = getattr(torch.Tensor, _name + "_")
-    register(_f, _route(_f, _name + "_", index_at=2, dim_at=1), table="export")
+    _ROUTES += [
+        (getattr(torch, _name), f"torch.{_name}", 2, 1, False),
+        (getattr(torch.Tensor, _name), f"Tensor.{_name}", 2, 1, False),
+        (getattr(torch.Tensor, _name + "_"), f"Tensor.{_name}_", 2, 1, False),
+    ]
 for _name in ("index_add", "index_copy", "index_fill"):
-    for _f in (getattr(torch.Tensor, _name), getattr(torch.Tensor, _name + "_")):
-        register(_f, _route(_f, _name, index_at=2, dim_at=1, negative=True), table="export")
+    _ROUTES += [
+        (getattr(torch.Tensor, _name), f"Tensor.{_name}", 2, 1, True),
+        (getattr(torch.Tensor, _name + "_"), f"Tensor.{_name}_", 2, 1, True),
+    ]
+for _f, _name, _index_at, _dim_at, _negative in _ROUTES:
+    register(
+        _f,
+        _route(_f, _name, index_at=_index_at, dim_at=_dim_at, negative=_negative),
+        table="export",
+    )
 register(
     torch.take_along_dim,
     _route(torch.take_along_dim, "torch.take_along_dim", index_at=1, dim_at=2, index_kw="indices"),
