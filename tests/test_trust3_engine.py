@@ -490,3 +490,25 @@ def test_routed_and_subset_calls_of_a_forward_that_makes_its_own_generator() -> 
         torch.testing.assert_close(routed[rows], m(x[rows]), rtol=0, atol=0)
     torch.testing.assert_close(sub[0], members[2](x), rtol=0, atol=0)
     torch.testing.assert_close(sub[1], members[0](x), rtol=0, atol=0)
+
+
+def test_chunks_give_what_loss_fn_closes_over_its_gradient() -> None:
+    """Failed before the change: a temperature loss_fn divides by got no gradient."""
+    torch.manual_seed(0)
+    members = [nn.Linear(6, 3) for _ in range(5)]
+    x = torch.randn(4, 6)
+    temps = []
+    for chunked in (False, True):
+        temp = torch.tensor(2.0, requires_grad=True)
+        stack = phalanx.stack(copy.deepcopy(members), backend="loop")
+
+        def loss(out: torch.Tensor, rows: slice, temp: torch.Tensor = temp) -> torch.Tensor:
+            return (out / temp).pow(2).sum(dim=(1, 2))
+
+        if chunked:
+            stack.backward_in_chunks(loss, x, chunk_members=2)
+        else:
+            loss(stack(x), slice(None)).sum().backward()
+        temps.append(temp.grad)
+    assert temps[1] is not None
+    assert_close(temps[1], temps[0])

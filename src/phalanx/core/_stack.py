@@ -489,11 +489,11 @@ class Stack(nn.Module):
         ``torch.Generator`` where it holds one (the loop; ``auto`` hands such members to it),
         and a shared input the forward writes in place (``x /= 255``) is written once, by the
         first chunk, every later chunk seeing the input as given (as the loop's members do).
-        Global random operations (dropout) draw chunk by chunk, not as one call draws. An
-        input that requires grad gets the gradient of the sum of every member's loss, as
-        ``backward`` gives it: into ``x.grad`` for a leaf, through its graph otherwise (once,
-        after the last chunk). Gradients of tensors ``loss_fn`` itself uses (targets that
-        require grad) are not computed.
+        Global random operations (dropout) draw chunk by chunk, not as one call draws. Every
+        chunk's losses are backpropagated as ``backward`` does: an input that requires grad
+        gets the gradient of the sum of every member's loss (into ``x.grad`` for a leaf;
+        through its own graph, once, after the last chunk, otherwise), and so does what
+        ``loss_fn`` closes over (a temperature that requires grad).
 
         Args:
             loss_fn: ``loss_fn(outputs, rows)`` with ``outputs`` the chunk's outputs
@@ -562,19 +562,21 @@ class Stack(nn.Module):
                     f"({size},) for members {rows.start}..{rows.stop - 1}; got {got}. Use "
                     f"phalanx.member_losses(loss, outputs, targets[rows], in_dims=(0, 0))."
                 )
-            wanted = [(n, t) for n, t in leaves.items() if t.requires_grad]
-            fed = inputs.fed_with_grad()
-            grads = torch.autograd.grad(loss.sum(), [t for _, t in wanted] + fed, allow_unused=True)
+            # backward as the loop's: every leaf the chunk's losses reach gets its share
+            # (a temperature loss_fn closes over too); the stack's rows are this chunk's
+            # detached leaves, an input's upstream graph is reached once, at the end.
+            last = rows.stop == self.num_members
+            loss.sum().backward(retain_graph=not last)
             with torch.no_grad():
-                for (name, _), g in zip(wanted, grads):
-                    if g is None:
+                for name, t in leaves.items():
+                    if t.grad is None:
                         continue
                     p = params[name]
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    p.grad[rows] += g
-            inputs.add_grads(grads[len(wanted) :])
+                    p.grad[rows] += t.grad
             losses.append(loss.detach())
+            del loss, out  # the chunk's graph goes now, before the next chunk's forward
         inputs.backward()
         return torch.cat(losses)
 
