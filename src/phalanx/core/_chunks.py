@@ -29,6 +29,7 @@ class ChunkInputs:
         dims: tuple[int | None, ...],
         kwargs: dict[str, Any],
         kw_dims: frozenset[str],
+        chunks: int,
     ) -> None:
         # (key, value, per-member): key an int for a positional input, a str for a keyword
         self.entries: list[tuple[int | str, Any, bool]] = [
@@ -44,7 +45,9 @@ class ChunkInputs:
                 self.stand_ins[key] = (a, stand)
                 self.entries[n] = (key, stand, per)
         shared = [
-            (key, a) for key, a, per in self.entries if not per and isinstance(a, torch.Tensor)
+            (key, a)
+            for key, a, per in self.entries
+            if not per and isinstance(a, torch.Tensor) and chunks > 1  # one chunk: one call
         ]
         self.versions = {key: compat.version(a) for key, a in shared}
         with torch.no_grad():  # what the first chunk may write, as the loop keeps it

@@ -536,7 +536,7 @@ class Stack(nn.Module):
             raise RuntimeError(f"{where}: {self.retired}")
         params, buffers = self.stacked_state()
         backend = get_backend(self._requested)
-        inputs = ChunkInputs(args, dims, kwargs, kw_dims)
+        inputs = ChunkInputs(args, dims, kwargs, kw_dims, -(-self.num_members // k))
         losses = []
         for start in range(0, self.num_members, k):
             rows = slice(start, min(start + k, self.num_members))
