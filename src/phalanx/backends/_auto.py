@@ -6,12 +6,13 @@ call then runs once more, so what the failed attempt did is undone first: the pa
 buffers and the inputs where the attempt wrote into them (on the first call they are saved
 beforehand; later, where something was written that cannot be put back, ``auto`` raises
 instead of running the member twice). The global random streams are put back too (the CPU
-generator and the CUDA one of the stack's devices, saved before each attempt): the loop
-draws what it would have drawn had it run alone, as DESIGN asks of every RNG the user can
-see. The global stream is the process's, not the call's: where another thread is at work
-(not waiting on a lock, queue or selector), it may have drawn from it meanwhile, and putting it back would replay its numbers;
-there the attempt's draws are spent and the hand-over's warning says so.
-The loop's own error is the member's error and is raised as is; otherwise fused is dropped, with one warning naming the
+generator and the CUDA one of the stack's devices, saved before each attempt): the loop draws
+what it would have drawn had it run alone, as DESIGN asks of every RNG the user can see. The
+global stream is the process's, not the call's: where another thread is at work (not waiting
+on a lock, queue or selector) it may have drawn meanwhile, and putting the stream back would
+replay its numbers; there the attempt's draws are spent and the hand-over's warning says so.
+The loop's own error is the member's error and is raised as is; otherwise fused is dropped,
+with one warning naming the
 reason and the backend ``auto`` runs instead, for the context it failed in (grad mode, and
 whether a ``torch.func`` transform is around the stack: a refusal under the user's
 ``vmap(jacrev(...))`` does not cost ordinary training calls their fast path).
