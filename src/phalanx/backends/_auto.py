@@ -12,10 +12,9 @@ global stream is the process's, not the call's: where another thread is at work 
 on a lock, queue or selector) it may have drawn meanwhile, and putting the stream back would
 replay its numbers; there the attempt's draws are spent and the hand-over's warning says so.
 The loop's own error is the member's error and is raised as is; otherwise fused is dropped,
-with one warning naming the
-reason and the backend ``auto`` runs instead, for the context it failed in (grad mode, and
-whether a ``torch.func`` transform is around the stack: a refusal under the user's
-``vmap(jacrev(...))`` does not cost ordinary training calls their fast path).
+with one warning naming the reason and the backend ``auto`` runs instead, for the context it
+failed in (grad mode, and whether a ``torch.func`` transform is around the stack: a refusal
+under the user's ``vmap(jacrev(...))`` does not cost ordinary training calls their fast path).
 """
 
 from __future__ import annotations
