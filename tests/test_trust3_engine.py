@@ -161,6 +161,8 @@ class Gathers(nn.Module):
             return torch.gather(self.w, 0, idx) * x
         if self.op == "index_select":
             return self.w.index_select(0, idx[:, 0]) * x
+        if self.op == "getitem":
+            return self.w[idx[:, 0]] * x + self.w[-1]
         if self.op == "scatter_add":
             return torch.zeros(10, 3).scatter_add(0, idx, x) @ self.w.t()
         return torch.take_along_dim(self.w, idx, 0) * x
@@ -173,12 +175,14 @@ def _process_is_whole() -> None:
 
 
 @pytest.mark.parametrize("backend", ["auto", "vmap"])
-@pytest.mark.parametrize("op", ["gather", "index_select", "scatter_add", "take_along_dim"])
+@pytest.mark.parametrize(
+    "op", ["gather", "index_select", "scatter_add", "take_along_dim", "getitem"]
+)
 def test_an_exported_request_out_of_range_is_refused_and_leaves_no_level(
     backend: str, op: str
 ) -> None:
-    """Failed before the fix (gather, scatter_add, take_along_dim): the exported program
-    raised inside its vmap level, and the process was broken afterwards."""
+    """Failed before the fix (every op): the exported program raised inside its vmap level,
+    and the process was broken afterwards."""
     torch.manual_seed(0)
     members = [Gathers(op) for _ in range(3)]
     stack = quiet(backend, members).eval()

@@ -8,6 +8,8 @@ While export traces, these routes check each index against its dimension with
 :func:`~phalanx.backends.rules._registry.holds` (asserted after the level, ``deferred``)
 and hand the operation indices clamped into range until then, so the request is refused
 with the member's reason and the process is left as it was. Eager calls are untouched.
+Covered: ``gather``, ``index_select``, the ``scatter`` family, ``index_add``/``copy``/``fill``,
+``take_along_dim`` and ``x[idx]`` with integer tensor indices (embeddings: ``_embedding``).
 """
 
 from __future__ import annotations
@@ -102,3 +104,30 @@ register(
     _route(torch.take_along_dim, "torch.take_along_dim", index_at=1, dim_at=2, index_kw="indices"),
     table="export",
 )
+
+
+def _getitem(args: tuple, kwargs: dict) -> Any:
+    """``x[idx]`` with integer tensor indices (alone or in a tuple of ints, slices and
+    tensors): each tensor index checked against the dim it indexes, negatives as Python
+    allows them."""
+    x, index = args[0], args[1]
+    if not torch.compiler.is_exporting() or kwargs:
+        return torch.Tensor.__getitem__(x, index)
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if not any(_int_tensor(p) for p in parts) or any(
+        p is Ellipsis or p is None or (isinstance(p, torch.Tensor) and not _int_tensor(p))
+        for p in parts
+    ):
+        return torch.Tensor.__getitem__(x, index)  # nothing to check, or a form left to torch
+    checked = [
+        _checked(p, _size(x, dim), True, "Tensor.__getitem__") if _int_tensor(p) else p
+        for dim, p in enumerate(parts)
+    ]
+    return torch.Tensor.__getitem__(x, tuple(checked) if isinstance(index, tuple) else checked[0])
+
+
+def _int_tensor(p: Any) -> bool:
+    return isinstance(p, torch.Tensor) and not p.is_floating_point() and p.dtype != torch.bool
+
+
+register(torch.Tensor.__getitem__, _getitem, table="export")
