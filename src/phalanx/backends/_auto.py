@@ -5,17 +5,22 @@ runs ``fused`` on the real call, and only if that fails does the loop run the sa
 call then runs once more, so what the failed attempt did is undone first: the parameters, the
 buffers and the inputs where the attempt wrote into them (on the first call they are saved
 beforehand; later, where something was written that cannot be put back, ``auto`` raises
-instead of running the member twice). The random streams are never put back: another thread
-may be drawing from them meanwhile, and would draw the same numbers twice. The draws the
-attempt made are spent, as any other code's would be; the loop draws the next ones. The loop's own error is the
-member's error and is raised as is; otherwise fused is dropped, with one warning naming the
-reason and the backend ``auto`` runs instead, for the context it failed in (grad mode, and
-whether a ``torch.func`` transform is around the stack: a refusal under the user's
-``vmap(jacrev(...))`` does not cost ordinary training calls their fast path).
+instead of running the member twice). The global random streams are put back too (the CPU
+generator and the CUDA one of the stack's devices, saved before each attempt): the loop draws
+what it would have drawn had it run alone, as DESIGN asks of every RNG the user can see. The
+global stream is the process's, not the call's: where another thread is at work (not waiting
+on a lock, queue or selector) it may have drawn meanwhile, and putting the stream back would
+replay its numbers; there the attempt's draws are spent and the hand-over's warning says so.
+The loop's own error is the member's error and is raised as is; otherwise fused is dropped,
+with one warning naming the reason and the backend ``auto`` runs instead, for the context it
+failed in (grad mode, and whether a ``torch.func`` transform is around the stack: a refusal
+under the user's ``vmap(jacrev(...))`` does not cost ordinary training calls their fast path).
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any
 
 import torch
@@ -122,6 +127,40 @@ def _shapes(
     return (context, training, in_dims, *((a.shape, a.dtype, a.device) for a in args))
 
 
+def _rng_state(view: StackView) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """The global generators' states: the CPU one, and the CUDA one of each device the
+    stack's tensors are on (about a microsecond each)."""
+    cuda = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        params, buffers = view.state()
+        devices = {t.device.index for t in (*params.values(), *buffers.values()) if t.is_cuda}
+        cuda = [(d, torch.cuda.get_rng_state(d)) for d in sorted(devices)]
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> None:
+    torch.set_rng_state(state[0])
+    for device, cuda in state[1]:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+_WAITING = ("threading.py", "queue.py", "selectors.py", "thread.py", "connection.py")
+"""Where a thread waits (a lock, a queue, a selector, an executor's idle worker)."""
+
+
+def _alone() -> bool:
+    """Whether no other thread is running Python code that could draw from the global
+    stream: every other thread is waiting (a progress bar's monitor, an idle executor's
+    workers, a notebook's kernel threads), its innermost frame in the standard library's
+    waiting code. A thread inside a C call holding no frame of ours may still run: this is
+    the best a library can see, and where it sees another thread at work it says so."""
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident != me and not frame.f_code.co_filename.endswith(_WAITING):
+            return False
+    return True
+
+
 class AutoBackend:
     name = "auto"
 
@@ -157,10 +196,14 @@ class AutoBackend:
         shapes = _shapes(context, view.module.training, args, kwargs, in_dims)
         seen = state.setdefault("ran", set())
         undo = _Undo(view, args, kwargs, first=not state["settled"], seen=shapes in seen)
+        rng = _rng_state(view)
         try:
             out = get_backend("fused").forward(view, args, kwargs, in_dims, kw_dims)
         except Exception as e:
             undo.undo(e)
+            put_back = _alone()
+            if put_back:
+                _set_rng_state(rng)
             failure = e
         else:
             state["settled"] = True
@@ -170,11 +213,13 @@ class AutoBackend:
         # Outside the except block: the loop's error is the member's own and is raised as
         # such, not as one that happened while handling fused's.
         out = get_backend("loop").forward(view, args, kwargs, in_dims, kw_dims)
-        self._drop(state, context, _reason(failure))
+        self._drop(state, context, _reason(failure), put_back)
         return out
 
     @staticmethod
-    def _drop(state: dict[str, Any], context: tuple[bool, bool], reason: str) -> None:
+    def _drop(
+        state: dict[str, Any], context: tuple[bool, bool], reason: str, put_back: bool = True
+    ) -> None:
         if state["dropped"].setdefault(context, reason) is not reason:
             return  # another thread dropped it first (setdefault is atomic) and said so
         grad, transformed = context
@@ -184,7 +229,14 @@ class AutoBackend:
         warn(
             f"phalanx: backend 'fused' cannot run this model exactly ({reason}); backend "
             f"'auto' runs 'loop' instead {where}. Pass backend='loop' to phalanx.stack() to "
-            f"choose it directly and silence this warning.",
+            f"choose it directly and silence this warning."
+            + (
+                ""
+                if put_back
+                else " Another thread was running, so the global random stream was not put "
+                "back: the refused attempt's draws are spent (putting it back could replay "
+                "another thread's draws)."
+            ),
             FallbackWarning,
         )
 

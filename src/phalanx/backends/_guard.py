@@ -1,8 +1,9 @@
 """What one vmapped call (``fused``, ``vmap``) needs beyond the member's own forward.
 
 :class:`Guarded` wraps both backends: it refuses where one call's random numbers could not be
-each member's own (``_random``: a member's own ``torch.Generator``, one passed to the
-forward, a forward that reseeds the global generator), and gives members that hold no
+each member's own (``_random``: a ``torch.Generator`` passed to the forward, a forward that
+reseeds the global generator; a draw from a generator object the member holds or makes is
+refused where it is drawn, by ``rules.BatchedOps``), and gives members that hold no
 tensors at all (an activation, a parameter-free block) a member axis when every input is
 shared: ``vmap`` needs one input to map over, and each member then sees the shared input as
 it is (a broadcast view, its own shape and strides).
@@ -47,13 +48,9 @@ class Guarded:
         in_dims: tuple[int | None, ...],
         kw_dims: frozenset[str] = frozenset(),
     ) -> Any:
-        if view.generators is not None:
-            _refuse(
-                self.name,
-                f"the member holds a torch.Generator of its own ({view.generators.path()!r}), "
-                f"and one vmapped call draws every member's noise from one generator; the "
-                f"loop draws each member's from its own",
-            )
+        # A member's own torch.Generator (held, or made in the forward) is refused where it
+        # is drawn from (``rules.BatchedOps``): one it holds and never draws from costs
+        # nothing.
         if any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values())):
             _refuse(
                 self.name,

@@ -8,11 +8,14 @@ member (:class:`MemberGenerators`: a copy of each member's, taken at ``phalanx.s
 
 One vmapped call (``fused``, ``vmap``) draws every member's numbers at once from the global
 generators (``randomness="different"``): independent per member and reproducible under a
-seed, but other numbers than the loop's. It cannot give a member its own generator (it would
-draw every member's noise from one), nor the noise of a forward that reseeds the global
-generator (``torch.manual_seed(k)`` then ``torch.randn``: each member alone draws the same
-noise, one vmapped call N different ones). ``_guard.Guarded`` refuses both, so ``auto``
-hands such a model to the loop.
+seed, but other numbers than the loop's. It cannot draw from a ``torch.Generator`` object,
+whether the member holds it or makes and seeds it in its forward (it would draw every
+member's noise from one stream at once), nor give the noise of a forward that reseeds the
+global generator (``torch.manual_seed(k)`` then ``torch.randn``: each member alone draws the
+same noise, one vmapped call N different ones). The draw from a generator object is refused
+where it happens (``rules.BatchedOps``, before anything is drawn: a generator the member
+holds and never draws from costs nothing), the reseed by ``_guard.Guarded``; ``auto`` hands
+such a model to the loop.
 """
 
 from __future__ import annotations

@@ -116,3 +116,14 @@ class PerMemberAttributes:
                 self.kept[i] = [e for e in kept.values() if e[2] is not _MISSING]
                 put_back(changes)
                 put_back(before_mine)
+
+
+class RemappedAttributes:
+    """The loop's per-member attributes for a view of some members (a subset call, a chunk):
+    the view's member i is the stack's member ``members[i]``."""
+
+    def __init__(self, attributes: PerMemberAttributes, members: list[int]) -> None:
+        self.attributes, self.members = attributes, members
+
+    def run(self, i: int, module: nn.Module, call: Any) -> Any:
+        return self.attributes.run(self.members[i], module, call)

@@ -82,15 +82,19 @@ def vmapped(
 
     failure: BaseException | None = None
     try:
-        with BatchedOps(rules), _recompute.seen(_recompute.refuse_under_vmap), deferred():
+        with (
+            BatchedOps(rules, view.module),
+            _recompute.seen(_recompute.refuse_under_vmap),
+            deferred(),
+        ):
             tensors = vmap(member, in_dims=(0, 0, 0, *in_dims), randomness="different")(
                 params, buffers, per_member_kwargs, *args
             )
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
         put_back(stored_tensors(before))
         failure = e
-    if isinstance(failure, OpaqueOutput):
-        raise failure  # the output itself: no backend can stack it
+    if isinstance(failure, (OpaqueOutput, BackendRefusal)):
+        raise failure  # the output itself (no backend can stack it), or a rule's refusal
     if failure is not None:
         # Outside the except block: a member's own error is raised as the loop raises it,
         # not as one that happened while handling torch.func's.
@@ -165,12 +169,17 @@ def members_own_error(
         return None
     params, buffers = view.state()
     paths = {id(m): p for p, m in view.module.named_modules()}
+    # Inside the caller's torch.func transform (jacrev of the stack) a copy cannot be made a
+    # leaf that requires grad (torch.func refuses requires_grad_ there); the member's own
+    # errors do not depend on it but for in-place writes of leaves, which the transform's
+    # wrapped tensors do not forbid either.
+    leaves = not (compat.transforms_active() or compat.forward_ad_active())
 
     def copy(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         c = t.detach().clone()
-        return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c
+        return c.requires_grad_() if leaves and t.requires_grad and c.is_floating_point() else c
 
     for i in range(view.num_members):
         state = {k: copy(v[i]) for k, v in params.items()}

@@ -19,6 +19,8 @@ from phalanx.backends import CHOICES, StackView, get_backend
 from phalanx.backends._keywords import KwInDims, keyword_dims
 from phalanx.backends._memory import reuse_freed_memory
 from phalanx.backends._random import MemberGenerators, copy_generators, generator_slots
+from phalanx.backends._state import PerMemberAttributes, RemappedAttributes
+from phalanx.core._chunks import ChunkInputs
 from phalanx.core._hf import check_call, guard_stacked
 from phalanx.core._input_warnings import check_inputs, record_outputs, record_ranks
 from phalanx.core._memory_format import to_member_format
@@ -621,6 +623,7 @@ class Stack(nn.Module, Generic[Out]):
         *args: Any,
         chunk_members: int,
         in_dims: InDims = None,
+        kw_in_dims: KwInDims = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward of the members ``chunk_members`` at a time, for less memory.
@@ -633,7 +636,16 @@ class Stack(nn.Module, Generic[Out]):
         unchunked step's to float rounding (bit for bit where the backend's kernels do not
         depend on the number of members: the loop, and vmap on one intra-op thread, as the
         tests check).
-        Random operations (dropout) draw chunk by chunk, not as one call draws.
+
+        What the members see is what one call gives them: each member draws from its own
+        ``torch.Generator`` where it holds one (the loop; ``auto`` hands such members to it),
+        and a shared input the forward writes in place (``x /= 255``) is written once, by the
+        first chunk, every later chunk seeing the input as given (as the loop's members do).
+        Global random operations (dropout) draw chunk by chunk, not as one call draws. Every
+        chunk's losses are backpropagated as ``backward`` does: an input that requires grad
+        gets the gradient of the sum of every member's loss (into ``x.grad`` for a leaf;
+        through its own graph, once, after the last chunk, otherwise), and so does what
+        ``loss_fn`` closes over (a temperature that requires grad).
 
         Args:
             loss_fn: ``loss_fn(outputs, rows)`` with ``outputs`` the chunk's outputs
@@ -644,7 +656,9 @@ class Stack(nn.Module, Generic[Out]):
             *args: the inputs, as for ``stack(*args)``; per-member inputs are cut to the chunk.
             chunk_members: k >= 1, the members per chunk (the last chunk may be smaller).
             in_dims: as for ``stack(*args, in_dims=...)``.
-            **kwargs: keyword inputs shared by every member.
+            kw_in_dims: as for ``stack(..., kw_in_dims=...)``: the per-member keyword inputs,
+                ``(N, B, ...)``, cut to the chunk; other keywords are shared.
+            **kwargs: keyword inputs, shared by every member unless ``kw_in_dims`` says not.
 
         Returns:
             The members' losses ``(N,)``, detached.
@@ -667,12 +681,14 @@ class Stack(nn.Module, Generic[Out]):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"{where}: chunk_members must be a positive int; got {k!r}.")
         dims = self._normalize_in_dims(in_dims, args)
+        kw_dims = keyword_dims(kw_in_dims, kwargs, self.num_members, args, dims)
         self._check_devices(args, kwargs)
         check_call(self.module, kwargs)
         if self.retired is not None:
             raise RuntimeError(f"{where}: {self.retired}")
         params, buffers = self.stacked_state()
         backend = get_backend(self._requested)
+        inputs = ChunkInputs(args, dims, kwargs, kw_dims, -(-self.num_members // k))
         losses = []
         for start in range(0, self.num_members, k):
             rows = slice(start, min(start + k, self.num_members))
@@ -685,9 +701,11 @@ class Stack(nn.Module, Generic[Out]):
                 else mask_gradients(leaves, self._padding, full=params, rows=rows)
             )
             view = self._chunk_view(rows, held, {n: b[rows] for n, b in buffers.items()})
-            chunk_args = tuple(a if d is None else a[rows] for a, d in zip(args, dims))
+            chunk_args, chunk_kwargs = inputs.chunk(rows)
             with torch.enable_grad(), self._view.lock:
-                loss = loss_fn(backend.forward(view, chunk_args, dict(kwargs), dims), rows)
+                out = backend.forward(view, chunk_args, chunk_kwargs, dims, kw_dims)
+                inputs.after_first_chunk()
+                loss = loss_fn(out, rows)
             size = rows.stop - rows.start
             if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != (size,):
                 got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -696,28 +714,39 @@ class Stack(nn.Module, Generic[Out]):
                     f"({size},) for members {rows.start}..{rows.stop - 1}; got {got}. Use "
                     f"phalanx.member_losses(loss, outputs, targets[rows], in_dims=(0, 0))."
                 )
-            wanted = [(n, t) for n, t in leaves.items() if t.requires_grad]
-            grads = torch.autograd.grad(loss.sum(), [t for _, t in wanted], allow_unused=True)
+            # backward as the loop's: every leaf the chunk's losses reach gets its share
+            # (a temperature loss_fn closes over too); the stack's rows are this chunk's
+            # detached leaves, an input's upstream graph is reached once, at the end.
+            last = rows.stop == self.num_members
+            loss.sum().backward(retain_graph=not last)
             with torch.no_grad():
-                for (name, _), g in zip(wanted, grads):
-                    if g is None:
+                for name, t in leaves.items():
+                    if t.grad is None:
                         continue
                     p = params[name]
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    p.grad[rows] += g
+                    p.grad[rows] += t.grad
             losses.append(loss.detach())
+            del loss, out  # the chunk's graph goes now, before the next chunk's forward
+        inputs.backward()
         return torch.cat(losses)
 
     def _chunk_view(
         self, rows: slice, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
     ) -> StackView:
-        """A view of members ``rows`` over the given tensors; ``auto``'s choices are shared."""
+        """A view of members ``rows`` over the given tensors: their own generators and the
+        loop's per-member attributes; ``auto``'s choices are shared."""
         view = StackView(
             rows.stop - rows.start, self.module, self._template, lambda: (params, buffers)
         )
         view.lock = self._view.lock
+        chosen = list(range(rows.start, rows.stop))
+        if self._view.generators is not None:  # member i draws from its own generators
+            view.generators = self._view.generators.subset(chosen)
         view.cache["auto"] = self._view.cache_of("auto")
+        attributes = self._view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
+        view.cache["loop"] = {"attributes": RemappedAttributes(attributes, chosen)}
         return view
 
     def _shared_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -20,7 +20,8 @@ nonzero padded entries; :meth:`Stack.zero_padding_` writes them back to 0.
 Where padding would change a result it is refused at ``phalanx.stack()``, after tracing the
 member's forward with ``torch.fx``: a padded tensor may flow only through Linear, Conv (groups
 1), BatchNorm (on zero padding), Embedding dims, elementwise activations, dropout, pooling over
-channels, ``Flatten`` of padded channels, and elementwise add/sub/mul of tensors padded alike;
+channels (modules and functions: ``F.max_pool2d``, ``F.adaptive_avg_pool2d``, ...; a mean, sum,
+amax or amin over explicit spatial dims, global average pooling), ``Flatten`` of padded channels, and elementwise add/sub/mul of tensors padded alike;
 anything else that reads it (LayerNorm, softmax, a reduction, a reshape, attention, an add to an
 unpadded tensor) and an output whose width differs are refused, each named.
 """
@@ -59,6 +60,19 @@ _POOLS = (
     nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
 )  # fmt: skip
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_POOL_FUNCTIONS = {
+    F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
+    F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+    F.lp_pool1d, F.lp_pool2d, torch.max_pool1d, torch.max_pool2d, torch.max_pool3d,
+    torch.avg_pool1d, torch.adaptive_avg_pool1d, torch.adaptive_max_pool1d,
+    F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices,
+}  # fmt: skip
+_WITH_INDICES = {
+    F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices,
+    torch.adaptive_max_pool1d,
+}  # fmt: skip
+_REDUCTIONS = {torch.mean, torch.sum, torch.amax, torch.amin, "mean", "sum", "amax", "amin"}
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _FUNCTIONS = {
     torch.relu, F.relu, torch.tanh, F.tanh, torch.sigmoid, F.sigmoid, F.gelu, F.silu,
@@ -86,6 +100,7 @@ class _Padded:
     kind: str
     widths: tuple[int, ...]
     junk: bool
+    ndim: int | None = None  # the batched tensor's dims where known (a Conv2d's output: 4)
 
 
 class Padding:
@@ -534,7 +549,7 @@ def _conv(m: Any, x: Any, varying: Any, name: Any, width: Any) -> Any:
     elif x is not None:
         return None, "it reads padded channels with in_channels equal for all members"
     if 0 in varying:
-        return _Padded("channels", width(name, 0), False), None
+        return _Padded("channels", width(name, 0), False, _CONVS.index(type(m)) + 3), None
     return None, None
 
 
@@ -577,11 +592,41 @@ def _pool(x: Any) -> tuple[Any, str | None]:
     return None, "it pools over a padded last dimension (only padded channels pool exactly)"
 
 
+def _spatial_reduction(node: fx.Node, x: _Padded) -> tuple[Any, str | None]:
+    """``h.mean((2, 3))`` (global average pooling), ``sum``, ``amax``, ``amin`` over the
+    spatial dims of padded channels: each channel reduced on its own, as a pool does."""
+    refused = (
+        None,
+        (
+            "it reduces over more than the spatial dims of padded channels (only a reduction "
+            "over explicit spatial dims keeps each channel on its own)"
+        ),
+    )
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    others = set(node.kwargs) - {"dim", "keepdim"}
+    if x.ndim is None or others or not isinstance(keepdim, bool):
+        return refused
+    dims = (dims,) if isinstance(dims, int) else dims
+    if not isinstance(dims, (tuple, list)) or not dims or not all(isinstance(d, int) for d in dims):
+        return refused
+    spatial = sorted({d % x.ndim for d in dims})
+    if spatial[0] < 2:
+        return refused
+    if keepdim:
+        return x, None
+    if spatial == list(range(2, x.ndim)):
+        return _Padded("features", x.widths, x.junk, 2), None  # (B, C)
+    return _Padded("channels", x.widths, x.junk, x.ndim - len(spatial)), None
+
+
 def _flatten(x: Any, start: int, end: int) -> tuple[Any, str | None]:
     if x is None:
         return None, None
     if isinstance(x, _Padded) and x.kind == "channels" and start == 1 and end == -1:
         return _Padded("flat", x.widths, x.junk), None
+    if isinstance(x, _Padded) and x.kind == "features" and x.ndim == 2 and start in (1, -1):
+        return x, None  # (B, C) flattened from dim 1: as it is
     return None, "only Flatten(1, -1) of padded channels keeps each member's units in front"
 
 
@@ -604,6 +649,17 @@ def _function(node: fx.Node, got: list[Any], padded_in: list[Any]) -> tuple[Any,
             return target(z, *node.args[1:], **node.kwargs)  # type: ignore[operator]
 
         return _elementwise(x, f), None
+    if target in _POOL_FUNCTIONS and constant and isinstance(node.args[0], fx.Node) and got[0] is x:
+        if node.kwargs.get("return_indices") or target in _WITH_INDICES:
+            return None, "it returns pooling indices, which count the padded channels"
+        return _pool(x)
+    if (
+        target in _REDUCTIONS
+        and x.kind == "channels"
+        and isinstance(node.args[0], fx.Node)
+        and got[0] is x
+    ):
+        return _spatial_reduction(node, x)
     if target in (torch.flatten, "flatten") and constant:
         start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
         end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)

@@ -336,7 +336,22 @@ def checked_plan(view: StackView, args: tuple[Any, ...], kwargs: dict[str, Any])
         return _HOOKED if hooked(view.module) else plan
     if plan.hooked or compat.global_module_hooks():
         return _HOOKED
+    if plan.graph is not None and not getattr(plan, "generators_checked", False):
+        plan.generators_checked = True  # type: ignore[attr-defined]
+        drawn = _generator_draw(plan.graph)
+        if drawn is not None:
+            plan.refused.setdefault(None, drawn)
     return plan
+
+
+def _generator_draw(graph: Any) -> str | None:
+    """Why the trace cannot run: it draws from a ``torch.Generator`` object (one the forward
+    makes and seeds: the trace kept the one made while tracing, one stream for every row);
+    each member alone draws from its own, on its own rows (the general path does so)."""
+    for node in graph.nodes:
+        if any(isinstance(a, torch.Generator) for a in (*node.args, *node.kwargs.values())):
+            return f"the forward draws from a torch.Generator object ({node.name!r})"
+    return None
 
 
 def segment_path(

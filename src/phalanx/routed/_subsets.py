@@ -7,28 +7,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from phalanx import _torch_compat as compat
 from phalanx._module_tree import meta_copy
 from phalanx._torch_compat import pytree
-from phalanx.backends._state import PerMemberAttributes
+from phalanx.backends._state import PerMemberAttributes, RemappedAttributes
 from phalanx.routed._direct import MemberViews
 from phalanx.routed._rowwise import NotRowwise, checked_plan, direct_of, run_plan
 from phalanx.routed._segments import Segments, per_segment
 
 if TYPE_CHECKING:
     from phalanx.backends import StackView
-
-
-class _Remapped:
-    """The loop's per-member attributes, keyed by the stack's member index in a subset call."""
-
-    def __init__(self, attributes: PerMemberAttributes, members: list[int]) -> None:
-        self.attributes, self.members = attributes, members
-
-    def run(self, i: int, module: nn.Module, call: Any) -> Any:
-        return self.attributes.run(self.members[i], module, call)
 
 
 def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable[[], None]]:
@@ -82,7 +71,7 @@ def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable
         sub.generators = view.generators.subset(chosen)
     sub.cache["auto"] = view.cache_of("auto")
     attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
-    sub.cache["loop"] = {"attributes": _Remapped(attributes, chosen)}
+    sub.cache["loop"] = {"attributes": RemappedAttributes(attributes, chosen)}
     return sub, write_back
 
 

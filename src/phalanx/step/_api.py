@@ -60,6 +60,7 @@ from phalanx.step._graph import (
     unflatten,
 )
 from phalanx.step._signature import NoSignature, value_key
+from phalanx.step._watch import RandomWatch, generator_states, put_back
 from phalanx.train._clip import clip_grad_norm_
 from phalanx.train._losses import member_losses
 
@@ -402,7 +403,9 @@ class CompiledStep:
         # and tracing must leave no trace in the weights, the buffers or the random stream.
         # On the real copies first (the faster graph), then, where that fails on a value the
         # trace cannot read (GPT-2's packed-sequence check), on fake tensors.
-        mutable = ("params", "buffers", "state", "bad_steps", "frozen")
+        # The inputs and the target too: a forward that writes its input in place
+        # (x /= 255) writes it once per step, and the captured call right after writes it.
+        mutable = ("params", "buffers", "state", "bad_steps", "frozen", "args", "target")
 
         def fresh_copies() -> list[Tensor]:
             return flatten(
@@ -422,19 +425,24 @@ class CompiledStep:
             grads[:] = [k for k, _ in pairs]
             return (*(out[k] for k in returned), *(g for _, g in pairs))
 
-        rng = _rng_state()
+        rng, generators = _rng_state(), generator_states(self.stack)
+        watch = RandomWatch()
         try:
-            try:
-                graph = compat.make_fx(flat_step)(*copies)
-            except Exception as on_values:
-                _set_rng_state(rng)
-                copies = fresh_copies()
+            with watch:
                 try:
-                    graph = compat.make_fx(flat_step, fake=True)(*copies)
-                except Exception:
-                    raise on_values from None
+                    graph = compat.make_fx(flat_step)(*copies)
+                except Exception as on_values:
+                    _set_rng_state(rng)
+                    copies = fresh_copies()
+                    try:
+                        graph = compat.make_fx(flat_step, fake=True)(*copies)
+                    except Exception:
+                        raise on_values from None
         finally:
             _set_rng_state(rng)
+            put_back(generators)
+        if watch.reason is not None:  # the step runs eager, the members' own streams
+            raise RuntimeError(watch.reason)
         layout = dataclasses.replace(layout, outputs=tuple(returned), grads=tuple(grads))
         graph = simplify(graph)
         run = compile_graph(graph, copies, real, self.backend, self.mode, kept=len(layout.outputs))

@@ -35,6 +35,7 @@ from phalanx.backends.rules import (  # noqa: F401  (each registers its rules)
     _conv,
     _embedding,
     _export,
+    _index,
     _linear,
     _norm,
     _pool,

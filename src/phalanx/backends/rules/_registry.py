@@ -294,9 +294,10 @@ def positional(
 class BatchedOps(TorchFunctionMode):
     """Routes the functions in ``rules`` to phalanx's batching rules for one call."""
 
-    def __init__(self, rules: Mapping[Any, Route]) -> None:
+    def __init__(self, rules: Mapping[Any, Route], module: Any = None) -> None:
         super().__init__()
         self.rules = rules
+        self.module = module  # the member's module tree, to name a generator it holds
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.Tensor.requires_grad_ and _fresh_leaf(args, kwargs):
@@ -304,10 +305,39 @@ class BatchedOps(TorchFunctionMode):
             # GRU tutorials write it): a leaf no one outside the forward can differentiate
             # against. torch.func refuses ``requires_grad_`` inside a transform; leave it as is.
             return args[0]
+        if kwargs and isinstance(kwargs.get("generator"), torch.Generator):
+            _refuse_generator(func, kwargs["generator"], self.module)
         rule = self.rules.get(func)
         if rule is None:
             return func(*args, **(kwargs or {}))
         return rule(tuple(args), kwargs or {})
+
+
+def _refuse_generator(func: Any, generator: torch.Generator, module: Any) -> None:
+    """A draw from a ``torch.Generator`` object (one the member holds, or makes and seeds in
+    its forward): one vmapped call would draw every member's numbers from that one stream at
+    once; each member alone draws its own from it. Refused before anything is drawn."""
+    from phalanx.backends import BackendRefusal
+
+    held = [
+        f"{path}.{key}" if path else key
+        for path, sub in (module.named_modules() if module is not None else ())
+        for key, value in vars(sub).items()
+        if value is generator
+    ]
+    whose = f"{held[0]!r}, which the member holds" if held else "one the forward makes"
+    why = (
+        f"the member's forward draws from a torch.Generator object ({whose}; "
+        f"{getattr(func, '__name__', func)}(generator=...)), and one vmapped call draws every "
+        f"member's numbers from it at once; the loop draws each member's as it draws alone"
+    )
+    refusal = BackendRefusal(
+        f"Stack.forward(): the vmapped backends cannot give each member its own random "
+        f"numbers: {why}.\nUse phalanx.stack(models, backend='loop'), or backend='auto', "
+        f"which hands over to the loop by itself."
+    )
+    refusal.why = why  # type: ignore[attr-defined]
+    raise refusal
 
 
 def _fresh_leaf(args: Any, kwargs: Any) -> bool:
