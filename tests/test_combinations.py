@@ -505,26 +505,16 @@ for _backend in ("loop", "vmap", "fused", "auto"):
     ]:
         EXPECT[("padded-shared", _backend, _kind)] = _unpadded(_reason)
 
-# Known gaps other engineers fix on their branches (issue 39): strict xfails naming the item.
-ITEM1 = "issue 39 item 1 (engine): backward_in_chunks ignores each member's own generator"
-ITEM2 = "issue 39 item 2 (engine): backward_in_chunks writes a shared input once per chunk"
-ITEM7 = "issue 39 item 7 (engine): a forward seeding its own generator draws otherwise"
-ITEM7_HANDOVER = "issue 39 item 7 (engine): auto's refused attempt advanced the global RNG"
+# A known gap is a strict xfail naming what is missing (GAPS); none is open. Cells whose fix
+# may end either way (exact, or a refusal naming the generator) accept both (EITHER).
 GAPS: dict[tuple[str, str, str], str] = {}
 for _backend in ("loop", "vmap", "fused", "auto"):
     for _inp in ("shared", "per_member"):
-        GAPS[(f"chunks-{_inp}", _backend, "own_generator")] = ITEM1
         EXPECT[(f"chunks-{_inp}", _backend, "own_generator")] = EITHER
-for _backend in ("loop", "vmap", "fused", "auto"):
-    GAPS[("chunks-shared", _backend, "inplace_input")] = ITEM2
 for _row in ("eager-shared", "eager-per_member", "subset-shared", "subset-per_member",
              "padded-shared", "chunks-shared", "chunks-per_member"):  # fmt: skip
     for _backend in ("vmap", "fused", "auto"):
-        GAPS[(_row, _backend, "reseed")] = ITEM7
         EXPECT[(_row, _backend, "reseed")] = EITHER
-for _row in ("eager-shared", "eager-per_member", "chunks-shared", "chunks-per_member",
-             "subset-shared", "subset-per_member"):  # fmt: skip
-    GAPS[(_row, "auto", "dropout_branch")] = ITEM7_HANDOVER
 
 
 def _row_cases() -> list[Any]:
@@ -591,13 +581,6 @@ def test_cell(mode: str, inp: str, backend: str, kind: str) -> None:
 # ------------------------------------------------- the captured step, torch.compile, export
 # Rows whose cells compile, so few cells each ("aot_eager": traced, no code generated).
 
-ITEM3 = "issue 39 item 3 (engine): compile_step trains generator members with other noise"
-ITEM4 = "issue 39 item 4 (engine): compile_step writes an input twice on the capture step"
-
-
-def _xfail(reason: str) -> Any:
-    return pytest.mark.xfail(strict=True, reason=reason)
-
 
 @pytest.mark.parametrize(
     "kind",
@@ -605,9 +588,9 @@ def _xfail(reason: str) -> Any:
         "plain",
         "batchnorm",
         "buffer_write",
-        pytest.param("inplace_input", marks=_xfail(ITEM4)),
-        pytest.param("own_generator", marks=_xfail(ITEM3)),
-        pytest.param("reseed", marks=_xfail(f"{ITEM7}; {ITEM3}")),
+        pytest.param("inplace_input"),
+        pytest.param("own_generator"),
+        pytest.param("reseed"),
     ],
 )
 def test_compile_step_cell(kind: str) -> None:
@@ -686,7 +669,6 @@ def test_export_cell(kind: str) -> None:
                  want, msg=f"export-{kind}")  # fmt: skip
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 friction (engine): x.grad after chunks is None")
 @pytest.mark.parametrize("backend", ["loop", "fused"])
 def test_chunks_input_gradient(backend: str) -> None:
     """A shared input that requires grad gets the summed gradient of every member, as from
