@@ -86,7 +86,9 @@ def render(doc: dict, *, printed: str, plot_name: str | None, revision: str, dat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "notes" / "BENCHMARKS.md")
+    parser.add_argument(
+        "--output", type=Path, default=ROOT / "benchmarks" / "notes" / "BENCHMARKS.md"
+    )
     parser.add_argument("bench_args", nargs="*", help="extra `phalanx bench` options, after --")
     args = parser.parse_args(argv)
 

@@ -37,7 +37,7 @@ loader = phalanx.data.MemberLoader(
     x_train, y_train, num_members=N, batch_size=32, bootstrap=True, seed=0
 )
 
-for epoch in range(3):
+for _ in range(3):
     for xb, yb in loader:  # xb (8, 32, 1, 12, 12), yb (8, 32)
         logits = stack(xb, in_dims=0)  # in_dims=0: member i reads xb[i]
         losses = phalanx.member_losses(F.cross_entropy, logits, yb, in_dims=(0, 0))

@@ -47,7 +47,7 @@ def gaussian_nll(output, delta):
 stack = phalanx.stack(GaussianDynamics, num_members=N, seed=0)
 opt = phalanx.optim.Adam(stack.parameters(), lr=1e-3, weight_decay=1e-5)
 loader = phalanx.data.MemberLoader(obs, act, nxt, num_members=N, batch_size=64, bootstrap=True)
-for epoch in range(2):
+for _ in range(2):
     for o, a, o2 in loader:  # (5, 64, 6), (5, 64, 2), (5, 64, 6): each member its own rows
         out = stack(o, a, in_dims=0)  # in_dims=0 marks every positional input per member
         losses = phalanx.member_losses(gaussian_nll, out, o2 - o, in_dims=(0, 0))
@@ -70,5 +70,7 @@ print("final particle states", tuple(state.shape))
 members = stack.unstack()
 with torch.no_grad():
     routed, _ = stack(obs[:8], act[:8], members=member[:8])
-    alone = torch.cat([members[m](obs[r : r + 1], act[r : r + 1])[0] for r, m in enumerate(member[:8].tolist())])
+    alone = torch.cat(
+        [members[m](obs[r : r + 1], act[r : r + 1])[0] for r, m in enumerate(member[:8].tolist())]
+    )
 print("routed call equals each member alone:", torch.allclose(routed, alone, atol=1e-6))

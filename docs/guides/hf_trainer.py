@@ -55,7 +55,9 @@ trainer = PhalanxTrainer(
 )
 trainer.train()
 metrics = trainer.evaluate()
-print("eval loss per member:", " ".join(f"{metrics[f'eval_loss/member_{i}']:.3f}" for i in range(N)))
+print(
+    "eval loss per member:", " ".join(f"{metrics[f'eval_loss/member_{i}']:.3f}" for i in range(N))
+)
 
 trainer.save_model(out)  # out/member_0/ ... out/member_3/: one save_pretrained folder each
 member = BertForSequenceClassification.from_pretrained(f"{out}/member_2")

@@ -52,5 +52,8 @@ study = optuna.create_study(
 )
 groups = po.optimize(study, model, train, n_trials=32, n_members=16)
 states = [t.state.name for t in study.trials]
-print(f"{len(study.trials)} trials in {len(groups)} stacks:", {s: states.count(s) for s in set(states)})
+print(
+    f"{len(study.trials)} trials in {len(groups)} stacks:",
+    {s: states.count(s) for s in set(states)},
+)
 print(f"best trial {study.best_trial.number}: {study.best_value:.3f} with {study.best_params}")

@@ -30,7 +30,7 @@ print("equals the loop:", torch.allclose(y, loop, atol=1e-6))
 # Training: an additive model fits the sum of the per-feature outputs to a target.
 target = torch.sin(x[:, ::d]).sum(1, keepdim=True)  # depends on one column per feature
 opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
-for step in range(50):
+for _ in range(50):
     y = phalanx.merge(stack(phalanx.split(x, N, dim=1), in_dims=0), dim=1)
     loss = F.mse_loss(y.sum(1, keepdim=True), target)  # one model: the networks are coupled
     opt.zero_grad()

@@ -18,7 +18,9 @@ S, A, N, B, gamma = 8, 2, 10, 64, 0.99
 class Critic(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(S + A, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.net = nn.Sequential(
+            nn.Linear(S + A, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+        )
 
     def forward(self, obs, act):
         return self.net(torch.cat([obs, act], -1))
@@ -37,9 +39,11 @@ def policy(obs):
     return torch.tanh(obs[:, :A])
 
 
-for step in range(100):
+for _ in range(100):
     rows = torch.randint(0, 4096, (B,))
-    obs, act, nobs, rew, done = (buffer[k][rows] for k in ("obs", "act", "next_obs", "reward", "done"))
+    obs, act, nobs, rew, done = (
+        buffer[k][rows] for k in ("obs", "act", "next_obs", "reward", "done")
+    )
     with torch.no_grad():
         subset = torch.randperm(N)[:2]  # REDQ: 2 of the 10 target critics
         q_next = targets(nobs, policy(nobs), subset=subset)  # (2, B, 1): only those 2 run

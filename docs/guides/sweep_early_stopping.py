@@ -32,6 +32,7 @@ best = torch.full((N,), float("inf"))
 since_best = torch.zeros(N, dtype=torch.long)
 training = torch.ones(N, dtype=torch.bool)  # the members still training
 for epoch in range(12):
+    epochs_run = epoch + 1
     for xb, yb in loader:
         losses = phalanx.member_losses(F.cross_entropy, stack(xb, in_dims=0), yb, in_dims=(0, 0))
         opt.zero_grad()
@@ -47,7 +48,7 @@ for epoch in range(12):
         break
 
 winner = int(best.argmin())
-print(f"{int((~training).sum())} of {N} members stopped early, after epoch {epoch}")
+print(f"{int((~training).sum())} of {N} members stopped early, in {epochs_run} epochs")
 print(f"best member {winner}: lr {lrs[winner]:.3g}, validation loss {best[winner]:.3f}")
 model = stack.unstack()[winner]  # an ordinary nn.Sequential with the member's weights
 print("the winner as an ordinary module:", type(model).__name__, tuple(model(x_val).shape))

@@ -28,7 +28,7 @@ x = torch.randn(768, 10, generator=g)
 y = (x[:, :3] + 0.5 * torch.randn(768, 3, generator=g)).argmax(1)
 loader = shard.loader(x[:512], y[:512], batch_size=64, seed=0, bootstrap=True)
 
-for epoch in range(3):
+for _ in range(3):
     for xb, yb in loader:  # (members on this rank, 64, ...): each member its own batch
         xb, yb = xb.to(shard.device), yb.to(shard.device)
         losses = phalanx.member_losses(F.cross_entropy, stack(xb, in_dims=0), yb, in_dims=(0, 0))
@@ -37,7 +37,9 @@ for epoch in range(3):
         opt.step()
 
 with torch.no_grad():
-    val = phalanx.member_losses(F.cross_entropy, stack(x[512:].to(shard.device)), y[512:].to(shard.device))
+    val = phalanx.member_losses(
+        F.cross_entropy, stack(x[512:].to(shard.device)), y[512:].to(shard.device)
+    )
 all_val = shard.gather(val)  # (N,) on every rank, by global member index
 # One sharded checkpoint for all ranks, in a folder every rank sees; it loads on any number
 # of ranks: pdist.load(folder, stack, optimizer=opt, loader=loader) continues the run.
