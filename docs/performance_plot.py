@@ -14,13 +14,13 @@ import matplotlib.pyplot as plt
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = {
-    "W1": "W1 per-feature nets\n400 x 20-10-1",
-    "W2": "W2 ensemble, shared batch\n8 x 10-20-2",
-    "W3": "W3 ensemble, own batches\n8 x 10-20-2",
-    "W4": "W4 MNIST-size MLPs\n32 x 784-256-256-10",
-    "W5": "W5 Q-ensemble\n10 x 64-256-256-1",
-    "W6": "W6 tiny-net sweep\n2048 x 8-64-64-1",
-    "W7": "W7 CNN ensemble, BatchNorm\n16 CNNs",
+    "W1": "W1\nper-feature nets\n400 x 20-10-1",
+    "W2": "W2 ensemble,\nshared batch\n8 x 10-20-2",
+    "W3": "W3 ensemble,\nown batches\n8 x 10-20-2",
+    "W4": "W4 MNIST-size\nMLPs, 32 x\n784-256-256-10",
+    "W5": "W5\nQ-ensemble\n10 x 64-256-256-1",
+    "W6": "W6\ntiny-net sweep\n2048 x 8-64-64-1",
+    "W7": "W7 CNN\nensemble, BN\n16 CNNs",
 }
 
 
@@ -33,7 +33,7 @@ def main() -> None:
             ratio = rows["loop"]["median_s"] / rows["phalanx:auto"]["median_s"]
             speedups[result["phase"]][result["workload"]] = ratio
     workloads = [w for w in NAMES if w in speedups["train"]]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     width = 0.38
     for k, phase in enumerate(("forward", "train")):
         xs = [i + (k - 0.5) * width for i in range(len(workloads))]
