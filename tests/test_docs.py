@@ -34,13 +34,22 @@ import phalanx
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = ROOT / "docs" / "guides"
 
-# compile_step without inductor: see the module docstring.
-_PRELUDE = (
-    "import functools, runpy, sys, phalanx\n"
-    "phalanx.compile_step = functools.partial(phalanx.compile_step, backend='aot_eager')\n"
-    "sys.argv = sys.argv[1:]\n"
-    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-)
+# compile_step without inductor (see the module docstring); and a warning from phalanx is an
+# error: a guide a newcomer copies must not leave them a warning to puzzle over. Every phalanx
+# warning goes through phalanx._warnings.warn, which calls warnings.warn.
+_PRELUDE = """
+import functools, os, runpy, sys, warnings
+import phalanx
+phalanx.compile_step = functools.partial(phalanx.compile_step, backend="aot_eager")
+_warn, _ours = warnings.warn, os.path.join("phalanx", "_warnings.py")
+def _strict(message, category=UserWarning, stacklevel=1, *args, **kwargs):
+    if sys._getframe(1).f_code.co_filename.endswith(_ours):
+        raise AssertionError(f"phalanx warned: {message}")
+    return _warn(message, category, stacklevel + 1, *args, **kwargs)
+warnings.warn = _strict
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def _run(script: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -68,16 +77,29 @@ def _needs(*modules: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing), reason=f"not installed: {missing} (the dev extra)")
 
 
+def _python_blocks(page: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+    assert len(blocks) >= 4, f"{page} has lost its code"
+    return "\n".join(blocks)
+
+
 def test_readme_python_blocks_run(tmp_path):
     """Every ```python block of the README, in order, as one script."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert len(blocks) >= 4, "the README's tour has lost its code"
     script = tmp_path / "readme.py"
-    script.write_text("\n".join(blocks))
+    script.write_text(_python_blocks("README.md"))
     result = _run(script, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert re.search(r"^8 fused$", result.stdout, re.M), result.stdout
     assert re.search(r"^(captured|eager): ", result.stdout, re.M), result.stdout
+
+
+def test_getting_started_python_blocks_run(tmp_path):
+    """The site's Getting started page, every ```python block in order, as one script."""
+    script = tmp_path / "getting_started.py"
+    script.write_text(_python_blocks("docs/getting-started.md"))
+    result = _run(script, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert re.search(r"^8 fused$", result.stdout, re.M), result.stdout
 
 
 def test_the_site_index_is_the_readme():

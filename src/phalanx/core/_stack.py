@@ -400,7 +400,7 @@ class Stack(nn.Module):
                 keyword name to ``None`` (shared) or ``0`` (per-member, ``(N, B, ...)``), or a
                 single value for every keyword tensor. Keywords are shared unless declared; a
                 keyword tensor whose first dimension is N but is not declared gets a warning.
-            members: routes rows instead (see docs/ROUTED.md): an integer tensor ``(B,)``
+            members: routes rows instead (see docs/guides/dynamics.md): an integer tensor ``(B,)``
                 sends row r of every positional input to member ``members[r]``; ``(B, k)``
                 to the k members ``members[r, :]``. The rows come back in the input's
                 order: ``(B, ...)``, or ``(B, k, ...)`` for a ``(B, k)`` index.
