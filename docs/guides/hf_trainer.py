@@ -47,8 +47,8 @@ torch.manual_seed(0)
 stack = phalanx.stack([BertForSequenceClassification(config) for _ in range(N)])
 out = tempfile.mkdtemp()
 args = TrainingArguments(
-    out, max_steps=16, per_device_train_batch_size=16, learning_rate=5e-3, max_grad_norm=1.0,
-    logging_steps=16, eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+    out, max_steps=40, per_device_train_batch_size=16, learning_rate=3e-3, max_grad_norm=1.0,
+    logging_steps=40, eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
 )  # fmt: skip
 trainer = PhalanxTrainer(
     model=stack, args=args, train_dataset=Sentences(128, 0), eval_dataset=Sentences(64, 1)

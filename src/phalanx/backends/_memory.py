@@ -29,7 +29,7 @@ plus :data:`PADDING`):
 
 The cost: the process keeps its peak heap instead of returning it to the system. Peak
 resident memory of a step measured no different within this machine's noise (W7, fused:
-638-670 MiB kept against 597-667 MiB with glibc's defaults, docs/MEMORY.md). Set
+638-670 MiB kept against 597-667 MiB with glibc's defaults, benchmarks/notes/MEMORY.md). Set
 ``PHALANX_CPU_ALLOCATOR=system`` to keep glibc's defaults.
 """
 
