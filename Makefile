@@ -14,8 +14,8 @@ demo: $(STAMP)
 	$(VENV)/bin/phalanx demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests tools examples benchmarks
-	$(VENV)/bin/ruff format --check src tests tools examples benchmarks
+	$(VENV)/bin/ruff check src tests tools examples benchmarks docs/guides/*.py docs/*.py
+	$(VENV)/bin/ruff format --check src tests tools examples benchmarks docs/guides/*.py docs/*.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
