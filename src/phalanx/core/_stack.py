@@ -311,7 +311,7 @@ class Stack(nn.Module):
     @property
     def generator_slots(self) -> list[tuple[str, str]]:
         """Where the member holds ``torch.Generator`` attributes, (submodule path, name); the
-        stack keeps one set per member (see README, "What a member's randomness is")."""
+        stack keeps one set per member (see docs/concepts/randomness.md)."""
         gens = self._view.generators
         return list(gens.slots) if gens is not None else []
 
