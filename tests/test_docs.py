@@ -278,7 +278,7 @@ PAGES = [
     ("docs/DISTRIBUTED.md", ()),
     ("docs/EXPORT.md", ()),
     ("docs/HF.md", ("transformers",)),
-    ("docs/INTEGRATIONS.md", ("transformers", "accelerate", "pytorch_lightning")),
+    ("docs/INTEGRATIONS.md", ("tensorboard",)),
     ("docs/POPULATION.md", ()),
     ("docs/SEARCH.md", ("optuna",)),
 ]
