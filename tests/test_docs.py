@@ -269,7 +269,6 @@ def test_front_page_renders(site):
 # block that needs what a test cannot give (torchrun, a GPU, a Hugging Face download) is
 # marked on the line above it with an HTML comment, `<!-- not run: why -->`, which the site
 # does not show; such blocks are listed by the test below so the marks stay honest.
-_NOT_RUN = re.compile(r"<!-- not run: [^>]+ -->\n```python\n")
 PAGES = [
     ("docs/concepts/captured-step.md", ()),
     ("docs/concepts/memory.md", ()),
@@ -287,7 +286,7 @@ PAGES = [
 def _page_script(page: str) -> str:
     text = (ROOT / page).read_text()
     blocks = []
-    for match in re.finditer(r"(<!-- not run: [^>]+ -->\n)?```python\n(.*?)```", text, re.S):
+    for match in re.finditer(r"(<!-- not run: [^>]+ -->\n[ \t]*)?```python\n(.*?)```", text, re.S):
         if not match.group(1):
             blocks.append(match.group(2))
     return "\n".join(blocks)
@@ -308,11 +307,80 @@ def test_page_python_blocks_run(page, tools, tmp_path):
 
 
 def test_every_code_page_is_run():
-    """Each page of the site with a ```python block is run by a test (or is the README's)."""
+    """Each page whose ```python blocks are not all included scripts or marked not run is run."""
     run = {page for page, _ in PAGES} | {"docs/getting-started.md", "docs/index.md"}
-    pages = {
-        str(p.relative_to(ROOT))
-        for p in (ROOT / "docs").rglob("*.md")
-        if "```python" in p.read_text()
-    }
+    pages = set()
+    for path in (ROOT / "docs").rglob("*.md"):
+        page = str(path.relative_to(ROOT))
+        code = re.sub(r'^--8<-- "[^"]+"$', "", _page_script(page), flags=re.M)
+        if code.strip():
+            pages.add(page)
     assert pages <= run, f"pages whose code no test runs: {sorted(pages - run)}"
+
+
+def _nav_pages() -> list[str]:
+    import yaml
+
+    def walk(node):
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, list):
+            for item in node:
+                yield from walk(item)
+        elif isinstance(node, dict):
+            for value in node.values():
+                yield from walk(value)
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    return list(walk(config["nav"]))
+
+
+class _Page(HTMLParser):
+    """The rendered article: its headings (level, text) and how many code blocks it shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.headings: list[tuple[int, str]] = []
+        self.code_blocks = 0
+        self._heading: int | None = None
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("h1", "h2", "h3") and self._heading is None:
+            self._heading, self._text = int(tag[1]), []
+        if tag == "pre":
+            self.code_blocks += 1
+
+    def handle_endtag(self, tag):
+        if self._heading is not None and tag == f"h{self._heading}":
+            self.headings.append((self._heading, "".join(self._text).strip().rstrip("¶").strip()))
+            self._heading = None
+
+    def handle_data(self, data):
+        if self._heading is not None:
+            self._text.append(data)
+
+
+def test_every_nav_page_renders_its_headings_and_code(site):
+    """Each page of the nav is rendered with its title, its Markdown headings and its code."""
+    for page in _nav_pages():
+        html = site / ("index.html" if page == "index.md" else page[: -len(".md")] + "/index.html")
+        assert html.exists(), f"{page} was not rendered"
+        rendered = _Page()
+        rendered.feed(html.read_text())
+        assert any(level == 1 for level, _ in rendered.headings), f"{page}: no title"
+        source = (ROOT / "docs" / page).read_text()
+        source = re.sub(r"```.*?```", "", source, flags=re.S)  # no headings inside code
+        wanted = [
+            re.sub(r"[`*]", "", m.group(2)).strip()
+            for m in re.finditer(r"^(##|###) (.+)$", source, re.M)
+        ]
+        texts = [text for _, text in rendered.headings]
+        missing = [h for h in wanted if h not in texts]
+        assert not missing, f"{page}: headings not rendered: {missing}"
+        fences = (ROOT / "docs" / page).read_text().count("\n```") // 2
+        if page.startswith("api/"):
+            continue  # the reference is checked above
+        assert rendered.code_blocks >= fences, (
+            f"{page}: {fences} code blocks, {rendered.code_blocks} shown"
+        )
