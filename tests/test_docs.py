@@ -1,5 +1,6 @@
-"""The documentation runs: the README's code, every guide's script (the newcomer check), and
-an API reference that names every public name.
+"""The documentation runs: the README's code, every guide's script (the newcomer check), the
+code of every concept and topic page, an API reference that names every public name, and every
+page of the nav rendered with its headings and code.
 
 The guides' scripts are the code of the site's guides (each page includes its script), so a
 guide that stops working fails here. Six of them are the newcomer tasks: a deep CNN ensemble
@@ -292,18 +293,39 @@ def _page_script(page: str) -> str:
     return "\n".join(blocks)
 
 
-@pytest.mark.parametrize(("page", "tools"), PAGES, ids=[p for p, _ in PAGES])
-def test_page_python_blocks_run(page, tools, tmp_path):
-    """A concept or topic page's code, its ```python blocks in order, as one script."""
-    missing = [m for m in tools if find_spec(m) is None]
-    if missing:
-        pytest.skip(f"not installed: {missing} (the dev extra has them)")
-    code = _page_script(page)
-    assert code.strip(), f"{page} has no code that runs"
-    script = tmp_path / "page.py"
-    script.write_text(code)
-    result = _run(script, tmp_path)
+_PAGES_DRIVER = """
+import os, runpy, sys, traceback
+for page, script in zip(sys.argv[1::2], sys.argv[2::2]):
+    os.chdir(os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException:
+        sys.exit(f"{page} failed:\\n{traceback.format_exc()}")
+    print(f"ran {page}")
+"""
+
+
+def test_page_python_blocks_run(tmp_path):
+    """Each concept and topic page's code, its ```python blocks in order, as one script.
+
+    The pages run one after another in one interpreter (torch is imported once), each in a
+    fresh namespace and folder; a failure names the page.
+    """
+    args: list[str] = []
+    for k, (page, tools) in enumerate(PAGES):
+        if any(find_spec(m) is None for m in tools):
+            continue  # an optional tool not installed (the dev extra has them all)
+        code = _page_script(page)
+        assert code.strip(), f"{page} has no code that runs"
+        folder = tmp_path / str(k)
+        folder.mkdir()
+        (folder / "page.py").write_text(code)
+        args += [page, str(folder / "page.py")]
+    driver = tmp_path / "pages.py"
+    driver.write_text(_PAGES_DRIVER)
+    result = _run(driver, tmp_path, *args)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("ran docs/") == len(args) // 2, result.stdout
 
 
 def test_every_code_page_is_run():
