@@ -1,6 +1,6 @@
-"""Regenerates docs/BENCHMARKS.md from one full run of ``phalanx bench`` (``make docs-bench``).
+"""Regenerates benchmarks/notes/BENCHMARKS.md from one full run of ``phalanx bench`` (``make docs-bench``).
 
-The run writes docs/benchmarks.json (every figure) and docs/benchmarks.png (the speed-ups);
+The run writes benchmarks/notes/benchmarks.json (every figure) and benchmarks/notes/benchmarks.png (the speed-ups);
 this script streams the run's output to the terminal, then writes the page from what that
 one run printed and saved: the command, the machine description, the tables. The page is
 never edited by hand. Run it on a quiet machine: every other process skews the figures.
@@ -86,7 +86,9 @@ def render(doc: dict, *, printed: str, plot_name: str | None, revision: str, dat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "BENCHMARKS.md")
+    parser.add_argument(
+        "--output", type=Path, default=ROOT / "benchmarks" / "notes" / "BENCHMARKS.md"
+    )
     parser.add_argument("bench_args", nargs="*", help="extra `phalanx bench` options, after --")
     args = parser.parse_args(argv)
 

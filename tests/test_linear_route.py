@@ -119,7 +119,7 @@ def test_linear_under_autocast_keeps_the_rule(rule_calls):
 
 def test_a_trace_keeps_the_rule(rule_calls):
     """compile_step's trace takes the rule for a small per-member Linear too: its compiled
-    graph runs faster than torch.func's (docs/TRAIN_STEP.md, issue 26's fourth session)."""
+    graph runs faster than torch.func's (benchmarks/notes/TRAIN_STEP.md, issue 26's fourth session)."""
     torch.manual_seed(0)
     stack = phalanx.stack([TwoLayers(8) for _ in range(N)], backend="fused")
     opt = phalanx.optim.Adam(stack.parameters())

@@ -14,7 +14,7 @@ critic (4 MiB stacked weights, 4 MiB activations) 3600-6200 minor page faults a 
 the loop's none, 0.82x the fused-Adam loop's speed, 0.93x with freed memory kept; W7 of
 DESIGN.md (16 CNNs, batch 64), whose weights are small but whose first block's activations
 are 44 MB for all members: 87,000 minor faults a step against the loop's 4,000, the whole
-difference between the fused step and the loop (docs/TRAIN_STEP.md).
+difference between the fused step and the loop (benchmarks/notes/TRAIN_STEP.md).
 
 So phalanx asks malloc, once per process, to keep what is freed (``mallopt(M_TRIM_THRESHOLD,
 ...)``, as PyTorch's CUDA caching allocator does on the GPU), at the level the largest
@@ -29,7 +29,7 @@ plus :data:`PADDING`):
 
 The cost: the process keeps its peak heap instead of returning it to the system. Peak
 resident memory of a step measured no different within this machine's noise (W7, fused:
-638-670 MiB kept against 597-667 MiB with glibc's defaults, docs/MEMORY.md). Set
+638-670 MiB kept against 597-667 MiB with glibc's defaults, benchmarks/notes/MEMORY.md). Set
 ``PHALANX_CPU_ALLOCATOR=system`` to keep glibc's defaults.
 """
 

@@ -48,8 +48,8 @@ def export(
         The ``torch.export.ExportedProgram``.
 
     Raises:
-        Whatever ``torch.export.export`` raises for the loop backend too: that is the
-        member's own code failing to export.
+        Exception: whatever ``torch.export.export`` raises for the loop backend too, that is
+            the member's own code failing to export.
 
     Example:
         >>> stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)]).eval()

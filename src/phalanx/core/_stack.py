@@ -465,7 +465,7 @@ class Stack(nn.Module, Generic[Out]):
     @property
     def generator_slots(self) -> list[tuple[str, str]]:
         """Where the member holds ``torch.Generator`` attributes, (submodule path, name); the
-        stack keeps one set per member (see README, "What a member's randomness is")."""
+        stack keeps one set per member (see docs/concepts/randomness.md)."""
         gens = self._view.generators
         return list(gens.slots) if gens is not None else []
 
@@ -554,7 +554,7 @@ class Stack(nn.Module, Generic[Out]):
                 keyword name to ``None`` (shared) or ``0`` (per-member, ``(N, B, ...)``), or a
                 single value for every keyword tensor. Keywords are shared unless declared; a
                 keyword tensor whose first dimension is N but is not declared gets a warning.
-            members: routes rows instead (see docs/ROUTED.md): an integer tensor ``(B,)``
+            members: routes rows instead (see docs/guides/dynamics.md): an integer tensor ``(B,)``
                 sends row r of every positional input to member ``members[r]``; ``(B, k)``
                 to the k members ``members[r, :]``. The rows come back in the input's
                 order: ``(B, ...)``, or ``(B, k, ...)`` for a ``(B, k)`` index.

@@ -18,7 +18,7 @@ KEEP_ELEMENTS = 1 << 14
 """A stacked parameter of at least this many elements has its per-member bias corrections
 computed once into a buffer when the update is traced (:func:`phalanx._torch_compat.realized`);
 inductor otherwise computes them again for every 16 of its elements. Captured steps, one
-process, interleaved (issue 26, sixth session; docs/TRAIN_STEP.md): W1 (400 members, a
+process, interleaved (issue 26, sixth session; benchmarks/notes/TRAIN_STEP.md): W1 (400 members, a
 (400, 10, 20) weight) 947 -> 752 us, W4 88.7 -> 76.9 ms, W6 (2048 members) 150 -> 126 ms;
 with W2's small tensors (8 members, at most 1600 elements) marked too the step was 5%
 slower (198 -> 209 us), hence the size."""

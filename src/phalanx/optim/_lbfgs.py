@@ -129,7 +129,8 @@ class LBFGS(torch.optim.Optimizer):
 
         Raises:
             ValueError: the closure does not return (N,) per-member losses.
-            Whatever the closure raises; the stack then holds the members' last points.
+            Exception: whatever the closure raises; the stack then holds the members' last
+                points.
         """
         params = self._params()
         n = self.num_members

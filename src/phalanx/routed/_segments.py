@@ -116,7 +116,7 @@ GROUPED_SEGMENTS = 32
 """``F.grouped_mm`` runs a segment Linear from this many segments on, with up to
 ``GROUPED_ROWS`` rows per segment on average: many small GEMMs, where one call per segment
 costs more in Python than in arithmetic. Elsewhere one GEMM per segment is as fast or faster
-on the CPUs measured (docs/ROUTED.md)."""
+on the CPUs measured (benchmarks/notes/ROUTED.md)."""
 
 
 PER_SEGMENT_ROWS = 128
@@ -137,7 +137,7 @@ def per_segment(segments: int, rows: int) -> bool:
     A static rule, from the shapes alone: the per-segment runs cost one pass of the traced
     forward's Python per segment, which only a few segments amortise; many or small segments
     run once over all rows, where one call per layer covers them. Segment sizes measured on
-    this project's CPU (docs/ROUTED.md, "The cost rule"). A few segments run once each
+    this project's CPU (benchmarks/notes/ROUTED.md, "The cost rule"). A few segments run once each
     whatever their size: that is the loop's own work (its kernels, its launches), which the
     promise "never slower than the loop" is measured against, while the pass over all rows
     pays per-row gathers of member tensors and, below ``GROUPED_SEGMENTS``, one GEMM per

@@ -49,9 +49,9 @@ input, runs eagerly torch.func's own batching of ``F.linear`` (a ``bmm`` and a b
 weight gradient copied into the weight's layout), not :func:`_linear`. Two Linears and a
 ReLU under vmap, forward and backward, 1 thread, interleaved: the rule took 1.13x
 torch.func's time on W8's (8 members, (16, 40, 64) -> 128 -> 64), 1.04-1.88x on every shape
-tried up to 2^15-element weights (8-64 members), 0.99x at 2^16 (docs/DYNAMIC.md, issue 26's
-fourth session). torch.func's rule is the ``vmap`` backend's, exact by the same tests; only
-the speed differs."""
+tried up to 2^15-element weights (8-64 members), 0.99x at 2^16
+(benchmarks/notes/DYNAMIC.md, issue 26's fourth session). torch.func's rule is the ``vmap``
+backend's, exact by the same tests; only the speed differs."""
 
 _by_rule = SPEED[F.linear]
 

@@ -16,7 +16,7 @@ alive at once forward (the input, that copy, the output and its member-first cop
 backward (the saved copy, the gradient's copy, the kernel's gradient and its scratch); member
 by member, three and three, and each member's bits are the loop's (the one call's are the
 loop's to float rounding). W7 of DESIGN.md (16 CNNs, batch 64): its training step adds less to
-the resident set at its peak, and takes less time (docs/BENCHMARKS.md, "Peak memory of a
+the resident set at its peak, and takes less time (benchmarks/notes/BENCHMARKS.md, "Peak memory of a
 training step"). Small members keep the one call: one kernel launch instead of N.
 
 GroupNorm (``fused`` only): torch.func's rule is one call over ``(N * B, C)`` without the
