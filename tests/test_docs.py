@@ -281,6 +281,9 @@ PAGES = [
     ("docs/INTEGRATIONS.md", ("tensorboard",)),
     ("docs/POPULATION.md", ()),
     ("docs/SEARCH.md", ("optuna",)),
+    ("docs/GPU.md", ()),
+    ("docs/performance.md", ()),
+    ("docs/troubleshooting.md", ()),
 ]
 
 

@@ -62,3 +62,6 @@ print(
 trainer.save_model(out)  # out/member_0/ ... out/member_3/: one save_pretrained folder each
 member = BertForSequenceClassification.from_pretrained(f"{out}/member_2")
 print("member_2/ loads with from_pretrained:", type(member).__name__)
+
+predictions = trainer.predict(Sentences(8, 2)).predictions  # members first, as stack(x) returns
+print("predictions:", predictions.shape)  # (N, B, num_labels): (4, 8, 2)

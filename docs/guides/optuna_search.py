@@ -3,7 +3,8 @@
 `model(trial)` suggests the hyperparameters and returns the trial's network; `train(group)`
 trains one stack whose member i is trial i, with the trials' hyperparameters as (N,) tensors
 (`group.params["lr"]`), and reports per-trial values to Optuna's pruner. Trials that share an
-architecture share a stack: suggest architecture choices (a width) from a few categories.
+architecture share a stack: suggest architecture choices (a width, a dropout rate) from a few
+categories.
 Needs `pip install 'phalanx[optuna]'`. Run: python docs/guides/optuna_search.py
 """
 
@@ -26,7 +27,10 @@ def model(trial):
     trial.suggest_float("lr", 1e-3, 1.0, log=True)  # a per-member value: any float
     trial.suggest_float("momentum", 0.0, 0.95)
     width = trial.suggest_categorical("width", [32, 64])  # an architecture: splits stacks
-    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 3))
+    # a dropout rate is a module setting too: from a few values, not suggest_float, which
+    # would give every trial its own stack (phalanx warns with a StackSplitWarning)
+    p = trial.suggest_categorical("dropout", [0.0, 0.1])
+    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Dropout(p), nn.Linear(width, 3))
 
 
 def train(group):
@@ -40,8 +44,10 @@ def train(group):
             opt.zero_grad()
             losses.sum().backward()
             opt.step(mask=group.mask)  # pruned trials stop stepping
+        group.stack.eval()
         with torch.no_grad():
             val = phalanx.metrics.loss(F.cross_entropy, group.stack(x_val), y_val)  # (N,)
+        group.stack.train()
         group.report(val, epoch)  # each trial its own intermediate value; the pruner decides
     return val
 
@@ -50,7 +56,7 @@ study = optuna.create_study(
     sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=16),
     pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1),
 )
-groups = po.optimize(study, model, train, n_trials=32, n_members=16)
+groups = po.optimize(study, model, train, n_trials=32, n_members=16, progress=False)
 states = [t.state.name for t in study.trials]
 print(
     f"{len(study.trials)} trials in {len(groups)} stacks:",
