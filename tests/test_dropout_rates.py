@@ -1,0 +1,159 @@
+"""A dropout rate per member: members that differ only in a Dropout's ``p`` stack into one.
+
+The loop is compared with each member alone exactly (it draws as the members alone do, one
+after another from the global stream); one vmapped call draws every member's mask at once,
+so there each member's keep rate is checked statistically and its scale exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close
+from torch import nn
+
+import phalanx
+
+RATES = (0.0, 0.25, 0.6, 1.0)
+BATCHED = ("vmap", "fused")
+
+
+def mlp(p: float, drop: type[nn.Module] = nn.Dropout) -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), drop(p), nn.Linear(32, 3))
+
+
+def members(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [mlp(p) for p in RATES]
+
+
+def test_members_differing_only_in_p_stack_into_one():
+    stack = phalanx.stack(members())
+    assert len(stack) == len(RATES)
+    assert list(stack.dropout_rates) == ["2"]
+    assert stack.dropout_rates["2"].tolist() == list(RATES)
+    # a rate every member shares stays the module's own p, as before
+    same = phalanx.stack([mlp(0.3), mlp(0.3)])
+    assert same.dropout_rates == {} and same.module[2].p == 0.3
+    # a setting that is not per member still refuses, naming it
+    with pytest.raises(ValueError, match=r"Dropout\(p=0.25, inplace=True\)"):
+        phalanx.stack([mlp(0.1), nn.Sequential(*list(mlp(0.1))[:2], nn.Dropout(0.25, True), nn.Linear(32, 3))])
+
+
+@pytest.mark.parametrize("backend", ["loop", *BATCHED, "auto"])
+def test_eval_mode_equals_the_members_alone(backend):
+    models = members()
+    stack = phalanx.stack(models, backend=backend).eval()
+    x = torch.randn(5, 6)
+    out = stack(x)
+    for i, m in enumerate(models):
+        assert torch.equal(out[i], m.eval()(x))
+
+
+def test_loop_in_training_equals_each_member_alone_exactly():
+    models = members()
+    stack = phalanx.stack(models, backend="loop")
+    x = torch.randn(8, 6)
+    torch.manual_seed(123)
+    out = stack(x)
+    torch.manual_seed(123)  # the loop draws member 0's mask, then member 1's, ... as alone
+    alone = [m(x) for m in models]
+    for i in range(len(models)):
+        assert torch.equal(out[i], alone[i]), f"member {i} (p={RATES[i]})"
+    assert not torch.equal(out[1], models[1].eval()(x))  # dropout did run
+    assert torch.equal(out[3], models[3][3].bias.expand(8, 3))  # p=1: every entry dropped
+
+
+@pytest.mark.parametrize("backend", BATCHED)
+def test_batched_keep_rate_and_scale_per_member(backend):
+    n_entries = 1 << 15
+    stack = phalanx.stack([nn.Dropout(p) for p in RATES], backend=backend)
+    x = torch.rand(n_entries) + 0.5  # no zeros: a zero in the output is a dropped entry
+    torch.manual_seed(0)
+    out = stack(x)
+    assert stack.backend == backend
+    assert torch.equal(out[0], x)  # p = 0: the input unchanged
+    assert torch.equal(out[-1], torch.zeros_like(x))  # p = 1: every entry dropped
+    for i, p in enumerate(RATES):
+        kept = out[i] != 0
+        q = 1 - p
+        std = math.sqrt(q * p / n_entries)
+        assert abs(kept.float().mean().item() - q) <= 5 * std + 1e-12, (i, p)
+        scale = 1 / torch.tensor(q, dtype=torch.float64).float()  # ATen's (float)(1 - p)
+        assert torch.equal(out[i][kept], x[kept] * scale), (i, p)
+    # the masks are per member: two members of one rate draw different masks
+    twins = phalanx.stack([nn.Dropout(0.5), nn.Dropout(0.5), nn.Dropout(0.2)], backend=backend)
+    y = twins(x)
+    assert not torch.equal(y[0] != 0, y[1] != 0)
+
+
+@pytest.mark.parametrize("backend", ["loop", *BATCHED])
+def test_gradients_are_the_mask_times_the_scale(backend):
+    stack = phalanx.stack([nn.Dropout(p) for p in RATES], backend=backend)
+    x = (torch.rand(len(RATES), 4096) + 0.5).requires_grad_()
+    out = stack(x, in_dims=0)
+    g = torch.randn_like(out)
+    out.backward(g)
+    noise = out.detach() / x.detach()  # each member's mask times its scale
+    assert_close(x.grad, g * noise)
+    assert torch.equal(x.grad[-1], torch.zeros(4096))  # p = 1: no gradient
+    assert torch.equal(x.grad[0], g[0])  # p = 0: the gradient passes unchanged
+
+
+@pytest.mark.parametrize("backend", ["loop", *BATCHED])
+def test_channel_dropout_drops_whole_channels_at_each_rate(backend):
+    stack = phalanx.stack([nn.Dropout2d(p) for p in RATES], backend=backend)
+    x = torch.rand(64, 32, 3, 3) + 0.5
+    torch.manual_seed(1)
+    out = stack(x)
+    planes = (out != 0).flatten(-2)  # (N, B, C, H*W)
+    assert torch.equal(planes.all(-1), planes.any(-1))  # a channel is kept or dropped whole
+    kept = planes.any(-1).float().mean((1, 2))
+    for i, p in enumerate(RATES):
+        std = math.sqrt(p * (1 - p) / (64 * 32))
+        assert abs(kept[i].item() - (1 - p)) <= 5 * std + 1e-12, (i, p)
+
+
+def test_unstack_getitem_setitem_and_copy_to_carry_each_members_p():
+    stack = phalanx.stack(members())
+    assert [m[2].p for m in stack.unstack()] == list(RATES)
+    assert stack[1][2].p == 0.25 and stack[-1][2].p == 1.0
+    stack[1] = mlp(0.4)
+    assert stack.dropout_rates["2"].tolist() == [0.0, 0.4, 0.6, 1.0]
+    targets = [mlp(0.9) for _ in RATES]
+    stack.copy_to(targets)
+    assert [m[2].p for m in targets] == [0.0, 0.4, 0.6, 1.0]
+    # one member's new rate makes a shared rate per member
+    same = phalanx.stack([mlp(0.3), mlp(0.3)])
+    same[0] = mlp(0.1)
+    assert same.dropout_rates["2"].tolist() == [0.1, 0.3]
+
+
+def test_keep_members_and_a_factory_keep_the_rates():
+    stack = phalanx.stack(members())
+    smaller = phalanx.population.keep_members(stack, [3, 1])
+    assert smaller.dropout_rates["2"].tolist() == [1.0, 0.25]
+    built = phalanx.stack(lambda i: mlp(RATES[i]), num_members=4, seed=0)
+    assert built.dropout_rates["2"].tolist() == list(RATES)
+
+
+def test_save_load_round_trip_keeps_the_rates(tmp_path):
+    stack = phalanx.stack(members())
+    path = tmp_path / "stack.safetensors"
+    phalanx.save(path, stack)
+    fresh = phalanx.stack([mlp(0.5) for _ in RATES])  # one rate for all
+    phalanx.load(path, fresh)
+    assert fresh.dropout_rates["2"].tolist() == list(RATES)
+    x = torch.randn(5, 6)
+    assert torch.equal(fresh.eval()(x), stack.eval()(x))
+    # a checkpoint of members that share one rate gives every member the module's rate
+    phalanx.save(path, phalanx.stack([mlp(0.5) for _ in RATES]))
+    phalanx.load(path, fresh)
+    assert fresh.dropout_rates == {}
+    # torch's own state dict round trip too
+    state = stack.state_dict()
+    assert state["dropout_rates.2"].tolist() == list(RATES)
+    fresh.load_state_dict(state)
+    assert fresh.dropout_rates["2"].tolist() == list(RATES)
