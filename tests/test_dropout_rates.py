@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
 from torch import nn
 
 import phalanx
+from helpers import assert_close
 
 RATES = (0.0, 0.25, 0.6, 1.0)
 BATCHED = ("vmap", "fused")
@@ -39,7 +39,9 @@ def test_members_differing_only_in_p_stack_into_one():
     assert same.dropout_rates == {} and same.module[2].p == 0.3
     # a setting that is not per member still refuses, naming it
     with pytest.raises(ValueError, match=r"Dropout\(p=0.25, inplace=True\)"):
-        phalanx.stack([mlp(0.1), nn.Sequential(*list(mlp(0.1))[:2], nn.Dropout(0.25, True), nn.Linear(32, 3))])
+        phalanx.stack(
+            [mlp(0.1), nn.Sequential(*list(mlp(0.1))[:2], nn.Dropout(0.25, True), nn.Linear(32, 3))]
+        )
 
 
 @pytest.mark.parametrize("backend", ["loop", *BATCHED, "auto"])
@@ -157,3 +159,18 @@ def test_save_load_round_trip_keeps_the_rates(tmp_path):
     assert state["dropout_rates.2"].tolist() == list(RATES)
     fresh.load_state_dict(state)
     assert fresh.dropout_rates["2"].tolist() == list(RATES)
+
+
+def test_a_padded_stack_keeps_each_members_rate():
+    torch.manual_seed(0)
+    models = [
+        nn.Sequential(nn.Linear(6, w), nn.ReLU(), nn.Dropout(p), nn.Linear(w, 3))
+        for w, p in [(4, 0.1), (9, 0.5), (6, 0.0)]
+    ]
+    stack = phalanx.stack(models, pad_widths=True, backend="loop")
+    assert stack.dropout_rates["2"].tolist() == [0.1, 0.5, 0.0]
+    assert [m[2].p for m in stack.unstack()] == [0.1, 0.5, 0.0]
+    x = torch.randn(5, 6)
+    out = stack.eval()(x)  # (in training a padded member draws masks over its padded width)
+    for i, m in enumerate(models):
+        assert_close(out[i], m.eval()(x))

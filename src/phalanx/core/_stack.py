@@ -481,9 +481,7 @@ class Stack(nn.Module, Generic[Out]):
                 f"of the stack's members."
             )
         values = torch.as_tensor(values, dtype=torch.float64).detach().cpu().clone()
-        if values.shape != (self.num_members,) or not bool(
-            ((values >= 0) & (values <= 1)).all()
-        ):
+        if values.shape != (self.num_members,) or not bool(((values >= 0) & (values <= 1)).all()):
             raise ValueError(
                 f"{where}: the dropout rates of {path!r} must be {self.num_members} floats in "
                 f"[0, 1], one per member; got {values.tolist()}."
@@ -496,10 +494,8 @@ class Stack(nn.Module, Generic[Out]):
         rates = self._view.rates
         if rates is not None and path in rates.rates:
             rates.rates[path][i] = p
-        elif p != self.module.get_submodule(path).p:
-            values = torch.full(
-                (self.num_members,), self.module.get_submodule(path).p, dtype=torch.float64
-            )
+        elif p != (own := _rate_of(self.module.get_submodule(path))):
+            values = torch.full((self.num_members,), own, dtype=torch.float64)
             values[i] = p
             self._set_rates(path, values, "Stack[i] = module")
 
@@ -976,6 +972,10 @@ def _check_backend(name: str, where: str) -> None:
             + ", ".join(repr(c) for c in CHOICES)
             + "."
         )
+
+
+def _rate_of(module: Any) -> float:
+    return float(module.p)
 
 
 _RATES = "dropout_rates."
