@@ -174,3 +174,33 @@ def test_a_padded_stack_keeps_each_members_rate():
     out = stack.eval()(x)  # (in training a padded member draws masks over its padded width)
     for i, m in enumerate(models):
         assert_close(out[i], m.eval()(x))
+
+
+def test_subsets_and_a_list_stacked_in_place_use_each_members_rate():
+    stack = phalanx.stack([nn.Dropout(p) for p in RATES], backend="vmap")
+    x = torch.rand(64) + 0.5
+    out = stack(x, subset=[3, 0])
+    assert torch.equal(out[0], torch.zeros_like(x)) and torch.equal(out[1], x)
+    models = members()
+    loop = phalanx.stack(models, backend="loop")
+    x = torch.randn(8, 6)
+    torch.manual_seed(5)
+    out = loop(x, subset=[2, 1])
+    torch.manual_seed(5)
+    assert torch.equal(out[0], models[2](x)) and torch.equal(out[1], models[1](x))
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList(members())
+
+    model = Heads()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    phalanx.stack_in_place(model, "heads", backend="loop")
+    assert set(model.state_dict()) == set(before)  # the list's keys, no rates of their own
+    assert model.heads[1][2].p == 0.25
+    torch.manual_seed(9)
+    alone = model.heads[3](x)
+    assert torch.equal(alone, model.heads[3][3].bias.expand(8, 3))  # p = 1 as member 3 alone
+    model.heads[0] = mlp(0.8)
+    assert model.heads.dropout_rates["2"].tolist() == [0.8, 0.25, 0.6, 1.0]

@@ -86,6 +86,7 @@ class Stack(nn.Module, Generic[Out]):
     num_members: int
     _template: nn.Module
     _view: StackView
+    _rates_in_state_dict = True  # the members' dropout rates as ``dropout_rates.<path>`` keys
 
     def __init__(
         self,
@@ -202,8 +203,9 @@ class Stack(nn.Module, Generic[Out]):
         self._view.rates = None
         for path, values in (rates or {}).items():
             self._set_rates(path, values, "phalanx.stack()")
-        self._register_state_dict_hook(_save_rates)
-        self._register_load_state_dict_pre_hook(_load_rates, with_module=True)
+        if self._rates_in_state_dict:
+            self._register_state_dict_hook(_save_rates)
+            self._register_load_state_dict_pre_hook(_load_rates, with_module=True)
         self._set_backend(backend)
         cpu = [t for t in [*params.values(), *buffers.values()] if t.device.type == "cpu"]
         if cpu:  # gradients of this size would be mapped and faulted in afresh every step
@@ -299,9 +301,18 @@ class Stack(nn.Module, Generic[Out]):
                 self._row(p, name, k).copy_(module.get_parameter(name))
             for name, b in buffers.items():
                 self._row(b, name, k).copy_(module.get_buffer(name))
+        self.set_member_rates(k, module, where)
+
+    def member_rates(self, i: int) -> dict[str, float]:
+        """Member i's dropout rates where they differ between members, by module path."""
+        rates = self._view.rates
+        return {} if rates is None else rates.of(i)
+
+    def set_member_rates(self, i: int, module: nn.Module, where: str) -> None:
+        """Takes ``module``'s dropout rates as member i's."""
         for path, sub in module.named_modules(remove_duplicate=False):
             if has_member_p(sub):
-                self._set_rate(path, k, check_rate(sub.p, where, f"submodule {path!r}"))
+                self._set_rate(path, i, check_rate(sub.p, where, f"submodule {path!r}"))
 
     def __iter__(self) -> Iterator[nn.Module]:
         """The members as ordinary modules, copies (see :meth:`__getitem__`)."""
