@@ -204,3 +204,23 @@ def test_subsets_and_a_list_stacked_in_place_use_each_members_rate():
     assert torch.equal(alone, model.heads[3][3].bias.expand(8, 3))  # p = 1 as member 3 alone
     model.heads[0] = mlp(0.8)
     assert model.heads.dropout_rates["2"].tolist() == [0.8, 0.25, 0.6, 1.0]
+
+
+def test_a_captured_step_sees_rates_changed_after_its_capture():
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 16), nn.Dropout(p), nn.Linear(16, 3)) for p in (0.0, 1.0)]
+    stack = phalanx.stack(models, backend="fused")
+    opt = phalanx.optim.SGD(stack.parameters(), lr=0.1)
+    step = phalanx.compile_step(stack, F.cross_entropy, opt, backend="eager", prefer="captured")
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    for _ in range(5):
+        step(x, y)
+    assert step.report.startswith("captured")
+    other = [nn.Sequential(nn.Linear(4, 16), nn.Dropout(p), nn.Linear(16, 3)) for p in (1.0, 0.5)]
+    stack.load_state_dict(phalanx.stack(other).state_dict())  # member 0 now drops everything
+    before = stack.module[0].weight.detach().clone()
+    step(x, y)
+    assert torch.equal(stack.module[0].weight[0], before[0])  # p = 1: no gradient reaches it
+    assert not torch.equal(stack.module[0].weight[1], before[1])
