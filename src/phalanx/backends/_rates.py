@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx import _torch_compat as compat
+
 PER_MEMBER_P: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 """The modules whose ``p`` is a per-member value (exact classes: a subclass may read ``p``
 in code of its own)."""
@@ -70,6 +72,7 @@ class MemberRates:
     def __init__(self, module: nn.Module, rates: dict[str, torch.Tensor]) -> None:
         self.module = module
         self.rates = rates
+        self._on_device: tuple[Any, dict[str, torch.Tensor]] | None = None
 
     def subset(self, chosen: Sequence[int] | slice) -> MemberRates:
         index = chosen if isinstance(chosen, slice) else torch.as_tensor(list(chosen))
@@ -84,9 +87,17 @@ class MemberRates:
             return call()
 
     def device_rates(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The rates on ``device``, to be mapped over by one vmapped call."""
-        dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
-        return {k: v.to(device=device, dtype=dtype) for k, v in self.rates.items()}
+        """The rates on ``device``, to be mapped over by one vmapped call: copied there once
+        per change, not on every call."""
+        if device.type == "cpu":
+            return self.rates
+        key = (device, tuple((k, id(v), compat.version(v)) for k, v in self.rates.items()))
+        cached = self._on_device
+        if cached is None or cached[0] != key:
+            dtype = torch.float32 if device.type == "mps" else torch.float64  # mps: no float64
+            moved = {k: v.to(device=device, dtype=dtype) for k, v in self.rates.items()}
+            cached = self._on_device = (key, moved)
+        return cached[1]
 
     @contextlib.contextmanager
     def put(self, values: dict[str, Any]) -> Iterator[None]:
