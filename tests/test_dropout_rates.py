@@ -224,3 +224,27 @@ def test_a_captured_step_sees_rates_changed_after_its_capture():
     step(x, y)
     assert torch.equal(stack.module[0].weight[0], before[0])  # p = 1: no gradient reaches it
     assert not torch.equal(stack.module[0].weight[1], before[1])
+
+
+def test_a_checkpointed_region_recomputes_with_the_members_rate():
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.fc, self.drop, self.head = nn.Linear(6, 32), nn.Dropout(p), nn.Linear(32, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(lambda t: self.drop(self.fc(t)), x, use_reentrant=False)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    models = [Block(p) for p in RATES]
+    stack = phalanx.stack(models, backend="loop")
+    x = torch.randn(8, 6)
+    torch.manual_seed(3)
+    stack(x).sum().backward()
+    torch.manual_seed(3)
+    for i, m in enumerate(models):
+        m(x).sum().backward()
+        assert torch.equal(stack.module.fc.weight.grad[i], m.fc.weight.grad), f"member {i}"

@@ -140,7 +140,7 @@ class LoopBackend:
             for k, (a, d) in enumerate(zip(args, in_dims))
             if d is None and isinstance(a, torch.Tensor)
         ]
-        recompute = MemberRecompute(view.module, attributes)
+        recompute = MemberRecompute(view.module, attributes, view.rates)
         originals: dict[int, torch.Tensor] = {}
         outputs = []
         for i in range(view.num_members):
