@@ -124,7 +124,7 @@ class StackedModuleList(Stack):
                 p[k].copy_(module.get_parameter(name))
             for name, b in buffers.items():
                 b[k].copy_(module.get_buffer(name))
-        self.set_member_rates(k, module, "StackedModuleList[i] = module")
+        self._take_rates(k, module, "StackedModuleList[i] = module")
 
     def _fixed_length(self, *_: Any) -> None:
         raise TypeError(
@@ -193,7 +193,7 @@ class MemberView(nn.Module):
                     if t is not None:
                         store[leaf] = by_id[id(t)]
         member.train(owner.training)
-        for path, p in owner.member_rates(self._member).items():
+        for path, p in owner._rates_of(self._member).items():
             member.get_submodule(path).p = p
         return member
 

@@ -301,14 +301,14 @@ class Stack(nn.Module, Generic[Out]):
                 self._row(p, name, k).copy_(module.get_parameter(name))
             for name, b in buffers.items():
                 self._row(b, name, k).copy_(module.get_buffer(name))
-        self.set_member_rates(k, module, where)
+        self._take_rates(k, module, where)
 
-    def member_rates(self, i: int) -> dict[str, float]:
+    def _rates_of(self, i: int) -> dict[str, float]:
         """Member i's dropout rates where they differ between members, by module path."""
         rates = self._view.rates
         return {} if rates is None else rates.of(i)
 
-    def set_member_rates(self, i: int, module: nn.Module, where: str) -> None:
+    def _take_rates(self, i: int, module: nn.Module, where: str) -> None:
         """Takes ``module``'s dropout rates as member i's."""
         for path, sub in module.named_modules(remove_duplicate=False):
             if has_member_p(sub):
