@@ -145,9 +145,9 @@ def test_phalanx_stack_takes_a_factory():
 
 def test_a_factory_whose_members_differ_in_settings_is_refused():
     with pytest.raises(
-        ValueError, match=r"member 1 submodule '1' is Dropout\(p=0.5, inplace=False\), member 0 has"
+        ValueError, match=r"member 1 submodule '1' is LeakyReLU\(negative_slope=0.5\), member 0 has"
     ):
         phalanx.stack(
-            lambda i: nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1 if i == 0 else 0.5)),
+            lambda i: nn.Sequential(nn.Linear(2, 2), nn.LeakyReLU(0.1 if i == 0 else 0.5)),
             num_members=2,
         )

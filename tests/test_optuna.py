@@ -255,19 +255,42 @@ def test_params_missing_in_some_trials_name_them():
         po.optimize(optuna.create_study(), conditional, use, n_trials=4)
 
 
-def test_a_batch_that_falls_apart_into_stacks_of_one_says_why():
+def test_a_continuous_dropout_search_stays_one_stack():
     def dropout_model(trial):
         trial.suggest_float("lr", 1e-3, 0.3, log=True)
         p = trial.suggest_float("dropout", 0.0, 0.5)  # every trial its own rate
         return nn.Sequential(nn.Linear(6, 8), nn.Dropout(p), nn.Linear(8, 3))
 
+    rates = []
+
+    def quick(group):
+        rates.append((group.stack.dropout_rates["1"].tolist(), group.params["dropout"]))
+        return torch.zeros(len(group))
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", po.StackSplitWarning)
+        groups = po.optimize(study, dropout_model, quick, n_trials=8)
+    assert len(groups) == 1 and len(groups[0]) == 8
+    assert rates[0][0] == pytest.approx(rates[0][1], abs=0)  # member i has trial i's rate
+
+
+def test_a_batch_that_falls_apart_into_stacks_of_one_says_why():
+    def alpha_model(trial):
+        trial.suggest_float("lr", 1e-3, 0.3, log=True)
+        p = trial.suggest_float("dropout", 0.0, 0.5)  # an AlphaDropout's rate is a setting
+        return nn.Sequential(nn.Linear(6, 8), nn.AlphaDropout(p), nn.Linear(8, 3))
+
     def quick(group):
         return torch.zeros(len(group))
 
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    match = r"(?s)8 trials made 8 stacks \(8 of one member\).*Dropout\(p=.*suggest_categorical"
+    match = (
+        r"(?s)8 trials made 8 stacks \(8 of one member\).*AlphaDropout\(p=.*"
+        r"suggest_categorical"
+    )
     with pytest.warns(po.StackSplitWarning, match=match):
-        groups = po.optimize(study, dropout_model, quick, n_trials=8)
+        groups = po.optimize(study, alpha_model, quick, n_trials=8)
     assert len(groups) == 8
     # a few stacks, one per value of a categorical width: what was asked, no warning
     with warnings.catch_warnings():

@@ -370,12 +370,13 @@ def test_member_losses_per_member_targets_and_errors():
 
 
 def test_settings_outside_tensors_must_agree():
+    # a Dropout's p is per member (tests/test_dropout_rates.py); a LeakyReLU's slope is not
     a = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.LeakyReLU(0.1))
-    b = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.2), nn.LeakyReLU(0.1))
+    b = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.2), nn.LeakyReLU(0.3))
     with pytest.raises(
         ValueError,
-        match=r"member 1 submodule '1' is Dropout\(p=0.2, "
-        r"inplace=False\), member 0 has Dropout\(p=0.5",
+        match=r"member 1 submodule '2' is LeakyReLU\(negative_slope=0.3\), member 0 has "
+        r"LeakyReLU\(negative_slope=0.1\)",
     ):
         phalanx.stack([a, b])
 

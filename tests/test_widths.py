@@ -361,8 +361,8 @@ class Branchy(nn.Module):
         ),
         (lambda w: Branchy(w), r"torch.fx cannot trace the member's forward"),
         (
-            lambda w: nn.Sequential(nn.Linear(6, w), nn.Dropout(0.1 * w / 4), nn.Linear(w, 3)),
-            r"Dropout\(p=0\.2",
+            lambda w: nn.Sequential(nn.Linear(6, w), nn.ELU(0.1 * w / 4), nn.Linear(w, 3)),
+            r"ELU\(alpha=0\.2",
         ),
     ],
     ids=[

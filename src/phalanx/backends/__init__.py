@@ -65,9 +65,12 @@ class StackView:
         lock: held for the duration of each call: backends run one module tree.
         generators: the members' own ``torch.Generator`` attributes, one set per member
             (``_random.MemberGenerators``), or None where the member holds none.
+        rates: the members' dropout rates where they differ (``_rates.MemberRates``), or
+            None where every member has its Dropout modules' own ``p``.
     """
 
     generators: Any = None
+    rates: Any = None
 
     def __init__(
         self,

@@ -140,7 +140,7 @@ class LoopBackend:
             for k, (a, d) in enumerate(zip(args, in_dims))
             if d is None and isinstance(a, torch.Tensor)
         ]
-        recompute = MemberRecompute(view.module, attributes)
+        recompute = MemberRecompute(view.module, attributes, view.rates)
         originals: dict[int, torch.Tensor] = {}
         outputs = []
         for i in range(view.num_members):
@@ -158,6 +158,8 @@ class LoopBackend:
             call = lambda: functional_call(view.module, state, member_args, member_kw)  # noqa: B023, E731
             if view.generators is not None:  # member i draws from its own generators
                 call = partial(view.generators.run, i, call)
+            if view.rates is not None:  # member i's own dropout rates
+                call = partial(view.rates.run, i, call)
             # A checkpointed region in the member's forward recomputes as member i.
             versions = {k: compat.version(state[k]) for k in tracked}
             outputs.append(

@@ -67,19 +67,24 @@ class MemberRecompute:
     found in the member's graph after its forward, between its outputs and its inputs.
     """
 
-    def __init__(self, module: torch.nn.Module, attributes: Any) -> None:
+    def __init__(self, module: torch.nn.Module, attributes: Any, rates: Any = None) -> None:
         self.module = module
         self.attributes = attributes
+        self.rates = rates  # the members' dropout rates (``_rates.MemberRates``), or None
 
     def _as_member(self, i: int, state: dict[str, torch.Tensor], fn: Callable) -> Callable:
         if getattr(fn, _WRAPPED, None) is not None:
             return fn
-        module, attributes = self.module, self.attributes
+        module, attributes, rates = self.module, self.attributes, self.rates
 
         def again(*args: Any, **kwargs: Any) -> Any:
             def call() -> Any:
                 with compat.reparametrized(module, state):
-                    return fn(*args, **kwargs)
+                    return (
+                        fn(*args, **kwargs)
+                        if rates is None
+                        else rates.run(i, lambda: fn(*args, **kwargs))
+                    )
 
             return attributes.run(i, module, call)
 

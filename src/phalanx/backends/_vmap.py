@@ -17,6 +17,7 @@ called on every call, so hooks, attributes and modes changed at any time are see
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,11 +70,22 @@ def vmapped(
     shared_kwargs = {k: v for k, v in kwargs.items() if k not in kw_dims}
     per_member_kwargs = {k: kwargs[k] for k in kw_dims}
 
+    # Each member's dropout rates, put on the modules as 0-d tensors batched over the
+    # members (``_rates``; ``rules._dropout`` draws with them).
+    rates = view.rates
+    device = next(iter(params.values()), next(iter(buffers.values()), None))
+    member_rates = (
+        rates.device_rates(device.device if device is not None else torch.device("cpu"))
+        if rates is not None
+        else {}
+    )
+
     def member(
-        params: dict, buffers: dict, own_kwargs: dict, *member_args: Any
+        params: dict, buffers: dict, own_kwargs: dict, own_rates: dict, *member_args: Any
     ) -> tuple[torch.Tensor, ...]:
         member_kwargs = {**shared_kwargs, **own_kwargs} if own_kwargs else kwargs
-        out = functional_call(view.module, (params, buffers), member_args, member_kwargs)
+        with rates.put(own_rates) if rates is not None else contextlib.nullcontext():
+            out = functional_call(view.module, (params, buffers), member_args, member_kwargs)
         leaves, spec = pytree.tree_flatten(out)
         refuse_opaque(leaves, "Stack.forward()")
         layout["spec"] = spec
@@ -87,8 +99,8 @@ def vmapped(
             _recompute.seen(_recompute.refuse_under_vmap),
             deferred(),
         ):
-            tensors = vmap(member, in_dims=(0, 0, 0, *in_dims), randomness="different")(
-                params, buffers, per_member_kwargs, *args
+            tensors = vmap(member, in_dims=(0, 0, 0, 0, *in_dims), randomness="different")(
+                params, buffers, per_member_kwargs, member_rates, *args
             )
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
         put_back(stored_tensors(before))
@@ -189,8 +201,10 @@ def members_own_error(
         )
         member_kw = pytree.tree_map(copy, member_kwargs(kwargs, kw_dims, i))
         before = snapshot(view.module)
+        own_rates = view.rates.put(view.rates.of(i)) if view.rates is not None else None
         try:
-            functional_call(view.module, state, member_args, member_kw)
+            with own_rates or contextlib.nullcontext():
+                functional_call(view.module, state, member_args, member_kw)
         except Exception as e:
             e.add_note(
                 f"(raised by member {i}'s own forward{_where(e, paths)}, as "

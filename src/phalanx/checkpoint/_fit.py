@@ -139,11 +139,17 @@ def _shape(t: Tensor) -> str:
     return "(" + ", ".join(map(str, dims)) + ("," if len(dims) == 1 else "") + ")"
 
 
+_RATES = "dropout_rates."
+
+
 def check_stack(
     where: str, path: str, stack: nn.Module, saved: dict[str, Tensor], n_saved: Any
 ) -> None:
     """Raises one error listing every key whose presence, shape or dtype differs."""
-    expected = stack.state_dict()
+    # The members' dropout rates (``dropout_rates.<path>``) are there only where they differ
+    # between members; the stack's load takes them, or gives every member one rate.
+    expected = {k: v for k, v in stack.state_dict().items() if not k.startswith(_RATES)}
+    saved = {k: v for k, v in saved.items() if not k.startswith(_RATES)}
     problems = []
     for key, value in expected.items():
         if key not in saved:

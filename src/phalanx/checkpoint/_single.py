@@ -379,6 +379,9 @@ def export_members(stack: nn.Module, indices: Sequence[int] | Tensor) -> list[di
     state = (
         stack.module.state_dict() if isinstance(stack, StackedModuleList) else stack.state_dict()
     )
+    # The members' dropout rates are the stack's, not a tensor of the member's module: each
+    # exported member is given its rate by unstack()/stack[i], not by its state dict.
+    state = {k: v for k, v in state.items() if not k.startswith("dropout_rates.")}
     n = _num_members(stack)
     if n is None:
         n = next(iter(state.values())).shape[0]

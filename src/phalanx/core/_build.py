@@ -24,6 +24,7 @@ from torch import nn
 
 from phalanx._module_tree import meta_copy
 from phalanx.backends._random import copy_generators, generator_slots
+from phalanx.backends._rates import check_rate, has_member_p
 from phalanx.core._stack import Stack
 from phalanx.core._validate import (
     architecture_differences,
@@ -107,6 +108,7 @@ def build_members(
     slots = generator_slots(first)
     generators: list[list[torch.Generator]] = []
     memo: dict[int, Any] = {}  # a generator the factory gives several members stays one
+    rate_rows: list[dict[str, float]] = []  # each member's dropout rates (backends/_rates.py)
     member: nn.Module | None = first
     del first  # row 0 is copied below, then member 0 is dropped like the others
     for row, i in enumerate(indices):
@@ -131,6 +133,13 @@ def build_members(
                 t[row].copy_(member.get_buffer(name))
         if slots:  # member i draws from its own generators (backends/_random.py)
             generators += copy_generators([member], slots, where, memo, first_index=i)
+        rate_rows.append(
+            {
+                path: check_rate(member.get_submodule(path).p, where, f"member {i} {path!r}")
+                for path, sub in reference.named_modules(remove_duplicate=False)
+                if has_member_p(sub)
+            }
+        )
         member = None  # drop it before building the next: one member alive at a time
     if diffs:
         raise ValueError(
@@ -140,8 +149,19 @@ def build_members(
             + "\nThe factory must build one architecture for every index (the same module "
             "types, parameter and buffer names, shapes, dtypes and train/eval mode)."
         )
+    rates = {
+        path: torch.tensor([row[path] for row in rate_rows], dtype=torch.float64)
+        for path in (rate_rows[0] if rate_rows else {})
+        if any(row[path] != rate_rows[0][path] for row in rate_rows)
+    }
     return Stack.from_stacked(
-        reference, params, buffers, len(indices), backend=backend, generators=generators or None
+        reference,
+        params,
+        buffers,
+        len(indices),
+        backend=backend,
+        generators=generators or None,
+        dropout_rates=rates,
     )
 
 

@@ -73,6 +73,10 @@ class StackedModuleList(Stack):
     ``extend`` and ``insert`` raise (use :func:`unstack_in_place` first).
     """
 
+    # The list's state dict is its members' (a plain module keeps p as an attribute, not a
+    # tensor): the members' dropout rates stay as built, not written as keys of their own.
+    _rates_in_state_dict = False
+
     def __init__(self, members: Sequence[nn.Module] | nn.ModuleList, *, backend: str = "auto"):
         super().__init__(members, backend=backend)
         self._slices = _Slices()
@@ -120,6 +124,7 @@ class StackedModuleList(Stack):
                 p[k].copy_(module.get_parameter(name))
             for name, b in buffers.items():
                 b[k].copy_(module.get_buffer(name))
+        self._take_rates(k, module, "StackedModuleList[i] = module")
 
     def _fixed_length(self, *_: Any) -> None:
         raise TypeError(
@@ -152,8 +157,10 @@ class StackedModuleList(Stack):
 
     def run_member(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Member ``i``'s forward on its own slices, as the list's module ``i`` ran it."""
+        call = lambda: functional_call(self.module, self.member_slices(i), args, kwargs)  # noqa: E731
+        rates = self._view.rates
         with self.call_lock:
-            return functional_call(self.module, self.member_slices(i), args, kwargs)
+            return call() if rates is None else rates.run(i, call)  # member i's dropout rates
 
 
 class MemberView(nn.Module):
@@ -186,6 +193,8 @@ class MemberView(nn.Module):
                     if t is not None:
                         store[leaf] = by_id[id(t)]
         member.train(owner.training)
+        for path, p in owner._rates_of(self._member).items():
+            member.get_submodule(path).p = p
         return member
 
     def __getattr__(self, name: str) -> Any:

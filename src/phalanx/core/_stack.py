@@ -19,6 +19,7 @@ from phalanx.backends import CHOICES, StackView, get_backend
 from phalanx.backends._keywords import KwInDims, keyword_dims
 from phalanx.backends._memory import reuse_freed_memory
 from phalanx.backends._random import MemberGenerators, copy_generators, generator_slots
+from phalanx.backends._rates import MemberRates, check_rate, collect_rates, has_member_p
 from phalanx.backends._state import PerMemberAttributes, RemappedAttributes
 from phalanx.core._chunks import ChunkInputs
 from phalanx.core._hf import check_call, guard_stacked
@@ -104,6 +105,7 @@ class Stack(nn.Module, Generic[Out]):
     num_members: int
     _template: nn.Module
     _view: StackView
+    _rates_in_state_dict = True  # the members' dropout rates as ``dropout_rates.<path>`` keys
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         # Every stack, copies and unpickled ones included, for live_stacks().
@@ -127,9 +129,13 @@ class Stack(nn.Module, Generic[Out]):
             member, params, buffers, padding = pad_members(members)
             slots = generator_slots(members[0])  # each member draws from its own, as unpadded
             generators = copy_generators(members, slots, where) if slots else None
-            self._setup(member, params, buffers, len(members), backend, padding, generators)
+            rates = collect_rates(members, where, reference=member)
+            self._setup(
+                member, params, buffers, len(members), backend, padding, generators, rates=rates
+            )
             return
         check_same_architecture(members, where)
+        rates = collect_rates(members, where)  # a dropout rate per member (backends/_rates)
         _check_backend(backend, where)
         with torch.no_grad():
             params = {
@@ -142,7 +148,9 @@ class Stack(nn.Module, Generic[Out]):
             }
         slots = generator_slots(members[0])
         generators = copy_generators(members, slots, where) if slots else None
-        self._setup(members[0], params, buffers, len(members), backend, generators=generators)
+        self._setup(
+            members[0], params, buffers, len(members), backend, generators=generators, rates=rates
+        )
 
     @classmethod
     def from_stacked(
@@ -155,6 +163,7 @@ class Stack(nn.Module, Generic[Out]):
         backend: str = "auto",
         padding: Padding | None = None,
         generators: list[list[torch.Generator]] | None = None,
+        dropout_rates: dict[str, torch.Tensor] | None = None,
     ) -> Self:
         """A stack over tensors that are already stacked, ``(N, *shape)`` each, without copies.
 
@@ -167,7 +176,9 @@ class Stack(nn.Module, Generic[Out]):
         Where the member holds
         ``torch.Generator`` attributes, ``generators[i]`` are member i's, in the order of
         :attr:`generator_slots` (each is used as it is, not copied); without them every member
-        starts from a copy of ``member``'s.
+        starts from a copy of ``member``'s. ``dropout_rates``: the members' dropout rates,
+        ``(N,)`` per Dropout module path (:attr:`dropout_rates`); without them every member
+        has ``member``'s.
         """
         _check_backend(backend, "phalanx.stack()")
         self = cls.__new__(cls)
@@ -176,7 +187,9 @@ class Stack(nn.Module, Generic[Out]):
         if generators is None and slots:
             where = "Stack.from_stacked()"
             generators = [copy_generators([member], slots, where)[0] for _ in range(num_members)]
-        self._setup(member, params, buffers, num_members, backend, padding, generators)
+        self._setup(
+            member, params, buffers, num_members, backend, padding, generators, dropout_rates
+        )
         return self
 
     def _setup(
@@ -188,6 +201,7 @@ class Stack(nn.Module, Generic[Out]):
         backend: str,
         padding: Padding | None = None,
         generators: list[list[torch.Generator]] | None = None,
+        rates: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.num_members = num_members
         self._padding = padding
@@ -215,6 +229,12 @@ class Stack(nn.Module, Generic[Out]):
         if generators is not None:  # each member draws from its own (backends/_random.py)
             slots = generator_slots(template)
             self._view.generators = MemberGenerators(self.module, slots, generators)
+        self._view.rates = None
+        for path, values in (rates or {}).items():
+            self._set_rates(path, values, "phalanx.stack()")
+        if self._rates_in_state_dict:
+            self._register_state_dict_hook(_save_rates)
+            self._register_load_state_dict_pre_hook(_load_rates, with_module=True)
         self._set_backend(backend)
         cpu = [t for t in [*params.values(), *buffers.values()] if t.device.type == "cpu"]
         if cpu:  # gradients of this size would be mapped and faulted in afresh every step
@@ -310,6 +330,18 @@ class Stack(nn.Module, Generic[Out]):
                 self._row(p, name, k).copy_(module.get_parameter(name))
             for name, b in buffers.items():
                 self._row(b, name, k).copy_(module.get_buffer(name))
+        self._take_rates(k, module, where)
+
+    def _rates_of(self, i: int) -> dict[str, float]:
+        """Member i's dropout rates where they differ between members, by module path."""
+        rates = self._view.rates
+        return {} if rates is None else rates.of(i)
+
+    def _take_rates(self, i: int, module: nn.Module, where: str) -> None:
+        """Takes ``module``'s dropout rates as member i's."""
+        for path, sub in module.named_modules(remove_duplicate=False):
+            if has_member_p(sub):
+                self._set_rate(path, i, check_rate(sub.p, where, f"submodule {path!r}"))
 
     def __iter__(self) -> Iterator[nn.Module]:
         """The members as ordinary modules, copies (see :meth:`__getitem__`)."""
@@ -474,6 +506,51 @@ class Stack(nn.Module, Generic[Out]):
         the loop draws from, not copies)."""
         gens = self._view.generators
         return list(gens.per_member[i]) if gens is not None else []
+
+    @property
+    def dropout_rates(self) -> dict[str, torch.Tensor]:
+        """Each member's dropout rate, ``(N,)`` float64, by the path of each Dropout module
+        (``nn.Dropout``, ``Dropout1d/2d/3d``) whose rate differs between members; a module
+        every member gives one rate keeps it as its own ``p`` and is not listed. Copies:
+        change a member's rate with ``stack[i] = module``.
+
+        Example:
+            >>> models = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(p)) for p in (0.1, 0.3)]
+            >>> phalanx.stack(models).dropout_rates
+            {'1': tensor([0.1000, 0.3000], dtype=torch.float64)}
+        """
+        rates = self._view.rates
+        return {} if rates is None else {k: v.clone() for k, v in rates.rates.items()}
+
+    def _set_rates(self, path: str, values: torch.Tensor, where: str) -> None:
+        """Member rates ``values`` (N,) for the Dropout module at ``path``."""
+        try:
+            sub = self.module.get_submodule(path)
+        except AttributeError:
+            sub = None
+        if sub is None or not has_member_p(sub):
+            raise ValueError(
+                f"{where}: dropout rates were given for {path!r}, which is not a Dropout module "
+                f"of the stack's members."
+            )
+        values = torch.as_tensor(values, dtype=torch.float64).detach().cpu().clone()
+        if values.shape != (self.num_members,) or not bool(((values >= 0) & (values <= 1)).all()):
+            raise ValueError(
+                f"{where}: the dropout rates of {path!r} must be {self.num_members} floats in "
+                f"[0, 1], one per member; got {values.tolist()}."
+            )
+        if self._view.rates is None:
+            self._view.rates = MemberRates(self.module, {})
+        self._view.rates.rates[path] = values
+
+    def _set_rate(self, path: str, i: int, p: float) -> None:
+        rates = self._view.rates
+        if rates is not None and path in rates.rates:
+            rates.rates[path][i] = p
+        elif p != (own := _rate_of(self.module.get_submodule(path))):
+            values = torch.full((self.num_members,), own, dtype=torch.float64)
+            values[i] = p
+            self._set_rates(path, values, "Stack[i] = module")
 
     @property
     def requested_backend(self) -> str:
@@ -747,6 +824,8 @@ class Stack(nn.Module, Generic[Out]):
         view.cache["auto"] = self._view.cache_of("auto")
         attributes = self._view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
         view.cache["loop"] = {"attributes": RemappedAttributes(attributes, chosen)}
+        if self._view.rates is not None:
+            view.rates = self._view.rates.subset(rows)
         return view
 
     def _shared_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -862,6 +941,9 @@ class Stack(nn.Module, Generic[Out]):
                 {k: self._row(v, k, i).clone() for k, v in buffers.items()},
             )
         copy_modes(self.module, member)
+        if self._view.rates is not None:  # member i's own dropout rates
+            for path, p in self._view.rates.of(i).items():
+                member.get_submodule(path).p = p
         gens = self._view.generators
         if gens is not None:  # member i's own generators, at their current state
             memo: dict[int, Any] = {}
@@ -912,6 +994,10 @@ class Stack(nn.Module, Generic[Out]):
                     m.get_parameter(name).copy_(self._row(p, name, i))
                 for name, b in buffers.items():
                     m.get_buffer(name).copy_(self._row(b, name, i))
+        if self._view.rates is not None:  # each member's own dropout rates
+            for i, m in enumerate(targets):
+                for path, p in self._view.rates.of(i).items():
+                    m.get_submodule(path).p = p
 
 
 _GENERAL = object()  # Stack._shared_call: take the general path
@@ -966,6 +1052,34 @@ def _check_backend(name: str, where: str) -> None:
             + ", ".join(repr(c) for c in CHOICES)
             + "."
         )
+
+
+def _rate_of(module: Any) -> float:
+    return float(module.p)
+
+
+_RATES = "dropout_rates."
+"""Where a stack's state dict holds its members' dropout rates: ``dropout_rates.<path>``."""
+
+
+def _save_rates(stack: Stack, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+    """Adds the members' dropout rates, where they differ, to the stack's state dict (so
+    ``phalanx.save`` and ``torch.save(stack.state_dict())`` keep them); a stack whose members
+    share every rate writes the state dict it always did."""
+    for path, values in stack.dropout_rates.items():
+        state[f"{prefix}{_RATES}{path}"] = values
+
+
+def _load_rates(stack: Stack, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Takes the rates back out of a state dict being loaded: a checkpoint that holds them
+    sets them; one without them (members that shared every rate) gives every member the rate
+    of the stack's own module."""
+    keys = [k for k in state if k.startswith(prefix + _RATES)]
+    rates = stack._view.rates
+    if rates is not None:
+        rates.rates.clear()
+    for key in keys:
+        stack._set_rates(key[len(prefix + _RATES) :], state.pop(key), "Stack.load_state_dict()")
 
 
 def _slot(module: nn.Module, name: str) -> tuple[str, nn.Module, str]:

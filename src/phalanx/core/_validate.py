@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from phalanx import _torch_compat as compat
+from phalanx.backends._rates import has_member_p
 
 
 def _fmt_shape(shape: Iterable[int]) -> str:
@@ -97,12 +98,15 @@ def architecture_differences(
                 f"{ref_name} has a {ref_types[path].__name__}"
             )
         else:
-            # Settings that live outside tensors (Dropout's p, BatchNorm's eps, a LeakyReLU's
-            # slope) would silently be taken from member 0: their repr shows them.
-            ref_repr = ref_modules[path].extra_repr()
-            oth_repr = oth_modules[path].extra_repr()
+            # Settings that live outside tensors (BatchNorm's eps, a LeakyReLU's slope) would
+            # silently be taken from member 0: their repr shows them. A Dropout's p is a
+            # per-member value the stack keeps (backends/_rates.py), not a setting.
+            ref_repr = settings_repr(ref_modules[path])
+            oth_repr = settings_repr(oth_modules[path])
             if ref_repr != oth_repr:
                 name = ref_types[path].__name__
+                ref_repr = ref_modules[path].extra_repr()
+                oth_repr = oth_modules[path].extra_repr()
                 setting_diffs[path] = (
                     f"{who} submodule {shown} is {name}({oth_repr}), {ref_name} has "
                     f"{name}({ref_repr})"
@@ -162,6 +166,14 @@ def architecture_differences(
             )
             break
     return diffs
+
+
+def settings_repr(module: nn.Module) -> str:
+    """The module's settings as its repr shows them, less the per-member ones (a Dropout's
+    ``p``, which members may differ in)."""
+    if has_member_p(module):
+        return f"inplace={module.inplace}"
+    return module.extra_repr()
 
 
 def _kind(module: nn.Module) -> type:
@@ -280,10 +292,11 @@ def behaviour_differences(
         # Settings that extra_repr shows differ are reported by architecture_differences.
         keys = (
             set()
-            if ref.extra_repr() != oth.extra_repr()
+            if settings_repr(ref) != settings_repr(oth)
             else ref.__dict__.keys() | oth.__dict__.keys()
         )
-        for key in sorted(keys - _MODULE_INTERNALS):
+        per_member = {"p"} if has_member_p(ref) else set()
+        for key in sorted(keys - _MODULE_INTERNALS - per_member):
             a, b = ref.__dict__.get(key), oth.__dict__.get(key)
             pair = (id(a), id(b))
             if pair in shared:  # one config object held by every layer: reported once

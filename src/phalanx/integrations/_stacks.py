@@ -98,9 +98,11 @@ def describe_split(groups: list[list[nn.Module]], where: str) -> str | None:
     )
     if any("Dropout" in r or "dropout" in r for r in reasons):
         head += (
-            " A dropout rate is a module setting: each distinct value is its own stack, so a "
-            "rate from suggest_float gives every trial its own. Suggest it from a few values "
-            "(trial.suggest_categorical('dropout', [0.0, 0.1, 0.2])), or fix it."
+            " An AlphaDropout's rate is a module setting (nn.Dropout's and Dropout1d/2d/3d's "
+            "are per member and never split a batch): each distinct value is its own stack, so "
+            "a rate from suggest_float gives every trial its own. Use nn.Dropout, suggest the "
+            "rate from a few values (trial.suggest_categorical('dropout', [0.0, 0.1, 0.2])), "
+            "or fix it."
         )
     else:
         head += (

@@ -20,10 +20,12 @@ backend draws as each member alone would; ``vmap`` and ``fused`` draw all member
 independent per member but other numbers), so a trial is then an equally random run, not the
 identical one.
 
-Trials whose networks differ in a module setting (a width, a dropout rate) cannot share a
-stack: a batch that falls apart so says it with a ``StackSplitWarning`` naming the difference.
-A dropout rate from ``suggest_float`` makes every trial a stack of one (trial-by-trial speed):
-suggest it from a few values.
+Trials whose networks differ in a module setting (a width, an activation's slope) cannot
+share a stack: a batch that falls apart so says it with a ``StackSplitWarning`` naming the
+difference. A dropout rate is not such a setting: ``nn.Dropout``'s (and ``Dropout1d/2d/3d``'s)
+``p`` is a per-member value of the stack, as a learning rate is, so a rate from
+``suggest_float`` keeps the batch one stack, each trial training at its own rate
+(``AlphaDropout``'s rate still splits: suggest it from a few values).
 """
 
 from __future__ import annotations
@@ -334,7 +336,7 @@ def _announce_split(
     groups: list[tuple[list[Trial], list[nn.Module]]], group_by: Sequence[str], where: str
 ) -> None:
     """Warns (``StackSplitWarning``) where networks of one ``group_by`` key made several
-    stacks: an architecture setting (a width, a dropout rate) varies across the batch."""
+    stacks: an architecture setting (a width, an AlphaDropout's rate) varies across the batch."""
     by_key: dict[tuple[Any, ...], list[list[nn.Module]]] = {}
     for trials, nets in groups:
         key = tuple(trials[0].params.get(name) for name in group_by)
@@ -370,10 +372,9 @@ def optimize(
         n_trials: trials to run (asked in batches of ``n_members``).
         n_members: trials asked at once (default: all ``n_trials``).
         group_by: parameter names whose values cannot vary within one stack (a batch size, a
-            data choice); networks of different architectures (a width, a depth, a dropout
-            rate) get different stacks automatically, announced by a ``StackSplitWarning``
-            that names the difference (a dropout rate from ``suggest_float`` makes every
-            trial its own stack: suggest it from a few values).
+            data choice); networks of different architectures (a width, a depth) get
+            different stacks automatically, announced by a ``StackSplitWarning`` that names
+            the difference. A Dropout's rate is per member and keeps one stack.
         seed: the study seed of the networks and the data streams.
         stack_kwargs: passed to ``phalanx.stack`` (e.g. ``{"backend": "vmap"}``).
         progress: a progress bar of the trials told, on standard error (tqdm): None (the

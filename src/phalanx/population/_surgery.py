@@ -164,6 +164,7 @@ def keep_members(
         backend=backend,
         padding=padding,
         generators=generators,
+        dropout_rates={k: v[index.cpu()] for k, v in stack.dropout_rates.items()},
     )
     copy_modes(stack.module, smaller.module)
     smaller.training = stack.training

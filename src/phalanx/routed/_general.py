@@ -52,6 +52,8 @@ def general_path(
         call = lambda: functional_call(view.module, state, member_args, kwargs)  # noqa: B023, E731
         if view.generators is not None:  # member i draws from its own generators
             call = partial(view.generators.run, i, call)
+        if view.rates is not None:  # member i's own dropout rates
+            call = partial(view.rates.run, i, call)
         versions = {k: compat.version(state[k]) for k in tracked}
         outputs.append(attributes.run(i, view.module, call))
         check_writes(i, params, state, versions)

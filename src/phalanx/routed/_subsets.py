@@ -69,6 +69,8 @@ def subset_view(view: StackView, chosen: list[int]) -> tuple[StackView, Callable
     sub.lock = view.lock
     if view.generators is not None:
         sub.generators = view.generators.subset(chosen)
+    if view.rates is not None:
+        sub.rates = view.rates.subset(chosen)
     sub.cache["auto"] = view.cache_of("auto")
     attributes = view.cache_of("loop").setdefault("attributes", PerMemberAttributes())
     sub.cache["loop"] = {"attributes": RemappedAttributes(attributes, chosen)}

@@ -346,9 +346,13 @@ class CompiledStep:
             *(tuple(sorted(opt.options(g).items())) for g in opt.param_groups),
             *(tuple(opt.ensure_state(self._groups[id(p)], p)) for p in params if p.requires_grad),
         )
+        # The members' dropout rates are constants of the graph (a rate set by stack[i] =
+        # module or a checkpoint load is a new graph); empty where the members share them.
+        rates = getattr(self.stack, "dropout_rates", {})
+        rates = tuple((k, tuple(v.tolist())) for k, v in rates.items()) if rates else ()
         # The stack's backend is not part of it: every backend is exact, and the graph keeps
         # the one the stack ran when it was traced.
-        return (*key, mask is None, modes, self._keywords, rule)
+        return (*key, mask is None, modes, self._keywords, rule, rates)
 
     def _warn_eager_once(self, reason: str) -> None:
         if reason not in self._eager_reasons:

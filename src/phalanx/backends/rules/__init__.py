@@ -9,7 +9,8 @@ routes a few functions to batching rules of phalanx's own (``_registry``: what a
 shell that runs it, the tables), one file per family, each rule registered beside its
 definition:
 
-- correctness (both backends): convolutions (``_conv``); embeddings, embedding bags and
+- correctness (both backends): convolutions (``_conv``); dropout with a rate per member
+  (``_dropout``); embeddings, embedding bags and
   ``one_hot``, every id checked per member (``_embedding``); BatchNorm with a member's
   arithmetic independent of N (``_norm``); ``grid_sample`` (``_sampling``).
 - speed (``fused`` only): Linear (small weights with a per-member input left to torch.func's
@@ -33,6 +34,7 @@ from __future__ import annotations
 from phalanx.backends.rules import (  # noqa: F401  (each registers its rules)
     _attention,
     _conv,
+    _dropout,
     _embedding,
     _export,
     _index,
