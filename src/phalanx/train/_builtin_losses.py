@@ -13,7 +13,6 @@ the loss under vmap instead, as the loop would run it.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -125,13 +124,9 @@ def _elementwise(
             # a member's input.size(0): the dim after the member axis
             return terms.sum(dim=tuple(range(1, terms.dim()))) / output.shape[1]
         if reduction == "mean":
-            warnings.warn(  # torch's own warning, which each member's call would give
-                "reduction: 'mean' divides the total loss by both the batch size and the "
-                "support size.'batchmean' divides only by the batch size, and aligns with the "
-                "KL div math definition.'mean' will be changed to behave the same as "
-                "'batchmean' in the next major release.",
-                stacklevel=4,
-            )
+            # torch's own warning, which each member's call would give: from torch itself,
+            # on one element
+            loss_fn(output.new_zeros(1), target.new_zeros(1), reduction="mean")
         return _member_reduce(terms, reduction)
     if reduction not in ("mean", "sum"):
         return None
