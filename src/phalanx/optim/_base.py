@@ -43,6 +43,17 @@ def math_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def fused_step_dtype() -> torch.dtype:
+    """The dtype of the step counts torch's fused kernels read: float32, as torch.optim keeps
+    them with ``fused=True`` (``torch.optim.optimizer._get_scalar_dtype(is_fused=True)``).
+
+    torch's CUDA kernels read each step through a ``float*`` whatever the tensor's dtype
+    (``ATen/native/cuda/fused_adam_utils.cuh``): a float64 count there reads as 0 (an infinite
+    step size, NaN weights). float32 counts are exact integers up to 2**24 steps.
+    """
+    return torch.float32
+
+
 @overload
 def views(h: Tensor, like: Sequence[Tensor]) -> list[Tensor]: ...
 @overload
@@ -561,12 +572,18 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     #: buffers fit in a core's L2 cache, and the Python cost per block is amortised.
     BLOCK = 1 << 18
 
+    def step_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the (N,) step counts kept in the state: float32 where torch's fused
+        kernel reads them (``fused=True``, as torch.optim keeps them), else the math dtype.
+        The arithmetic on them (bias corrections) is always in the math dtype."""
+        return fused_step_dtype() if getattr(self, "fused", False) else math_dtype(device)
+
     def ensure_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         """``p``'s state, created (step 0, then ``init_state``) on first use."""
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros(
-                self.num_members, dtype=math_dtype(p.device), device=p.device
+                self.num_members, dtype=self.step_dtype(p.device), device=p.device
             )
             state.update(self.init_state(group, p))
         return state
@@ -719,7 +736,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                 rest[0].append(p)
                 rest[1].append(g)
                 continue
-            step = state["step"] + 1
+            step = state["step"].to(math_dtype(p.device)) + 1  # no copy unless fused's float32
             values = self.prepare(h, step, p.dtype, **options)
             a, b = self._scratch(p)
             cut: tuple[int, int] | None = None
@@ -763,7 +780,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         rule = type(self).update
         for p, g in zip(params, grads, strict=True):
             state = self.state[p]
-            step = state["step"] + 1
+            step = state["step"].to(math_dtype(p.device)) + 1  # no copy unless fused's float32
             keep = None if active is None else active.to(p.device)
             started: dict[str, Tensor] = {}  # state entries the rule starts now (SGD's buffer)
             for rows, flat, blocks in _blocks(p, g, state, self.BLOCK):
@@ -898,7 +915,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             _hypers_to(group, group["params"][0].device)
         for p, state in self.state.items():
             if isinstance(state.get("step"), Tensor):
-                state["step"] = state["step"].to(p.device, math_dtype(p.device))
+                state["step"] = state["step"].to(p.device, self.step_dtype(p.device))
         if members is not None:
             device = self.frozen.device
             self.last_skipped = members["last_skipped"].to(device, torch.bool)
