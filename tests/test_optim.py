@@ -457,7 +457,7 @@ BIT_CASES = [
 @pytest.mark.parametrize(("cls", "kwargs"), BIT_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("shared_lr", [True, False], ids=["shared_lr", "member_lr"])
 def test_member_bits_do_not_depend_on_n_masks_or_kernel(cls, kwargs, shared_lr, dtype) -> None:
-    """Each member equals torch.optim on that member alone bit for bit, whatever the number
+    """mode="torch": each member equals torch.optim on that member alone bit for bit, whatever the number
     of members, a mask on another member, or one shared lr against an (N,) tensor of it.
     torch's fused Adam kernel (once taken for one shared lr) fails this: its vectorised body
     and scalar tail round differently, so a member's bits depended on its offset in the
@@ -472,7 +472,7 @@ def test_member_bits_do_not_depend_on_n_masks_or_kernel(cls, kwargs, shared_lr, 
             ours = dict(kwargs)
             if not shared_lr:
                 ours["lr"] = torch.full((n,), kwargs["lr"], dtype=torch.float64)
-            opt = getattr(phalanx.optim, cls)(params, **ours)
+            opt = getattr(phalanx.optim, cls)(params, **ours, mode="torch")
             refs = [[nn.Parameter(b[i].clone()) for b in base] for i in range(n)]
             ref_opts = [getattr(torch.optim, cls)(r, **kwargs) for r in refs]
             noise = torch.Generator().manual_seed(1)

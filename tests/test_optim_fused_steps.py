@@ -66,10 +66,10 @@ def test_fused_steps_are_torchs_float32_counts_member_by_member(cls, member_lr) 
 
 
 def test_fused_steps_stay_float32_through_a_state_dict_of_the_default_mode() -> None:
-    """A checkpoint of the default mode (float64 counts) loaded into a fused optimizer, and
-    back: the counts take the dtype each optimizer's kernel reads, with their values."""
+    """A checkpoint of mode "torch" (float64 counts) loaded into a fused optimizer, and back:
+    the counts take the dtype each optimizer's arithmetic reads, with their values."""
     params = [nn.Parameter(torch.randn(2, 3))]
-    plain = phalanx.optim.Adam(params, lr=1e-2)
+    plain = phalanx.optim.Adam(params, lr=1e-2, mode="torch")
     params[0].grad = torch.ones_like(params[0])
     plain.step()
     fused = phalanx.optim.Adam(params, lr=1e-2, fused=True)
@@ -86,11 +86,11 @@ def test_fused_steps_stay_float32_through_a_state_dict_of_the_default_mode() -> 
 
 def test_fused_true_on_a_strided_parameter_counts_in_float32_and_computes_in_float64() -> None:
     """fused=True's fallback (a strided parameter) keeps float32 counts and rounds its bias
-    corrections from float64 counts, as the default mode: the same bits as it."""
+    corrections from float64 counts, as mode "torch": the same bits as it."""
     w = nn.Parameter(torch.randn(4, 3, 2).transpose(1, 2))
     ref = nn.Parameter(w.detach().clone())
     opt = phalanx.optim.Adam([w], lr=1e-2, fused=True)
-    ref_opt = phalanx.optim.Adam([ref], lr=1e-2)
+    ref_opt = phalanx.optim.Adam([ref], lr=1e-2, mode="torch")
     for t in range(3):
         w.grad, ref.grad = torch.ones_like(w), torch.ones_like(w)
         if t == 0:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, maximized, per_member, powers
+from ._base import MemberOptimizer, math_dtype, maximized, per_member, powers, resolve_mode
 
 __all__ = ["Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
 
@@ -99,13 +99,17 @@ def adam_values(h: dict[str, Any], step: Tensor, *, decoupled: bool) -> dict[str
     v["keep2"] = 1 - h["beta2"]
     # Bias corrections per member, in float64 as torch's Python floats: a member's count is
     # its own, and a parameter without a gradient in some steps has its own count, as in torch.
+    step = step.to(math_dtype(step.device))  # float32 counts (fused kernels') in float64
     bias_correction1 = 1 - powers(h["beta1"], step)
     bias_correction2 = 1 - powers(h["beta2"], step)
     v["bias_correction2_sqrt"] = bias_correction2.sqrt()
     # lr / bias_correction1 as a tensor division: a Python float over a tensor is
     # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
     # torch.optim's float division (and from the per-member path's tensor division).
-    lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
+    if isinstance(lr, Tensor):
+        lr_t = lr.to(bias_correction1.dtype)
+    else:  # a fill, not a blocking host->device copy of a Python number
+        lr_t = torch.full((), lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
     v["step_size"] = -(lr_t / bias_correction1)
     return v
 
@@ -214,8 +218,9 @@ class Adam(MemberOptimizer):
         freeze_after: int | None = None,
         warn_skipped: bool = True,
         fused: bool = False,
+        mode: str | None = None,
     ) -> None:
-        self.fused = bool(fused)
+        chosen = resolve_mode(self._NAME, mode, bool(fused))
         if isinstance(amsgrad, Tensor):
             raise ValueError(
                 f"{self._NAME}(): amsgrad must be one bool for all members; got a tensor."
@@ -234,6 +239,7 @@ class Adam(MemberOptimizer):
             skip_nonfinite=skip_nonfinite,
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
+            mode=chosen,
         )
 
     HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
@@ -290,6 +296,34 @@ class Adam(MemberOptimizer):
             state["max_exp_avg_sq"] if options["amsgrad"] else None,
             **h,
             decoupled=options["decoupled"],
+        )
+
+    FAST = True
+
+    def fast_update(
+        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], counts: list[int]
+    ) -> None:
+        """torch's fused Adam(W) kernel once on the whole stacked tensors: every member shares
+        the numbers and each parameter's count, so one count per tensor is each member's."""
+        kernel = compat.fused_adamw_ if self._DECOUPLED else compat.fused_adam_
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        compat.foreach_add_(steps, 1)
+        betas = group["betas"]
+        kernel(
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
+            [s[0] for s in steps],  # member 0's count is every member's (float32, as torch's)
+            amsgrad=bool(group["amsgrad"]),
+            lr=float(group["lr"]),
+            beta1=float(betas[0]),
+            beta2=float(betas[1]),
+            weight_decay=float(group["weight_decay"]),
+            eps=float(group["eps"]),
+            maximize=bool(group["maximize"]),
         )
 
     def fused_update(
@@ -356,6 +390,7 @@ class AdamW(Adam):
         freeze_after: int | None = None,
         warn_skipped: bool = True,
         fused: bool = False,
+        mode: str | None = None,
     ) -> None:
         super().__init__(
             params,
@@ -369,4 +404,5 @@ class AdamW(Adam):
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
             fused=fused,
+            mode=mode,
         )

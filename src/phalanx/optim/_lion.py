@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, maximized, per_member
+from ._base import MemberOptimizer, maximized, per_member, resolve_mode
 
 __all__ = ["Lion"]
 
@@ -68,6 +68,7 @@ class Lion(MemberOptimizer):
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
+        mode: str | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -81,6 +82,7 @@ class Lion(MemberOptimizer):
             skip_nonfinite=skip_nonfinite,
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
+            mode=resolve_mode(self._NAME, mode, False, kernel=False),
         )
 
     def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -272,6 +272,7 @@ class MemberSurgery:
         src, dst = pairs(source, target, self.num_members, where)
         for t in self.member_tensors():
             t[dst.to(t.device)] = t[src.to(t.device)]
+        self.__dict__["_counts"] = None  # counts written: the host's are unknown now
         if hyperparameters:
             self._copy_hyperparameters(src, dst)
             for schedule in self.member_schedules():
@@ -308,6 +309,7 @@ class MemberSurgery:
         """Writes rows taken by ``member_rows`` (of any member, any alike optimizer) into
         member ``member``: its optimizer state, counters and, with ``hyperparameters``, its
         hyperparameters."""
+        self.__dict__["_counts"] = None  # counts written: the host's are unknown now
         tensors = self.member_tensors()
         if len(rows) != len(tensors) + (len(self._hyper_tensors()) if hyperparameters else 0):
             raise ValueError(
@@ -356,6 +358,7 @@ class MemberSurgery:
             ValueError: a member listed twice, or ``params`` that do not match in number,
                 shape, dtype or device.
         """
+        self.__dict__["_counts"] = None  # counts written: the host's are unknown now
         where = f"{self._NAME}.keep_members()"
         index = member_index(members, self.num_members, where)
         if len(index.unique()) != len(index):
