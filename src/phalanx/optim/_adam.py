@@ -9,7 +9,16 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, math_dtype, maximized, per_member, powers, resolve_mode
+from ._base import (
+    MemberOptimizer,
+    PerMember,
+    PerMemberFlag,
+    math_dtype,
+    maximized,
+    per_member,
+    powers,
+    resolve_mode,
+)
 
 __all__ = ["Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
 
@@ -207,13 +216,13 @@ class Adam(MemberOptimizer):
     def __init__(
         self,
         params: Any,
-        lr: float | Tensor = 1e-3,
-        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
-        eps: float | Tensor = 1e-8,
-        weight_decay: float | Tensor = 0.0,
+        lr: PerMember = 1e-3,
+        betas: tuple[PerMember, PerMember] = (0.9, 0.999),
+        eps: PerMember = 1e-8,
+        weight_decay: PerMember = 0.0,
         amsgrad: bool = False,
         *,
-        maximize: bool | Tensor = False,
+        maximize: PerMemberFlag = False,
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
@@ -379,13 +388,13 @@ class AdamW(Adam):
     def __init__(
         self,
         params: Any,
-        lr: float | Tensor = 1e-3,
-        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
-        eps: float | Tensor = 1e-8,
-        weight_decay: float | Tensor = 1e-2,
+        lr: PerMember = 1e-3,
+        betas: tuple[PerMember, PerMember] = (0.9, 0.999),
+        eps: PerMember = 1e-8,
+        weight_decay: PerMember = 1e-2,
         amsgrad: bool = False,
         *,
-        maximize: bool | Tensor = False,
+        maximize: PerMemberFlag = False,
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,

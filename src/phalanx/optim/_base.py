@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeAlias, overload
+from typing import Any, Literal, TypeAlias, overload
 
 import torch
 from torch import Tensor
@@ -21,11 +21,17 @@ from phalanx._warnings import warn
 
 from ._surgery import MemberSurgery
 
-__all__ = ["MemberOptimizer", "NonFiniteWarning"]
+__all__ = ["MemberOptimizer", "NonFiniteWarning", "PerMember", "PerMemberFlag"]
 
 # A hyperparameter as the update rules see it: a Python number shared by all members, or
 # one tensor per stacked tensor, shaped (N, 1, ..., 1) in that tensor's dtype.
 Hyper: TypeAlias = float | list[Tensor]
+
+#: A hyperparameter as a user passes it: one number for all members, or one per member (an
+#: (N,) tensor, a list or tuple of N numbers, a numpy array).
+PerMember: TypeAlias = float | Tensor | Sequence[float]
+#: A flag as a user passes it: one bool for all members, or an (N,) bool tensor.
+PerMemberFlag: TypeAlias = bool | Tensor | Sequence[bool]
 
 _EXPECTED = {"nonneg": ">= 0", "unit": "in [0, 1)", "bool": "a bool"}
 
@@ -640,7 +646,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             state.update(self.init_state(group, p))
             counts = self.__dict__.get("_counts")
             if isinstance(counts, dict):
-                counts[id(p)] = (0, id(state["step"]), state["step"]._version)
+                counts[id(p)] = (0, id(state["step"]), compat.version(state["step"]))
         return state
 
     def member_hyperparameters(
@@ -754,9 +760,12 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     def _counted(self, counts: dict[int, tuple[int, int, int]], p: Tensor) -> bool:
         """Whether the host's count of ``p`` is its state's (nothing wrote it since)."""
         entry, step = counts.get(id(p)), self.state[p].get("step")
-        return entry is not None and entry[1:] == (id(step), getattr(step, "_version", -1))
+        return entry is not None and entry[1:] == (
+            id(step),
+            compat.version(step) if step is not None else -1,
+        )
 
-    def _read_counts(self) -> dict[int, tuple[int, int, int]] | bool:
+    def _read_counts(self) -> dict[int, tuple[int, int, int]] | Literal[False]:
         """The counts read from the state (one host sync, once after a load or surgery)."""
         steps = {
             id(p): s["step"]
@@ -772,7 +781,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         if any(low != high for low, high in low_high):
             return False
         return {
-            k: (int(low), id(s), s._version)
+            k: (int(low), id(s), compat.version(s))
             for (k, s), (low, _) in zip(steps.items(), low_high, strict=True)
         }
 
@@ -785,7 +794,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             for p in params:
                 step = self.state[p]["step"]
                 if id(p) in counts:
-                    counts[id(p)] = (counts[id(p)][0] + 1, id(step), step._version)
+                    counts[id(p)] = (counts[id(p)][0] + 1, id(step), compat.version(step))
 
     def _forget_counts(self) -> None:
         """The state's counts were written from outside a step (a load, member surgery)."""
@@ -1019,7 +1028,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         names), read from the device once and kept until an entry of the group changes (a
         scheduler's write, a tensor written in place): a steady step reads nothing."""
         stamp = tuple(
-            (k, id(v), v._version if isinstance(v, Tensor) else v)
+            (k, id(v), compat.version(v) if isinstance(v, Tensor) else v)
             for k, v in group.items()
             if k != "params"
         )

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, maximized, per_member, resolve_mode
+from ._base import MemberOptimizer, PerMember, PerMemberFlag, maximized, per_member, resolve_mode
 
 __all__ = ["Lion"]
 
@@ -60,11 +60,11 @@ class Lion(MemberOptimizer):
     def __init__(
         self,
         params: Any,
-        lr: float | Tensor = 1e-4,
-        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.99),
-        weight_decay: float | Tensor = 0.0,
+        lr: PerMember = 1e-4,
+        betas: tuple[PerMember, PerMember] = (0.9, 0.99),
+        weight_decay: PerMember = 0.0,
         *,
-        maximize: bool | Tensor = False,
+        maximize: PerMemberFlag = False,
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,

@@ -9,7 +9,15 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, math_dtype, maximized, per_member, resolve_mode
+from ._base import (
+    MemberOptimizer,
+    PerMember,
+    PerMemberFlag,
+    math_dtype,
+    maximized,
+    per_member,
+    resolve_mode,
+)
 
 __all__ = ["SGD"]
 
@@ -59,13 +67,13 @@ class SGD(MemberOptimizer):
     def __init__(
         self,
         params: Any,
-        lr: float | Tensor = 1e-3,
-        momentum: float | Tensor = 0.0,
-        dampening: float | Tensor = 0.0,
-        weight_decay: float | Tensor = 0.0,
-        nesterov: bool | Tensor = False,
+        lr: PerMember = 1e-3,
+        momentum: PerMember = 0.0,
+        dampening: PerMember = 0.0,
+        weight_decay: PerMember = 0.0,
+        nesterov: PerMemberFlag = False,
         *,
-        maximize: bool | Tensor = False,
+        maximize: PerMemberFlag = False,
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
