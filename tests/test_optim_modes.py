@@ -154,3 +154,22 @@ def test_mode_keyword_is_checked() -> None:
         phalanx.optim.Lion(w, mode="fused")
     assert phalanx.optim.AdamW(w, fused=True).mode == "fused"
     assert phalanx.optim.AdamW(w).mode == "fast"
+
+
+def test_group_lr_is_a_true_rate_for_tools_that_log_it() -> None:
+    """group["lr"] is the largest member's rate (the one all members share, if they do), so a
+    tool that logs param_groups[i]["lr"] (Lightning's LearningRateMonitor) logs a true rate;
+    schedulers still scale every member by one factor."""
+    w = [nn.Parameter(torch.zeros(3, 2))]
+    opt = phalanx.optim.Adam(w, lr=[1e-3, 1e-2, 1e-4])
+    group = opt.param_groups[0]
+    assert group["lr"] == 1e-2 and "lr: 0.01" in repr(opt)
+    assert opt.hyperparameters()["lr"].tolist() == [1e-3, 1e-2, 1e-4]  # exactly, no rounding
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    w[0].grad = torch.ones_like(w[0])
+    opt.step()
+    sched.step()
+    assert group["lr"] == 5e-3
+    assert opt.hyperparameters()["lr"].tolist() == [5e-4, 5e-3, 5e-5]
+    assert phalanx.optim.SGD(w, lr=[0.1, 0.1, 0.1]).param_groups[0]["lr"] == 0.1
+    assert phalanx.optim.SGD(w, lr=torch.zeros(3)).param_groups[0]["lr"] == 1.0  # all 0: 1.0

@@ -19,7 +19,7 @@ from torch import Tensor
 from phalanx import _torch_compat as compat
 from phalanx._warnings import warn
 
-from ._surgery import MemberSurgery
+from ._surgery import MemberSurgery, lr_factor
 
 __all__ = ["MemberOptimizer", "NonFiniteWarning", "PerMember", "PerMemberFlag"]
 
@@ -213,11 +213,19 @@ def isolate(
     return considered & finite, skipped, newly_frozen
 
 
+def _refer(group: dict[str, Any], largest: float) -> None:
+    """Makes ``group["lr"]`` the largest member's rate (a true rate for tools that log it)."""
+    reference = largest if largest > 0 else 1.0
+    dict.__setitem__(group, "lr", reference)
+    dict.__setitem__(group, "lr_reference", reference)
+
+
 class _Group(dict[str, Any]):
     """A param group that refuses a torch LR scheduler whose values are rates, not factors.
 
-    With per-member learning rates ``group["lr"]`` is a factor (1.0 at the start) on each
-    member's rate, which is what StepLR, ExponentialLR, LambdaLR and the like compute. A
+    With per-member learning rates ``group["lr"] / group["lr_reference"]`` is a factor (1.0 at
+    the start) on each member's rate, which is what StepLR, ExponentialLR, LambdaLR and the
+    like compute. A
     scheduler with an absolute rate in it (CosineAnnealingLR's eta_min, OneCycleLR's max_lr,
     ...) would give member i that rate times its own: refused at its first write, which for
     most schedulers is in their constructor, before the write lands.
@@ -249,9 +257,9 @@ def _refuse_absolute_scheduler(group: dict[str, Any]) -> None:
                     group.pop("initial_lr", None)
                 raise ValueError(
                     f"{type(owner).__module__}.{name}(): this phalanx optimizer has per-member "
-                    f"learning rates, so group['lr'] is a factor on each member's rate (1.0 at "
-                    f"the start), and {why} is a rate, not a factor: member i would get it "
-                    f"times its own rate. Use phalanx.optim.MemberScheduler(opt, lambda o: "
+                    f"learning rates, so group['lr'] / group['lr_reference'] is a factor on "
+                    f"each member's rate (1.0 at the start), and {why} is a rate, not a factor: "
+                    f"member i would get it times its own rate over the reference. Use phalanx.optim.MemberScheduler(opt, lambda o: "
                     f"{type(owner).__module__}.{name}(o, ...)), which runs the scheduler for "
                     f"each member exactly as torch does for that member alone. Schedulers of "
                     f"factors (StepLR, ExponentialLR, LambdaLR, eta_min=0, ...) work as they are."
@@ -293,11 +301,15 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     skips members whose loss or gradients are not finite, and runs the rule on cache-sized
     blocks of the stacked tensors (see docs/ARCHITECTURE.md, "Adding an optimizer").
 
-    Learning rates: ``group["lr"]`` is always a number, so that torch LR schedulers, which
-    multiply it or ``fill_`` it, work unchanged. A per-member learning rate passed as an (N,)
-    tensor is kept in ``group["member_lr"]`` and ``group["lr"]`` starts at 1.0: member i's rate is
-    ``group["lr"] * group["member_lr"][i]``. A torch scheduler therefore scales every member's
-    rate by one factor; ``phalanx.optim.MemberLambdaLR``, or a write to ``group["member_lr"]``,
+    Learning rates: ``group["lr"]`` is always a number, a true rate, so that torch LR schedulers
+    (which multiply it or ``fill_`` it) and tools that log it (Lightning's LearningRateMonitor,
+    the Trainer) work unchanged. A per-member learning rate passed as (N,) values is kept in
+    ``group["member_lr"]``; ``group["lr"]`` starts at the largest member's rate and
+    ``group["lr_reference"]`` keeps that start: member i's rate is
+    ``group["member_lr"][i] * group["lr"] / group["lr_reference"]`` (``member_lr[i]`` itself,
+    exactly, until a scheduler moves ``group["lr"]``), so ``group["lr"]`` is the rate of the
+    member that started largest (1.0 if every rate is 0). A torch scheduler therefore scales
+    every member's rate by one factor; ``phalanx.optim.MemberLambdaLR``, or a write to ``group["member_lr"]``,
     schedules members separately.
 
     Member surgery, between steps (see ``phalanx.population``): ``copy_members(source, target)``
@@ -403,6 +415,8 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         group.setdefault("member_lr", None)
         if group["member_lr"] is not None:
             group["member_lr"] = self._check_hyper(group["member_lr"], "lr", "nonneg")
+            if "lr_reference" not in group:  # a new group, not one loaded
+                _refer(group, float(torch.as_tensor(group["member_lr"]).max()))
         group["lr"] = self._check_hyper(group["lr"], "lr", "nonneg")
         for name, kind in self._HYPER:
             value = group[name]
@@ -497,7 +511,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         lr = self._values(group["lr"], device)
         if group["member_lr"] is None:
             return lr
-        return self._values(group["member_lr"], device) * lr
+        return self._values(group["member_lr"], device) * lr_factor(group)
 
     # ----------------------------------------------------------------------------------------
     # The update-rule protocol: what a subclass defines, and what the eager step and
