@@ -173,3 +173,24 @@ def test_group_lr_is_a_true_rate_for_tools_that_log_it() -> None:
     assert opt.hyperparameters()["lr"].tolist() == [5e-4, 5e-3, 5e-5]
     assert phalanx.optim.SGD(w, lr=[0.1, 0.1, 0.1]).param_groups[0]["lr"] == 0.1
     assert phalanx.optim.SGD(w, lr=torch.zeros(3)).param_groups[0]["lr"] == 1.0  # all 0: 1.0
+
+
+def test_a_checkpoint_keeps_the_factor_so_ranks_with_other_members_save_alike() -> None:
+    """Saved, a per-member group's lr is the factor on the members' rates (1.0, then what a
+    scheduler made it): the same on two ranks holding different members; loaded, group["lr"]
+    is a true rate again, and every member's rate is as it was."""
+    w1, w2 = [nn.Parameter(torch.zeros(2, 3))], [nn.Parameter(torch.zeros(2, 3))]
+    a = phalanx.optim.SGD(w1, lr=[0.1, 0.2])
+    b = phalanx.optim.SGD(w2, lr=[0.3, 0.4])
+    for opt, w in ((a, w1), (b, w2)):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        w[0].grad = torch.zeros_like(w[0])
+        opt.step()
+        sched.step()
+    saved = [o.state_dict()["param_groups"][0] for o in (a, b)]
+    assert saved[0]["lr"] == saved[1]["lr"] == 0.5 and saved[0]["initial_lr"] == 1.0
+    assert "lr_reference" not in saved[0]
+    fresh = phalanx.optim.SGD(w1, lr=[0.1, 0.2])
+    fresh.load_state_dict(copy.deepcopy(a.state_dict()))
+    assert fresh.param_groups[0]["lr"] == pytest.approx(0.1)
+    torch.testing.assert_close(fresh.hyperparameters()["lr"], a.hyperparameters()["lr"])

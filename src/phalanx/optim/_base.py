@@ -415,8 +415,8 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         group.setdefault("member_lr", None)
         if group["member_lr"] is not None:
             group["member_lr"] = self._check_hyper(group["member_lr"], "lr", "nonneg")
-            if "lr_reference" not in group:  # a new group, not one loaded
-                _refer(group, float(torch.as_tensor(group["member_lr"]).max()))
+            _refer(group, float(torch.as_tensor(group["member_lr"]).max()))
+        group.setdefault("lr_reference", None)
         group["lr"] = self._check_hyper(group["lr"], "lr", "nonneg")
         for name, kind in self._HYPER:
             value = group[name]
@@ -1102,8 +1102,18 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     # State
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus the isolation counters under "members"."""
+        """torch's optimizer state dict plus the isolation counters under "members".
+
+        A per-member group is saved with ``lr`` as the factor on the members' rates
+        (``lr / lr_reference``, 1.0 until a scheduler moves it): the same on every rank of a
+        sharded run, whose ranks hold different members (and so different largest rates)."""
         out = super().state_dict()
+        for group in out["param_groups"]:
+            reference = group.pop("lr_reference", None)
+            if group.get("member_lr") is not None and reference is not None:
+                group["lr"] = float(group["lr"]) / reference
+                if "initial_lr" in group:
+                    group["initial_lr"] = float(group["initial_lr"]) / reference
         out["members"] = {
             "last_skipped": self.last_skipped.clone(),
             "bad_steps": self.bad_steps.clone(),
@@ -1117,6 +1127,15 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         members = state_dict.pop("members", None)
         super().load_state_dict(state_dict)
         self.param_groups = [_Group(group) for group in self.param_groups]
+        for group in self.param_groups:  # the saved factor back on the largest member's rate
+            if group.get("member_lr") is not None and "lr_reference" not in group:
+                factor, initial = float(group["lr"]), group.get("initial_lr")
+                _refer(group, float(torch.as_tensor(group["member_lr"]).max()))
+                reference = group["lr_reference"]
+                dict.__setitem__(group, "lr", factor * reference)
+                if initial is not None:
+                    dict.__setitem__(group, "initial_lr", float(initial) * reference)
+            group.setdefault("lr_reference", None)
         for group in self.param_groups:
             _hypers_to(group, group["params"][0].device)
         for p, state in self.state.items():

@@ -24,7 +24,7 @@ __all__ = ["MemberSurgery"]
 def lr_factor(group: dict[str, Any]) -> float:
     """The factor a torch scheduler put on every member's rate in a per-member group:
     ``group["lr"] / group["lr_reference"]``, exactly 1.0 until a scheduler moves ``lr``."""
-    return float(group["lr"]) / float(group.get("lr_reference", 1.0))
+    return float(group["lr"]) / float(group.get("lr_reference") or 1.0)
 
 
 def _hyper_slots(group: dict[str, Any], names: Iterable[str]) -> list[tuple[str, int | None]]:

@@ -188,7 +188,7 @@ class PBT:
                 )
             check_mutation(name, mutation, where)
         if "lr" in mutations and any(
-            g["member_lr"] is not None and g["lr"] != g.get("lr_reference", 1.0)
+            g["member_lr"] is not None and g["lr"] != (g.get("lr_reference") or 1.0)
             for g in optimizer.param_groups
         ):
             raise ValueError(
