@@ -194,3 +194,24 @@ def test_a_checkpoint_keeps_the_factor_so_ranks_with_other_members_save_alike() 
     fresh.load_state_dict(copy.deepcopy(a.state_dict()))
     assert fresh.param_groups[0]["lr"] == pytest.approx(0.1)
     torch.testing.assert_close(fresh.hyperparameters()["lr"], a.hyperparameters()["lr"])
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "kernel"),
+    [
+        ("Adam", {}, True),
+        ("AdamW", {"weight_decay": 0.1}, True),
+        ("Adam", {"weight_decay": 0.1}, False),  # coupled decay reads the parameter: blocked
+        ("SGD", {"momentum": 0.9}, False),
+    ],
+)
+def test_per_member_rates_take_the_fused_kernel_where_the_step_is_linear_in_lr(
+    cls, kwargs, kernel
+) -> None:
+    p = nn.Parameter(torch.randn(N, 4, 3))
+    opt = getattr(phalanx.optim, cls)([p], lr=RATES.clone(), **kwargs)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        with KernelSpy() as spy:
+            opt.step()
+        assert (spy.calls > 0) == kernel

@@ -13,6 +13,7 @@ from ._base import (
     MemberOptimizer,
     PerMember,
     PerMemberFlag,
+    _inplace_blocks,
     math_dtype,
     maximized,
     per_member,
@@ -319,21 +320,59 @@ class Adam(MemberOptimizer):
         steps = [s["step"] for s in states]
         compat.foreach_add_(steps, 1)
         betas = group["betas"]
-        kernel(
-            params,
-            grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
-            [s[0] for s in steps],  # member 0's count is every member's (float32, as torch's)
-            amsgrad=bool(group["amsgrad"]),
-            lr=float(group["lr"]),
-            beta1=float(betas[0]),
-            beta2=float(betas[1]),
-            weight_decay=float(group["weight_decay"]),
-            eps=float(group["eps"]),
-            maximize=bool(group["maximize"]),
-        )
+
+        def run(ts: dict[str, list[Tensor]], count: list[Tensor], lr: float, wd: float) -> None:
+            kernel(
+                ts["param"],
+                ts["grad"],
+                ts["exp_avg"],
+                ts["exp_avg_sq"],
+                ts["max_exp_avg_sq"] if group["amsgrad"] else [],
+                count,
+                amsgrad=bool(group["amsgrad"]),
+                lr=lr,
+                beta1=float(betas[0]),
+                beta2=float(betas[1]),
+                weight_decay=wd,
+                eps=float(group["eps"]),
+                maximize=bool(group["maximize"]),
+            )
+
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        counts = [s[0] for s in steps]  # member 0's count is every member's (float32, as torch's)
+        if group["member_lr"] is None:
+            whole = {"param": params, "grad": grads, **{k: [s[k] for s in states] for k in keys}}
+            run(whole, counts, float(group["lr"]), float(group["weight_decay"]))
+            return
+        # Per-member rates: the step is linear in lr once the moments are updated, so the
+        # kernel runs with lr 1 on a zeroed scratch block (it writes -update there and the
+        # moments in place) and each member's rate scales it into the parameter: one more
+        # pass, float rounding of torch's arithmetic. AdamW's decay (1 - lr * wd) is applied
+        # first, per member, as torch applies it. Blocks as the blocked arithmetic's.
+        rates = self.member_rates(group, params[0].device)
+        wd = float(group["weight_decay"])
+        block = self.block_size(params[0].device)
+        for p, g, state, count in zip(params, grads, states, counts, strict=True):
+            n = p.shape[0]
+            m = p.numel() // max(n, 1)
+            rate = rates[p.dtype].view(-1, 1)
+            flat = {"param": p.view(n, m), "grad": g.reshape(n, m)}
+            flat.update({k: state[k].view(n, m) for k in keys})
+            size = max(1, n * m) if block is None else block
+            (scratch,) = self._scratch(p, 1, min(size, max(1, n * m)))
+            if self._DECOUPLED and wd != 0:
+                flat["param"].mul_(1 - rate * wd)
+            for r0, r1, c0, c1 in _inplace_blocks(n, m, size):
+                views = {k: [t[r0:r1, c0:c1]] for k, t in flat.items()}
+                direction = scratch[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0).zero_()
+                target, views["param"] = views["param"][0], [direction]
+                run(views, [count], 1.0, 0.0)
+                target.addcmul_(direction, rate[r0:r1])
+
+    def fast_takes(self, group: dict[str, Any]) -> bool:
+        """Per-member rates too, except with Adam's weight decay (added to the gradient from
+        the parameter, which the kernel does not see when it writes into scratch)."""
+        return group["member_lr"] is None or self._DECOUPLED or group["weight_decay"] == 0
 
     def fused_update(
         self,

@@ -635,6 +635,11 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     #: Whether the rule has a "fast" kernel over whole stacked tensors (``fast_update``).
     FAST = False
 
+    def fast_takes(self, group: dict[str, Any]) -> bool:
+        """Whether ``fast_update`` takes this group's per-member learning rates, if any
+        (every other value must be one number for all members)."""
+        return group["member_lr"] is None
+
     def fast_update(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], counts: list[int]
     ) -> None:
@@ -810,6 +815,14 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                 if id(p) in counts:
                     counts[id(p)] = (counts[id(p)][0] + 1, id(step), compat.version(step))
 
+    def member_rates(
+        self, group: dict[str, Any], device: torch.device
+    ) -> dict[torch.dtype, Tensor]:
+        """A per-member group's (N,) rates, cast once to each of its parameters' dtypes."""
+        rates = self._lr(group, device)
+        assert isinstance(rates, Tensor)
+        return {p.dtype: rates.to(p.dtype) for p in group["params"]}
+
     def _forget_counts(self) -> None:
         """The state's counts were written from outside a step (a load, member surgery)."""
         self.__dict__["_counts"] = None
@@ -818,9 +831,11 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         """Whether ``fast_update`` can take this group now: the rule has it, every
         hyperparameter is one number for all members, and every tensor is contiguous on a
         device torch's fused kernels support, in one floating dtype per parameter."""
-        if not self.FAST or group["member_lr"] is not None:
+        if not self.FAST or not self.fast_takes(group):
             return False
-        for value in group.values():
+        for key, value in group.items():
+            if key == "member_lr":
+                continue
             if isinstance(value, Tensor) or (
                 isinstance(value, tuple) and any(isinstance(v, Tensor) for v in value)
             ):
