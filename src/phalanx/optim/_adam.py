@@ -339,10 +339,10 @@ class Adam(MemberOptimizer):
             )
 
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        counts = [s[0] for s in steps]  # member 0's count is every member's (float32, as torch's)
+        shared = [s[0] for s in steps]  # member 0's count is every member's (float32, as torch's)
         if group["member_lr"] is None:
             whole = {"param": params, "grad": grads, **{k: [s[k] for s in states] for k in keys}}
-            run(whole, counts, float(group["lr"]), float(group["weight_decay"]))
+            run(whole, shared, float(group["lr"]), float(group["weight_decay"]))
             return
         # Per-member rates: the step is linear in lr once the moments are updated, so the
         # kernel runs with lr 1 on a zeroed scratch block (it writes -update there and the
@@ -352,7 +352,7 @@ class Adam(MemberOptimizer):
         rates = self.member_rates(group, params[0].device)
         wd = float(group["weight_decay"])
         block = self.block_size(params[0].device)
-        for p, g, state, count in zip(params, grads, states, counts, strict=True):
+        for p, g, state, count in zip(params, grads, states, shared, strict=True):
             n = p.shape[0]
             m = p.numel() // max(n, 1)
             rate = rates[p.dtype].view(-1, 1)
