@@ -169,8 +169,8 @@ def adam_update_(
 class Adam(MemberOptimizer):
     """Adam over stacked parameters, with every hyperparameter and the step count per member.
 
-    Member i follows exactly the trajectory of ``torch.optim.Adam`` run on member i alone with
-    member i's hyperparameters. Each hyperparameter is a number shared by all members or a
+    Member i follows the trajectory of ``torch.optim.Adam`` run on member i alone with member
+    i's hyperparameters: to float rounding by default, bit for bit with ``mode="torch"``. Each hyperparameter is a number shared by all members or a
     tensor of shape (N,), one value per member. The step count is (N,): a member masked out
     of a step keeps its count, so its bias correction stays its own.
 
@@ -187,13 +187,17 @@ class Adam(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
-        fused: which torch.optim each member equals bit for bit. False (the default):
-            torch.optim.Adam's default single-tensor arithmetic, run on cache-sized blocks of
-            the stacked tensors. True: torch.optim.Adam(fused=True), torch's fused kernel
-            called on the members' views ``p[i]`` (once per set of members that share every
-            hyperparameter value, masked members left out): one pass over memory, at the
-            speed of torch's fused kernel over the loop's tensors. Both hold whatever N,
-            masks and per-member hyperparameters.
+        mode: which bits each member gets. "fast" (the default): the update on member i
+            alone to float rounding (no further from float64 than torch.optim in float32),
+            as torch's fused kernel called once on the whole stacked tensors where members
+            share their values and step counts (and, with per-member rates, scaled per
+            member), else the blocked arithmetic of "torch". "torch": torch.optim.Adam's
+            single-tensor arithmetic on member i alone, bit for bit, on cache-sized blocks of
+            the stacked tensors. "fused": torch.optim.Adam(fused=True) on member i alone, bit
+            for bit: torch's fused kernel on the members' views ``p[i]``, once per set of
+            members that share every value. All hold whatever N, masks and per-member
+            hyperparameters.
+        fused: ``fused=True`` is ``mode="fused"`` (the older keyword).
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members
@@ -408,8 +412,8 @@ class Adam(MemberOptimizer):
 class AdamW(Adam):
     """AdamW (decoupled weight decay) over stacked parameters, every hyperparameter per member.
 
-    Member i follows exactly the trajectory of ``torch.optim.AdamW`` run on member i alone with
-    member i's hyperparameters. Arguments as ``Adam``; ``weight_decay`` defaults to 1e-2 and
+    Member i follows the trajectory of ``torch.optim.AdamW`` run on member i alone with member
+    i's hyperparameters (to float rounding by default, bit for bit with ``mode="torch"``). Arguments as ``Adam``; ``weight_decay`` defaults to 1e-2 and
     multiplies the weights by ``1 - lr * weight_decay`` before the Adam update.
 
     Example:

@@ -43,6 +43,8 @@ class Lion(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
+        mode: "fast" (the default) or "torch": the same blocked arithmetic (torch has no
+            fused Lion kernel), bit for bit the update above on member i alone.
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members

@@ -25,8 +25,8 @@ __all__ = ["SGD"]
 class SGD(MemberOptimizer):
     """SGD over stacked parameters, with every hyperparameter per member.
 
-    Member i follows exactly the trajectory of ``torch.optim.SGD`` run on member i alone with
-    member i's hyperparameters. Each hyperparameter is a number shared by all members or a
+    Member i follows the trajectory of ``torch.optim.SGD`` run on member i alone with member
+    i's hyperparameters: to float rounding by default, bit for bit with ``mode="torch"``. Each hyperparameter is a number shared by all members or a
     tensor of shape (N,), one value per member.
 
     Args:
@@ -41,10 +41,17 @@ class SGD(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
-        fused: which torch.optim each member equals bit for bit. False (the default):
-            torch.optim.SGD's default single-tensor arithmetic, on cache-sized blocks of the
-            stacked tensors. True: torch.optim.SGD(fused=True), torch's fused kernel on the
-            members' views ``p[i]``, once per set of members that share every value.
+        mode: which bits each member gets. "fast" (the default): the update on member i
+            alone to float rounding (no further from float64 than torch.optim in float32),
+            as torch's fused kernel called once on the whole stacked tensors where members
+            share their values and step counts (and, with per-member rates, scaled per
+            member), else the blocked arithmetic of "torch". "torch": torch.optim.SGD's
+            single-tensor arithmetic on member i alone, bit for bit, on cache-sized blocks of
+            the stacked tensors. "fused": torch.optim.SGD(fused=True) on member i alone, bit
+            for bit: torch's fused kernel on the members' views ``p[i]``, once per set of
+            members that share every value. All hold whatever N, masks and per-member
+            hyperparameters.
+        fused: ``fused=True`` is ``mode="fused"`` (the older keyword).
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(4, 3))  # 4 members
