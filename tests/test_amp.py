@@ -52,7 +52,7 @@ def test_one_member_overflowing_skips_only_its_step_and_scale(kind, backend):
     }
     theirs = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam}
     make, kwargs = ours[kind]
-    opt = make(stack.parameters(), **kwargs)
+    opt = make(stack.parameters(), **kwargs, mode="torch")  # torch.optim's bits per member
     scaler = phalanx.MemberGradScaler(N, device="cpu", **SCALER)
     ref_opts = [theirs[kind](m.parameters(), **kwargs) for m in alone]
     ref_scalers = [torch.amp.GradScaler("cpu", **SCALER) for _ in range(N)]

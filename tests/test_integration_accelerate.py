@@ -108,7 +108,7 @@ def test_fp16_scaling_through_the_accelerator_skips_only_the_overflowing_member(
     alone = copy.deepcopy(members)
     accelerator = _with_fp16_scaler(PhalanxAccelerator(cpu=True), **settings)
     stack = phalanx.stack(members, backend="loop")
-    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2, mode="torch")  # torch.optim's bits
     stack, opt = accelerator.prepare(stack, opt)
     assert isinstance(accelerator.scaler, phalanx.MemberGradScaler)
     ref_opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in alone]

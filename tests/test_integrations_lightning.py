@@ -184,6 +184,11 @@ class Scored(Ensemble):
     def on_train_epoch_start(self):
         self.snapshots.append({k: v.clone() for k, v in self.stack.state_dict().items()})
 
+    def configure_optimizers(self):
+        # the masked run against the free one bit for bit: mode="torch"'s promise (the
+        # default's, float rounding, lets a mask move the others off torch's fused kernel)
+        return phalanx.optim.Adam(self.stack.parameters(), lr=list(self.hparams.lrs), mode="torch")
+
 
 def test_member_early_stopping_masks_the_member_and_leaves_the_others_bit_for_bit(tmp_path):
     dl = DataLoader(data(), batch_size=32)

@@ -72,8 +72,8 @@ def test_in_place_rule_is_the_pure_rule_bit_for_bit(config, block, masks) -> Non
     g = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(N, *s, generator=g)) for s in SHAPES]
     twins = [nn.Parameter(p.detach().clone()) for p in params]
-    fast = getattr(phalanx.optim, cls)(params, **copy.deepcopy(kwargs))
-    pure = getattr(phalanx.optim, cls)(twins, **copy.deepcopy(kwargs))
+    fast = getattr(phalanx.optim, cls)(params, **copy.deepcopy(kwargs), mode="torch")
+    pure = getattr(phalanx.optim, cls)(twins, **copy.deepcopy(kwargs), mode="torch")
     assert fast.INPLACE
     pure.INPLACE = False  # the blocked pure rule, as before update_ existed
     fast.BLOCK = pure.BLOCK = block
@@ -94,15 +94,16 @@ def test_in_place_step_allocates_no_block_sized_temporaries() -> None:
     """The scratch buffers are made once and reused: a second step allocates none of them."""
     p = nn.Parameter(torch.randn(4, 300))
     p.grad = torch.randn(4, 300)
-    opt = phalanx.optim.Adam([p], lr=1e-2)
+    opt = phalanx.optim.Adam([p], lr=1e-2, mode="torch")
     opt.step()
-    first = [t.data_ptr() for t in opt._scratch(p)]
+    first = [t.data_ptr() for t in opt._scratch(p, 2, opt.BLOCK)]
+    opt.step(mask=torch.tensor([True, False, True, True]))  # a mask keeps rows in more scratch
     opt.step()
-    assert [t.data_ptr() for t in opt._scratch(p)] == first
+    assert [t.data_ptr() for t in opt._scratch(p, 2, opt.BLOCK)] == first
     assert "_scratch_buffers" not in opt.state_dict()
     # A copy of the optimizer (checkpoint, deepcopy) does not share the scratch of the original.
     twin = copy.deepcopy(opt)
-    assert [t.data_ptr() for t in twin._scratch(p)] != first
+    assert [t.data_ptr() for t in twin._scratch(p, 2, opt.BLOCK)] != first
 
 
 def test_strided_parameter_takes_the_pure_rule_and_keeps_torchs_bits() -> None:
@@ -135,7 +136,7 @@ def test_member_bits_hold_on_two_threads(threads: int) -> None:
         g = torch.Generator().manual_seed(1)
         p = nn.Parameter(torch.randn(n, *shape, generator=g))
         refs = [nn.Parameter(p[i].detach().clone()) for i in range(n)]
-        opt = phalanx.optim.Adam([p], lr=1e-2, weight_decay=0.01)
+        opt = phalanx.optim.Adam([p], lr=1e-2, weight_decay=0.01, mode="torch")
         ref_opts = [torch.optim.Adam([r], lr=1e-2, weight_decay=0.01) for r in refs]
         for _ in range(2):
             grad = torch.randn(n, *shape, generator=g)

@@ -111,7 +111,7 @@ def test_a_scheduler_of_rates_on_per_member_lrs_is_refused_changing_nothing(name
     opt = phalanx.optim.SGD([w], lr=lrs, momentum=0.9)
     with pytest.raises(ValueError, match=rf"{what}.* is a rate, not a factor.*MemberScheduler"):
         make(opt)
-    assert opt.param_groups[0]["lr"] == 1.0 and torch.equal(opt.hyperparameters()["lr"], lrs)
+    assert opt.param_groups[0]["lr"] == 1e-2 and torch.equal(opt.hyperparameters()["lr"], lrs)
     assert float(opt.hyperparameters()["momentum"][0]) == 0.9
 
 
@@ -127,7 +127,7 @@ def test_reduce_on_plateau_with_rates_is_refused_before_its_first_reduction(kwar
     plateau.step(1.0)
     with pytest.raises(ValueError, match=rf"ReduceLROnPlateau\(\): .*{what}.* is a rate"):
         plateau.step(2.0)
-    assert opt.param_groups[0]["lr"] == 1.0
+    assert opt.param_groups[0]["lr"] == 1e-2  # the largest member's rate, unchanged
 
 
 FACTORS = {

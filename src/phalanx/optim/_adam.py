@@ -9,7 +9,17 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, maximized, per_member, powers
+from ._base import (
+    MemberOptimizer,
+    PerMember,
+    PerMemberFlag,
+    _inplace_blocks,
+    math_dtype,
+    maximized,
+    per_member,
+    powers,
+    resolve_mode,
+)
 
 __all__ = ["Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
 
@@ -99,13 +109,17 @@ def adam_values(h: dict[str, Any], step: Tensor, *, decoupled: bool) -> dict[str
     v["keep2"] = 1 - h["beta2"]
     # Bias corrections per member, in float64 as torch's Python floats: a member's count is
     # its own, and a parameter without a gradient in some steps has its own count, as in torch.
+    step = step.to(math_dtype(step.device))  # float32 counts (fused kernels') in float64
     bias_correction1 = 1 - powers(h["beta1"], step)
     bias_correction2 = 1 - powers(h["beta2"], step)
     v["bias_correction2_sqrt"] = bias_correction2.sqrt()
     # lr / bias_correction1 as a tensor division: a Python float over a tensor is
     # torch's __rtruediv__, reciprocal(tensor) * float, which rounds differently from
     # torch.optim's float division (and from the per-member path's tensor division).
-    lr_t = torch.as_tensor(lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
+    if isinstance(lr, Tensor):
+        lr_t = lr.to(bias_correction1.dtype)
+    else:  # a fill, not a blocking host->device copy of a Python number
+        lr_t = torch.full((), lr, dtype=bias_correction1.dtype, device=bias_correction1.device)
     v["step_size"] = -(lr_t / bias_correction1)
     return v
 
@@ -155,8 +169,8 @@ def adam_update_(
 class Adam(MemberOptimizer):
     """Adam over stacked parameters, with every hyperparameter and the step count per member.
 
-    Member i follows exactly the trajectory of ``torch.optim.Adam`` run on member i alone with
-    member i's hyperparameters. Each hyperparameter is a number shared by all members or a
+    Member i follows the trajectory of ``torch.optim.Adam`` run on member i alone with member
+    i's hyperparameters: to float rounding by default, bit for bit with ``mode="torch"``. Each hyperparameter is a number shared by all members or a
     tensor of shape (N,), one value per member. The step count is (N,): a member masked out
     of a step keeps its count, so its bias correction stays its own.
 
@@ -173,13 +187,17 @@ class Adam(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
-        fused: which torch.optim each member equals bit for bit. False (the default):
-            torch.optim.Adam's default single-tensor arithmetic, run on cache-sized blocks of
-            the stacked tensors. True: torch.optim.Adam(fused=True), torch's fused kernel
-            called on the members' views ``p[i]`` (once per set of members that share every
-            hyperparameter value, masked members left out): one pass over memory, at the
-            speed of torch's fused kernel over the loop's tensors. Both hold whatever N,
-            masks and per-member hyperparameters.
+        mode: which bits each member gets. "fast" (the default): the update on member i
+            alone to float rounding (no further from float64 than torch.optim in float32),
+            as torch's fused kernel called once on the whole stacked tensors where members
+            share their values and step counts (and, with per-member rates, scaled per
+            member), else the blocked arithmetic of "torch". "torch": torch.optim.Adam's
+            single-tensor arithmetic on member i alone, bit for bit, on cache-sized blocks of
+            the stacked tensors. "fused": torch.optim.Adam(fused=True) on member i alone, bit
+            for bit: torch's fused kernel on the members' views ``p[i]``, once per set of
+            members that share every value. All hold whatever N, masks and per-member
+            hyperparameters.
+        fused: ``fused=True`` is ``mode="fused"`` (the older keyword).
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members
@@ -203,19 +221,20 @@ class Adam(MemberOptimizer):
     def __init__(
         self,
         params: Any,
-        lr: float | Tensor = 1e-3,
-        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
-        eps: float | Tensor = 1e-8,
-        weight_decay: float | Tensor = 0.0,
+        lr: PerMember = 1e-3,
+        betas: tuple[PerMember, PerMember] = (0.9, 0.999),
+        eps: PerMember = 1e-8,
+        weight_decay: PerMember = 0.0,
         amsgrad: bool = False,
         *,
-        maximize: bool | Tensor = False,
+        maximize: PerMemberFlag = False,
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
         fused: bool = False,
+        mode: str | None = None,
     ) -> None:
-        self.fused = bool(fused)
+        chosen = resolve_mode(self._NAME, mode, bool(fused))
         if isinstance(amsgrad, Tensor):
             raise ValueError(
                 f"{self._NAME}(): amsgrad must be one bool for all members; got a tensor."
@@ -234,6 +253,7 @@ class Adam(MemberOptimizer):
             skip_nonfinite=skip_nonfinite,
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
+            mode=chosen,
         )
 
     HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
@@ -292,6 +312,72 @@ class Adam(MemberOptimizer):
             decoupled=options["decoupled"],
         )
 
+    FAST = True
+
+    def fast_update(
+        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], counts: list[int]
+    ) -> None:
+        """torch's fused Adam(W) kernel once on the whole stacked tensors: every member shares
+        the numbers and each parameter's count, so one count per tensor is each member's."""
+        kernel = compat.fused_adamw_ if self._DECOUPLED else compat.fused_adam_
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        compat.foreach_add_(steps, 1)
+        betas = group["betas"]
+
+        def run(ts: dict[str, list[Tensor]], count: list[Tensor], lr: float, wd: float) -> None:
+            kernel(
+                ts["param"],
+                ts["grad"],
+                ts["exp_avg"],
+                ts["exp_avg_sq"],
+                ts["max_exp_avg_sq"] if group["amsgrad"] else [],
+                count,
+                amsgrad=bool(group["amsgrad"]),
+                lr=lr,
+                beta1=float(betas[0]),
+                beta2=float(betas[1]),
+                weight_decay=wd,
+                eps=float(group["eps"]),
+                maximize=bool(group["maximize"]),
+            )
+
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        shared = [s[0] for s in steps]  # member 0's count is every member's (float32, as torch's)
+        if group["member_lr"] is None:
+            whole = {"param": params, "grad": grads, **{k: [s[k] for s in states] for k in keys}}
+            run(whole, shared, float(group["lr"]), float(group["weight_decay"]))
+            return
+        # Per-member rates: the step is linear in lr once the moments are updated, so the
+        # kernel runs with lr 1 on a zeroed scratch block (it writes -update there and the
+        # moments in place) and each member's rate scales it into the parameter: one more
+        # pass, float rounding of torch's arithmetic. AdamW's decay (1 - lr * wd) is applied
+        # first, per member, as torch applies it. Blocks as the blocked arithmetic's.
+        rates = self.member_rates(group, params[0].device)
+        wd = float(group["weight_decay"])
+        block = self.block_size(params[0].device)
+        for p, g, state, count in zip(params, grads, states, shared, strict=True):
+            n = p.shape[0]
+            m = p.numel() // max(n, 1)
+            rate = rates[p.dtype].view(-1, 1)
+            flat = {"param": p.view(n, m), "grad": g.reshape(n, m)}
+            flat.update({k: state[k].view(n, m) for k in keys})
+            size = max(1, n * m) if block is None else block
+            (scratch,) = self._scratch(p, 1, min(size, max(1, n * m)))
+            if self._DECOUPLED and wd != 0:
+                flat["param"].mul_(1 - rate * wd)
+            for r0, r1, c0, c1 in _inplace_blocks(n, m, size):
+                views = {k: [t[r0:r1, c0:c1]] for k, t in flat.items()}
+                direction = scratch[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0).zero_()
+                target, views["param"] = views["param"][0], [direction]
+                run(views, [count], 1.0, 0.0)
+                target.addcmul_(direction, rate[r0:r1])
+
+    def fast_takes(self, group: dict[str, Any]) -> bool:
+        """Per-member rates too, except with Adam's weight decay (added to the gradient from
+        the parameter, which the kernel does not see when it writes into scratch)."""
+        return group["member_lr"] is None or self._DECOUPLED or group["weight_decay"] == 0
+
     def fused_update(
         self,
         group: dict[str, Any],
@@ -326,8 +412,8 @@ class Adam(MemberOptimizer):
 class AdamW(Adam):
     """AdamW (decoupled weight decay) over stacked parameters, every hyperparameter per member.
 
-    Member i follows exactly the trajectory of ``torch.optim.AdamW`` run on member i alone with
-    member i's hyperparameters. Arguments as ``Adam``; ``weight_decay`` defaults to 1e-2 and
+    Member i follows the trajectory of ``torch.optim.AdamW`` run on member i alone with member
+    i's hyperparameters (to float rounding by default, bit for bit with ``mode="torch"``). Arguments as ``Adam``; ``weight_decay`` defaults to 1e-2 and
     multiplies the weights by ``1 - lr * weight_decay`` before the Adam update.
 
     Example:
@@ -345,17 +431,18 @@ class AdamW(Adam):
     def __init__(
         self,
         params: Any,
-        lr: float | Tensor = 1e-3,
-        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
-        eps: float | Tensor = 1e-8,
-        weight_decay: float | Tensor = 1e-2,
+        lr: PerMember = 1e-3,
+        betas: tuple[PerMember, PerMember] = (0.9, 0.999),
+        eps: PerMember = 1e-8,
+        weight_decay: PerMember = 1e-2,
         amsgrad: bool = False,
         *,
-        maximize: bool | Tensor = False,
+        maximize: PerMemberFlag = False,
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
         fused: bool = False,
+        mode: str | None = None,
     ) -> None:
         super().__init__(
             params,
@@ -369,4 +456,5 @@ class AdamW(Adam):
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
             fused=fused,
+            mode=mode,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeAlias, overload
+from typing import Any, Literal, TypeAlias, overload
 
 import torch
 from torch import Tensor
@@ -19,15 +19,48 @@ from torch import Tensor
 from phalanx import _torch_compat as compat
 from phalanx._warnings import FallbackWarning, NonFiniteWarning, warn
 
-from ._surgery import MemberSurgery
+from ._surgery import MemberSurgery, lr_factor
 
-__all__ = ["MemberOptimizer", "NonFiniteWarning"]
+__all__ = ["MemberOptimizer", "NonFiniteWarning", "PerMember", "PerMemberFlag"]
 
 # A hyperparameter as the update rules see it: a Python number shared by all members, or
 # one tensor per stacked tensor, shaped (N, 1, ..., 1) in that tensor's dtype.
 Hyper: TypeAlias = float | list[Tensor]
 
+#: A hyperparameter as a user passes it: one number for all members, or one per member (an
+#: (N,) tensor, a list or tuple of N numbers, a numpy array).
+PerMember: TypeAlias = float | Tensor | Sequence[float]
+#: A flag as a user passes it: one bool for all members, or an (N,) bool tensor.
+PerMemberFlag: TypeAlias = bool | Tensor | Sequence[bool]
+
 _EXPECTED = {"nonneg": ">= 0", "unit": "in [0, 1)", "bool": "a bool"}
+
+#: The optimizer modes: what each member's bits are (docs-incoming/optim.md).
+#: "fast" (the default): equal to float rounding of the float64 update, at torch's fused speed;
+#: "torch": torch.optim's single-tensor arithmetic on member i alone, bit for bit;
+#: "fused": torch.optim's fused=True on member i alone, bit for bit.
+MODES = ("fast", "torch", "fused")
+
+
+def resolve_mode(name: str, mode: str | None, fused: bool, *, kernel: bool = True) -> str:
+    """The mode an optimizer runs in, from its ``mode=`` and the older ``fused=`` keyword."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(
+            f"{name}(): mode={mode!r} is not one of {MODES}: 'fast' (the default, equal to "
+            "float rounding at torch's fused speed), 'torch' (torch.optim's single-tensor "
+            "arithmetic per member, bit for bit) or 'fused' (torch.optim's fused=True per member)."
+        )
+    if fused and mode not in (None, "fused"):
+        raise ValueError(
+            f"{name}(): fused=True asks for mode='fused', but mode={mode!r} was passed; pass one."
+        )
+    chosen = "fused" if fused else (mode or "fast")
+    if chosen == "fused" and not kernel:
+        raise ValueError(
+            f"{name}(): mode='fused' needs torch's fused kernel for this rule, and torch has "
+            "none; use mode='fast' (the default) or mode='torch'."
+        )
+    return chosen
 
 
 def math_dtype(device: torch.device) -> torch.dtype:
@@ -37,6 +70,17 @@ def math_dtype(device: torch.device) -> torch.dtype:
     torch.optim to the last bit; float32 where the device has no float64.
     """
     return torch.float32 if device.type == "mps" else torch.float64
+
+
+def fused_step_dtype() -> torch.dtype:
+    """The dtype of the step counts torch's fused kernels read: float32, as torch.optim keeps
+    them with ``fused=True`` (``torch.optim.optimizer._get_scalar_dtype(is_fused=True)``).
+
+    torch's CUDA kernels read each step through a ``float*`` whatever the tensor's dtype
+    (``ATen/native/cuda/fused_adam_utils.cuh``): a float64 count there reads as 0 (an infinite
+    step size, NaN weights). float32 counts are exact integers up to 2**24 steps.
+    """
+    return torch.float32
 
 
 @overload
@@ -165,11 +209,19 @@ def isolate(
     return considered & finite, skipped, newly_frozen
 
 
+def _refer(group: dict[str, Any], largest: float) -> None:
+    """Makes ``group["lr"]`` the largest member's rate (a true rate for tools that log it)."""
+    reference = largest if largest > 0 else 1.0
+    dict.__setitem__(group, "lr", reference)
+    dict.__setitem__(group, "lr_reference", reference)
+
+
 class _Group(dict[str, Any]):
     """A param group that refuses a torch LR scheduler whose values are rates, not factors.
 
-    With per-member learning rates ``group["lr"]`` is a factor (1.0 at the start) on each
-    member's rate, which is what StepLR, ExponentialLR, LambdaLR and the like compute. A
+    With per-member learning rates ``group["lr"] / group["lr_reference"]`` is a factor (1.0 at
+    the start) on each member's rate, which is what StepLR, ExponentialLR, LambdaLR and the
+    like compute. A
     scheduler with an absolute rate in it (CosineAnnealingLR's eta_min, OneCycleLR's max_lr,
     ...) would give member i that rate times its own: refused at its first write, which for
     most schedulers is in their constructor, before the write lands.
@@ -201,9 +253,9 @@ def _refuse_absolute_scheduler(group: dict[str, Any]) -> None:
                     group.pop("initial_lr", None)
                 raise ValueError(
                     f"{type(owner).__module__}.{name}(): this phalanx optimizer has per-member "
-                    f"learning rates, so group['lr'] is a factor on each member's rate (1.0 at "
-                    f"the start), and {why} is a rate, not a factor: member i would get it "
-                    f"times its own rate. Use phalanx.optim.MemberScheduler(opt, lambda o: "
+                    f"learning rates, so group['lr'] / group['lr_reference'] is a factor on "
+                    f"each member's rate (1.0 at the start), and {why} is a rate, not a factor: "
+                    f"member i would get it times its own rate over the reference. Use phalanx.optim.MemberScheduler(opt, lambda o: "
                     f"{type(owner).__module__}.{name}(o, ...)), which runs the scheduler for "
                     f"each member exactly as torch does for that member alone. Schedulers of "
                     f"factors (StepLR, ExponentialLR, LambdaLR, eta_min=0, ...) work as they are."
@@ -245,11 +297,15 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     skips members whose loss or gradients are not finite, and runs the rule on cache-sized
     blocks of the stacked tensors (see docs/ARCHITECTURE.md, "Adding an optimizer").
 
-    Learning rates: ``group["lr"]`` is always a number, so that torch LR schedulers, which
-    multiply it or ``fill_`` it, work unchanged. A per-member learning rate passed as an (N,)
-    tensor is kept in ``group["member_lr"]`` and ``group["lr"]`` starts at 1.0: member i's rate is
-    ``group["lr"] * group["member_lr"][i]``. A torch scheduler therefore scales every member's
-    rate by one factor; ``phalanx.optim.MemberLambdaLR``, or a write to ``group["member_lr"]``,
+    Learning rates: ``group["lr"]`` is always a number, a true rate, so that torch LR schedulers
+    (which multiply it or ``fill_`` it) and tools that log it (Lightning's LearningRateMonitor,
+    the Trainer) work unchanged. A per-member learning rate passed as (N,) values is kept in
+    ``group["member_lr"]``; ``group["lr"]`` starts at the largest member's rate and
+    ``group["lr_reference"]`` keeps that start: member i's rate is
+    ``group["member_lr"][i] * group["lr"] / group["lr_reference"]`` (``member_lr[i]`` itself,
+    exactly, until a scheduler moves ``group["lr"]``), so ``group["lr"]`` is the rate of the
+    member that started largest (1.0 if every rate is 0). A torch scheduler therefore scales
+    every member's rate by one factor; ``phalanx.optim.MemberLambdaLR``, or a write to ``group["member_lr"]``,
     schedules members separately.
 
     Member surgery, between steps (see ``phalanx.population``): ``copy_members(source, target)``
@@ -277,7 +333,10 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
+        mode: str = "fast",
     ) -> None:
+        self.mode = mode
+        self.fused = mode == "fused"  # the older keyword, read by the captured step
         if freeze_after is not None and not skip_nonfinite:
             raise ValueError(
                 f"{self._NAME}(): freeze_after={freeze_after} needs skip_nonfinite=True; "
@@ -306,6 +365,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         "skip_nonfinite",
         "freeze_after",
         "warn_skipped",
+        "mode",
         "fused",
         "last_skipped",
         "bad_steps",
@@ -351,6 +411,8 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         group.setdefault("member_lr", None)
         if group["member_lr"] is not None:
             group["member_lr"] = self._check_hyper(group["member_lr"], "lr", "nonneg")
+            _refer(group, float(torch.as_tensor(group["member_lr"]).max()))
+        group.setdefault("lr_reference", None)
         group["lr"] = self._check_hyper(group["lr"], "lr", "nonneg")
         for name, kind in self._HYPER:
             value = group[name]
@@ -445,7 +507,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         lr = self._values(group["lr"], device)
         if group["member_lr"] is None:
             return lr
-        return self._values(group["member_lr"], device) * lr
+        return self._values(group["member_lr"], device) * lr_factor(group)
 
     # ----------------------------------------------------------------------------------------
     # The update-rule protocol: what a subclass defines, and what the eager step and
@@ -553,18 +615,53 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         """
         raise NotImplementedError
 
-    #: Elements of a block of the eager step: a block of each stacked tensor and two scratch
-    #: buffers fit in a core's L2 cache, and the Python cost per block is amortised.
+    #: Elements of a block of the eager step on a CPU: a block of each stacked tensor and two
+    #: scratch buffers fit in a core's L2 cache, and the Python cost per block is amortised.
     BLOCK = 1 << 18
+
+    def block_size(self, device: torch.device) -> int | None:
+        """Elements per block of the eager step on ``device``; None: whole tensors.
+
+        On a CPU, ``BLOCK`` (measured: a block stays in a core's cache). Elsewhere (CUDA) whole
+        tensors: each block costs ~10 kernel launches, and a GPU's cache is no reason to cut
+        a tensor; this choice is unmeasured until a GPU runs it (docs-incoming/optim.md).
+        """
+        return self.BLOCK if device.type == "cpu" else None
+
+    #: Whether the rule has a "fast" kernel over whole stacked tensors (``fast_update``).
+    FAST = False
+
+    def fast_takes(self, group: dict[str, Any]) -> bool:
+        """Whether ``fast_update`` takes this group's per-member learning rates, if any
+        (every other value must be one number for all members)."""
+        return group["member_lr"] is None
+
+    def fast_update(
+        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], counts: list[int]
+    ) -> None:
+        """Optional: the rule on whole stacked tensors with one launch (torch's fused kernel),
+        for a group whose hyperparameters are numbers shared by all members and whose members
+        share each parameter's step count (``counts``, before this step). Increments "step"."""
+        raise NotImplementedError
+
+    def step_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the (N,) step counts kept in the state: float32 where torch's fused
+        kernel reads them (``fused=True``, as torch.optim keeps them), else the math dtype.
+        The arithmetic on them (bias corrections) is always in the math dtype."""
+        kernel = self.mode == "fused" or (self.mode == "fast" and self.FAST)
+        return fused_step_dtype() if kernel else math_dtype(device)
 
     def ensure_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         """``p``'s state, created (step 0, then ``init_state``) on first use."""
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros(
-                self.num_members, dtype=math_dtype(p.device), device=p.device
+                self.num_members, dtype=self.step_dtype(p.device), device=p.device
             )
             state.update(self.init_state(group, p))
+            counts = self.__dict__.get("_counts")
+            if isinstance(counts, dict):
+                counts[id(p)] = (0, id(state["step"]), compat.version(state["step"]))
         return state
 
     def member_hyperparameters(
@@ -637,14 +734,118 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                     raise RuntimeError(f"{self._NAME}.step(): sparse gradients are not supported.")
                 self.ensure_state(group, p)
             grads = [p.grad for p in params]
-            if getattr(self, "fused", False) and self._fused_applies(params, grads):
+            counts = self._shared_counts(params)  # before this step; None: not shared
+            self.__dict__["_step_counts"] = counts  # read by SGD's fused_update
+            if self.mode == "fused" and self._fused_applies(params, grads):
                 self._fused_step(group, params, grads, active)
+            elif (
+                active is None
+                and counts is not None
+                and self.mode == "fast"
+                and self._fast_applies(group, params)
+            ):
+                self.fast_update(group, params, grads, counts)
             elif self.INPLACE:
                 self._inplace_step(group, params, grads, active)
             else:
                 self._blocked_step(group, params, grads, active)
+            self._count(params, active)
         self._drop_unused_rows()
         return result
+
+    # Step counts known on the host: while no mask has split the members, every member of a
+    # parameter has the same count, and the host counts steps as it takes them, so the fast
+    # path knows it may run one kernel with one count, with no read of a device value.
+    # ``_counts``: id(param) -> (its count, id and ``_version`` of its "step" tensor when
+    # counted), so a write from elsewhere (the captured step, surgery, a load, the user) makes
+    # it unknown; False once a mask may have split the members; None (or absent: a copy, a
+    # pickle) when unknown: read once from the state (one host sync).
+
+    def _shared_counts(self, params: list[Tensor]) -> list[int] | None:
+        """The step count of each parameter before this step, where its members share it."""
+        counts = self.__dict__.get("_counts")
+        if counts is False:
+            return None
+        if counts is None or not all(self._counted(counts, p) for p in params):
+            counts = self.__dict__["_counts"] = self._read_counts()
+            if counts is False:
+                return None
+        return [counts[id(p)][0] for p in params]
+
+    def _counted(self, counts: dict[int, tuple[int, int, int]], p: Tensor) -> bool:
+        """Whether the host's count of ``p`` is its state's (nothing wrote it since)."""
+        entry, step = counts.get(id(p)), self.state[p].get("step")
+        return entry is not None and entry[1:] == (
+            id(step),
+            compat.version(step) if step is not None else -1,
+        )
+
+    def _read_counts(self) -> dict[int, tuple[int, int, int]] | Literal[False]:
+        """The counts read from the state (one host sync, once after a load or surgery)."""
+        steps = {
+            id(p): s["step"]
+            for g in self.param_groups
+            for p in g["params"]
+            if isinstance((s := self.state.get(p, {})).get("step"), Tensor)
+        }
+        if not steps:
+            return {}
+        low_high = torch.stack(
+            [torch.stack([s.min(), s.max()]).to(torch.float64) for s in steps.values()]
+        ).tolist()
+        if any(low != high for low, high in low_high):
+            return False
+        return {
+            k: (int(low), id(s), compat.version(s))
+            for (k, s), (low, _) in zip(steps.items(), low_high, strict=True)
+        }
+
+    def _count(self, params: list[Tensor], active: Tensor | None) -> None:
+        """Counts a step of ``params`` on the host (forgets the counts after a masked step)."""
+        counts = self.__dict__.get("_counts")
+        if active is not None:
+            self.__dict__["_counts"] = False
+        elif isinstance(counts, dict):
+            for p in params:
+                step = self.state[p]["step"]
+                if id(p) in counts:
+                    counts[id(p)] = (counts[id(p)][0] + 1, id(step), compat.version(step))
+
+    def member_rates(
+        self, group: dict[str, Any], device: torch.device
+    ) -> dict[torch.dtype, Tensor]:
+        """A per-member group's (N,) rates, cast once to each of its parameters' dtypes."""
+        rates = self._lr(group, device)
+        assert isinstance(rates, Tensor)
+        return {p.dtype: rates.to(p.dtype) for p in group["params"]}
+
+    def _forget_counts(self) -> None:
+        """The state's counts were written from outside a step (a load, member surgery)."""
+        self.__dict__["_counts"] = None
+
+    def _fast_applies(self, group: dict[str, Any], params: list[Tensor]) -> bool:
+        """Whether ``fast_update`` can take this group now: the rule has it, every
+        hyperparameter is one number for all members, and every tensor is contiguous on a
+        device torch's fused kernels support, in one floating dtype per parameter."""
+        if not self.FAST or not self.fast_takes(group):
+            return False
+        for key, value in group.items():
+            if key == "member_lr":
+                continue
+            if isinstance(value, Tensor) or (
+                isinstance(value, tuple) and any(isinstance(v, Tensor) for v in value)
+            ):
+                return False
+        for p in params:
+            if p.device.type not in ("cpu", "cuda") or not p.is_floating_point():
+                return False
+            state = [v for k, v in self.state[p].items() if k != "step"]
+            for t in [p.grad, *state]:
+                if t is None or t.shape != p.shape or t.dtype != p.dtype:
+                    return False
+            if not all(t.is_contiguous() for t in [p, p.grad, *state]):
+                return False
+        return True
 
     def _kept_rows(self, t: Tensor) -> list[Tensor]:
         """The N members' views ``t[i]`` of a stacked tensor that persists across steps (a
@@ -677,17 +878,22 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             self.__dict__["_rows"] = {k: v for k, v in cache.items() if k in used}
         used.clear()
 
-    def _scratch(self, p: Tensor) -> tuple[Tensor, Tensor]:
-        """Two buffers of ``BLOCK`` elements in ``p``'s dtype and device, kept across steps
-        (never part of the state: a state_dict does not hold them)."""
-        cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]]
+    def _scratch(self, p: Tensor, count: int, size: int) -> list[Tensor]:
+        """``count`` buffers of ``size`` elements or more in ``p``'s dtype and device, kept
+        across steps (never part of the state: a state_dict does not hold them)."""
+        cache: dict[tuple[torch.device, torch.dtype], list[Tensor]]
         cache = self.__dict__.setdefault("_scratch_buffers", {})
         key = (p.device, p.dtype)
-        if key not in cache or cache[key][0].numel() < self.BLOCK:
-            cache[key] = tuple(  # type: ignore[assignment]
-                torch.empty(self.BLOCK, dtype=p.dtype, device=p.device) for _ in range(2)
+        kept = cache.setdefault(key, [])
+        if kept and kept[0].numel() < size:
+            kept.clear()  # a larger block: all anew
+        while len(kept) < count:
+            kept.append(
+                torch.empty(
+                    max(size, kept[0].numel() if kept else 0), dtype=p.dtype, device=p.device
+                )
             )
-        return cache[key]
+        return kept[:count]
 
     def _inplace_step(
         self,
@@ -696,17 +902,19 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         grads: list[Tensor],
         active: Tensor | None,
     ) -> None:
-        """``update_`` on blocks of ``BLOCK`` elements of each stacked tensor, in place: the
-        rule's torch operations write into the parameter, its state and two scratch buffers
-        reused across steps, so a step reads and writes each block while it is in cache and
-        allocates nothing the size of a block. A masked member's rows are not visited (their
-        values and counts stay bit for bit). A parameter the rule cannot step in place now (a
-        strided one, SGD before its buffer exists) takes ``_blocked_step``."""
+        """``update_`` on blocks of each stacked tensor (``block_size``), in place: the rule's
+        torch operations write into the parameter, its state and two scratch buffers reused
+        across steps, so a step reads and writes each block while it is in cache and allocates
+        nothing the size of a block. With a mask (a tensor: never read on the host), each
+        block's parameter and state rows are kept in scratch first and put back for the
+        masked members (``torch.where``), so their values and counts stay bit for bit. A
+        parameter the rule cannot step in place now (a strided one, SGD before its buffer
+        exists) takes ``_blocked_step``."""
         device = params[0].device
         h = self.update_hyperparameters(group, device)
         options = self.options(group)
         rule = type(self).update_
-        runs = None if active is None else _runs(active.tolist())
+        block = self.block_size(device)
         rest: tuple[list[Tensor], list[Tensor]] = ([], [])
         for p, g in zip(params, grads, strict=True):
             state = self.state[p]
@@ -715,31 +923,41 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                 rest[0].append(p)
                 rest[1].append(g)
                 continue
-            step = state["step"] + 1
+            step = state["step"].to(math_dtype(p.device)) + 1  # no copy unless float32 counts
             values = self.prepare(h, step, p.dtype, **options)
-            a, b = self._scratch(p)
+            # (N, 1) in p's dtype, cast once for the parameter (as the pure rule's per_member)
+            whole = {
+                k: per_member(x, flat["param"]) if isinstance(x, Tensor) else x
+                for k, x in values.items()
+            }
+            n, m = flat["param"].shape
+            size = max(1, n * m) if block is None else block
+            kept = [k for k in flat if k != "grad"]  # what a masked member keeps
+            a, b, *saved = self._scratch(p, 2 + (len(kept) if active is not None else 0), size)
+            keep = None if active is None else active.to(p.device).view(-1, 1)
             cut: tuple[int, int] | None = None
             v: dict[str, Any] = {}
-            for r0, r1, c0, c1 in _inplace_blocks(
-                p.shape[0], flat["param"].shape[1], runs, self.BLOCK
-            ):
+            for r0, r1, c0, c1 in _inplace_blocks(n, m, size):
                 if cut != (r0, r1):  # one block's members' values, reused by the next block
                     cut = (r0, r1)
-                    v = {  # (rows, 1) in p's dtype, as the pure rule's per_member casts them
-                        k: per_member(x[r0:r1], flat["param"]) if isinstance(x, Tensor) else x
-                        for k, x in values.items()
-                    }
-                size = (r1 - r0) * (c1 - c0)
+                    v = {k: x[r0:r1] if isinstance(x, Tensor) else x for k, x in whole.items()}
                 shape = (r1 - r0, c1 - c0)
+                numel = shape[0] * shape[1]
                 views = {k: t[r0:r1, c0:c1] for k, t in flat.items()}
-                scratch = (a[:size].view(shape), b[:size].view(shape))
+                backup = [buf[:numel].view(shape) for buf in saved]
+                for k, buf in zip(kept, backup, strict=False):
+                    buf.copy_(views[k])
+                scratch = (a[:numel].view(shape), b[:numel].view(shape))
                 pv, gv = views.pop("param"), views.pop("grad")
                 rule(pv, gv, views, v, scratch, **options)
+                if keep is not None:
+                    views["param"] = pv
+                    for k, buf in zip(kept, backup, strict=True):
+                        torch.where(keep[r0:r1], views[k], buf, out=views[k])
             if active is None:
                 state["step"].copy_(step)
             else:
-                keep = active.to(p.device)
-                torch.where(keep, step, state["step"], out=state["step"])
+                state["step"].add_(active.to(p.device))  # + 1 for the members that stepped
         if rest[0]:
             self._blocked_step(group, rest[0], rest[1], active)
 
@@ -759,10 +977,11 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         rule = type(self).update
         for p, g in zip(params, grads, strict=True):
             state = self.state[p]
-            step = state["step"] + 1
+            step = state["step"].to(math_dtype(p.device)) + 1  # no copy unless fused's float32
             keep = None if active is None else active.to(p.device)
             started: dict[str, Tensor] = {}  # state entries the rule starts now (SGD's buffer)
-            for rows, flat, blocks in _blocks(p, g, state, self.BLOCK):
+            block = self.block_size(p.device)
+            for rows, flat, blocks in _blocks(p, g, state, block or max(1, p.numel())):
                 part = {k: v[blocks] for k, v in flat.items() if k not in ("param", "grad")}
                 part["step"] = step[rows]
                 hb = {k: v[rows] if isinstance(v, Tensor) else v for k, v in h.items()}
@@ -781,7 +1000,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
             if keep is None:
                 state["step"].copy_(step)
             else:
-                torch.where(keep, step, state["step"], out=state["step"])
+                state["step"].add_(keep)  # + 1 for the members that stepped
 
     def _fused_applies(self, params: list[Tensor], grads: list[Tensor]) -> bool:
         """Whether torch's fused kernel can run on the members' views: each must be
@@ -814,10 +1033,9 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         own vector body and tail), so member i gets the bits of ``torch.optim`` with
         ``fused=True`` on member i alone, whatever N, and a masked member is left out."""
         device = params[0].device
-        h = self.update_hyperparameters(group, device)
         n = self.num_members
-        columns = {k: v.tolist() if isinstance(v, Tensor) else [v] * n for k, v in h.items()}
-        flags = [True] * n if active is None else active.tolist()
+        columns = self._member_columns(group, device)
+        flags = [True] * n if active is None else active.tolist()  # fused=True's mask: 1 sync
         steps = [self.state[p]["step"] for p in params]
         if active is None:
             compat.foreach_add_(steps, 1)
@@ -827,9 +1045,27 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         sets: dict[tuple, list[int]] = {}
         for i in range(n):
             if flags[i]:
-                sets.setdefault(tuple(columns[k][i] for k in h), []).append(i)
+                sets.setdefault(tuple(column[i] for column in columns.values()), []).append(i)
         for key, members in sets.items():
-            self.fused_update(group, members, params, grads, dict(zip(h, key)))
+            self.fused_update(group, members, params, grads, dict(zip(columns, key)))
+
+    def _member_columns(self, group: dict[str, Any], device: torch.device) -> dict[str, list]:
+        """Each member's hyperparameter values as Python numbers (``update_hyperparameters``'
+        names), read from the device once and kept until an entry of the group changes (a
+        scheduler's write, a tensor written in place): a steady step reads nothing."""
+        stamp = tuple(
+            (k, id(v), compat.version(v) if isinstance(v, Tensor) else v)
+            for k, v in group.items()
+            if k != "params"
+        )
+        kept = self.__dict__.setdefault("_columns", {})
+        entry = kept.get(id(group))
+        if entry is None or entry[0] != stamp:
+            n = self.num_members
+            h = self.update_hyperparameters(group, device)
+            columns = {k: v.tolist() if isinstance(v, Tensor) else [v] * n for k, v in h.items()}
+            entry = kept[id(group)] = (stamp, columns)
+        return entry[1]
 
     def _isolate(
         self, mask: Tensor | None, loss: Tensor | None, device: torch.device
@@ -851,10 +1087,12 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         self.last_skipped = skipped
         if not self.warn_skipped:
             return active  # no host sync: always the masked path
-        if bool(active.all()):
-            return None  # the one host sync of a clean step; take the unmasked path
-        self.warn_if_skipped(skipped, newly_frozen)
-        return active
+        # The one host sync of the step, which the warning needs: whether any member was
+        # skipped, and whether all step (then the step takes the unmasked, fast path).
+        any_skipped, all_active = torch.stack([skipped.any(), active.all()]).tolist()
+        if any_skipped:
+            self.warn_if_skipped(skipped, newly_frozen)
+        return None if all_active else active
 
     def warn_if_skipped(self, skipped: Tensor, newly_frozen: Tensor | None) -> None:
         """Warns which members a step skipped (and froze): the eager and the captured step."""
@@ -876,8 +1114,18 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
     # State
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus the isolation counters under "members"."""
+        """torch's optimizer state dict plus the isolation counters under "members".
+
+        A per-member group is saved with ``lr`` as the factor on the members' rates
+        (``lr / lr_reference``, 1.0 until a scheduler moves it): the same on every rank of a
+        sharded run, whose ranks hold different members (and so different largest rates)."""
         out = super().state_dict()
+        for group in out["param_groups"]:
+            reference = group.pop("lr_reference", None)
+            if group.get("member_lr") is not None and reference is not None:
+                group["lr"] = float(group["lr"]) / reference
+                if "initial_lr" in group:
+                    group["initial_lr"] = float(group["initial_lr"]) / reference
         out["members"] = {
             "last_skipped": self.last_skipped.clone(),
             "bad_steps": self.bad_steps.clone(),
@@ -892,11 +1140,21 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
         _check_state_names(self, state_dict)
         super().load_state_dict(state_dict)
         self.param_groups = [_Group(group) for group in self.param_groups]
+        for group in self.param_groups:  # the saved factor back on the largest member's rate
+            if group.get("member_lr") is not None and "lr_reference" not in group:
+                factor, initial = float(group["lr"]), group.get("initial_lr")
+                _refer(group, float(torch.as_tensor(group["member_lr"]).max()))
+                reference = group["lr_reference"]
+                dict.__setitem__(group, "lr", factor * reference)
+                if initial is not None:
+                    dict.__setitem__(group, "initial_lr", float(initial) * reference)
+            group.setdefault("lr_reference", None)
         for group in self.param_groups:
             _hypers_to(group, group["params"][0].device)
         for p, state in self.state.items():
             if isinstance(state.get("step"), Tensor):
-                state["step"] = state["step"].to(p.device, math_dtype(p.device))
+                state["step"] = state["step"].to(p.device, self.step_dtype(p.device))
+        self._forget_counts()
         if members is not None:
             device = self.frozen.device
             self.last_skipped = members["last_skipped"].to(device, torch.bool)
@@ -987,29 +1245,18 @@ def _flat_views(p: Tensor, g: Tensor, state: dict[str, Any]) -> dict[str, Tensor
     return flat  # type: ignore[return-value]
 
 
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
-    """The (start, stop) row ranges where ``flags`` is True, in order."""
-    runs: list[tuple[int, int]] = []
-    for i, on in enumerate(flags):
-        if on and runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        elif on:
-            runs.append((i, i + 1))
-    return runs
-
-
-def _inplace_blocks(
-    n: int, m: int, runs: list[tuple[int, int]] | None, size: int
-) -> Iterator[tuple[int, int, int, int]]:
+def _inplace_blocks(n: int, m: int, size: int) -> Iterator[tuple[int, int, int, int]]:
     """(row start, row stop, column start, column stop) of the blocks of an (n, m) tensor,
-    ``size`` elements or fewer each, over the row ranges ``runs`` (every row when None): a
-    row longer than ``size`` in column chunks, shorter rows several to a block."""
-    for r0, r1 in runs if runs is not None else [(0, n)]:
-        if m >= size:
-            for i in range(r0, r1):
-                for c in range(0, m, size):
-                    yield i, i + 1, c, min(c + size, m)
-        else:
-            per = max(1, size // max(m, 1))
-            for r in range(r0, r1, per):
-                yield r, min(r + per, r1), 0, m
+    ``size`` elements or fewer each: a row longer than ``size`` in column chunks, shorter rows
+    several to a block (all of them when ``size`` is the tensor's)."""
+    if m >= size and n > 1:
+        for i in range(n):
+            for c in range(0, m, size):
+                yield i, i + 1, c, min(c + size, m)
+    elif m >= size:
+        for c in range(0, m, size):
+            yield 0, 1, c, min(c + size, m)
+    else:
+        per = max(1, size // max(m, 1))
+        for r in range(0, n, per):
+            yield r, min(r + per, n), 0, m

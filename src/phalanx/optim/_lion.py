@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, maximized, per_member
+from ._base import MemberOptimizer, PerMember, PerMemberFlag, maximized, per_member, resolve_mode
 
 __all__ = ["Lion"]
 
@@ -43,6 +43,8 @@ class Lion(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
+        mode: "fast" (the default) or "torch": the same blocked arithmetic (torch has no
+            fused Lion kernel), bit for bit the update above on member i alone.
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members
@@ -60,14 +62,15 @@ class Lion(MemberOptimizer):
     def __init__(
         self,
         params: Any,
-        lr: float | Tensor = 1e-4,
-        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.99),
-        weight_decay: float | Tensor = 0.0,
+        lr: PerMember = 1e-4,
+        betas: tuple[PerMember, PerMember] = (0.9, 0.99),
+        weight_decay: PerMember = 0.0,
         *,
-        maximize: bool | Tensor = False,
+        maximize: PerMemberFlag = False,
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
+        mode: str | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -81,6 +84,7 @@ class Lion(MemberOptimizer):
             skip_nonfinite=skip_nonfinite,
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
+            mode=resolve_mode(self._NAME, mode, False, kernel=False),
         )
 
     def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -9,7 +9,15 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import MemberOptimizer, maximized, per_member
+from ._base import (
+    MemberOptimizer,
+    PerMember,
+    PerMemberFlag,
+    math_dtype,
+    maximized,
+    per_member,
+    resolve_mode,
+)
 
 __all__ = ["SGD"]
 
@@ -17,8 +25,8 @@ __all__ = ["SGD"]
 class SGD(MemberOptimizer):
     """SGD over stacked parameters, with every hyperparameter per member.
 
-    Member i follows exactly the trajectory of ``torch.optim.SGD`` run on member i alone with
-    member i's hyperparameters. Each hyperparameter is a number shared by all members or a
+    Member i follows the trajectory of ``torch.optim.SGD`` run on member i alone with member
+    i's hyperparameters: to float rounding by default, bit for bit with ``mode="torch"``. Each hyperparameter is a number shared by all members or a
     tensor of shape (N,), one value per member.
 
     Args:
@@ -33,10 +41,17 @@ class SGD(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
-        fused: which torch.optim each member equals bit for bit. False (the default):
-            torch.optim.SGD's default single-tensor arithmetic, on cache-sized blocks of the
-            stacked tensors. True: torch.optim.SGD(fused=True), torch's fused kernel on the
-            members' views ``p[i]``, once per set of members that share every value.
+        mode: which bits each member gets. "fast" (the default): the update on member i
+            alone to float rounding (no further from float64 than torch.optim in float32),
+            as torch's fused kernel called once on the whole stacked tensors where members
+            share their values and step counts (and, with per-member rates, scaled per
+            member), else the blocked arithmetic of "torch". "torch": torch.optim.SGD's
+            single-tensor arithmetic on member i alone, bit for bit, on cache-sized blocks of
+            the stacked tensors. "fused": torch.optim.SGD(fused=True) on member i alone, bit
+            for bit: torch's fused kernel on the members' views ``p[i]``, once per set of
+            members that share every value. All hold whatever N, masks and per-member
+            hyperparameters.
+        fused: ``fused=True`` is ``mode="fused"`` (the older keyword).
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(4, 3))  # 4 members
@@ -59,19 +74,20 @@ class SGD(MemberOptimizer):
     def __init__(
         self,
         params: Any,
-        lr: float | Tensor = 1e-3,
-        momentum: float | Tensor = 0.0,
-        dampening: float | Tensor = 0.0,
-        weight_decay: float | Tensor = 0.0,
-        nesterov: bool | Tensor = False,
+        lr: PerMember = 1e-3,
+        momentum: PerMember = 0.0,
+        dampening: PerMember = 0.0,
+        weight_decay: PerMember = 0.0,
+        nesterov: PerMemberFlag = False,
         *,
-        maximize: bool | Tensor = False,
+        maximize: PerMemberFlag = False,
         skip_nonfinite: bool = False,
         freeze_after: int | None = None,
         warn_skipped: bool = True,
         fused: bool = False,
+        mode: str | None = None,
     ) -> None:
-        self.fused = bool(fused)
+        chosen = resolve_mode(self._NAME, mode, bool(fused))
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -86,6 +102,7 @@ class SGD(MemberOptimizer):
             skip_nonfinite=skip_nonfinite,
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
+            mode=chosen,
         )
 
     def _check_group(self, group: dict[str, Any], where: str | None = None) -> None:
@@ -207,6 +224,43 @@ class SGD(MemberOptimizer):
             new["param"] = p.add(g, alpha=-lr)
         return new
 
+    FAST = True
+
+    def fast_update(
+        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], counts: list[int]
+    ) -> None:
+        """torch's fused SGD kernel once (twice if some parameters take their first step) on
+        the whole stacked tensors: every member shares the numbers and each parameter's count."""
+        momentum = float(group["momentum"])
+        calls: dict[bool, tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
+        for p, g, count in zip(params, grads, counts, strict=True):
+            state = self.state[p]
+            first = False
+            if momentum != 0:
+                if "momentum_buffer" not in state:  # momentum set since: starts now, as torch's
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    first = True
+                first = first or count == 0
+            ps, gs, bufs = calls.setdefault(first, ([], [], []))
+            ps.append(p)
+            gs.append(g)
+            if momentum != 0:
+                bufs.append(state["momentum_buffer"])
+        for first, (ps, gs, bufs) in calls.items():
+            compat.fused_sgd_(
+                ps,
+                gs,
+                bufs,
+                weight_decay=float(group["weight_decay"]),
+                momentum=momentum,
+                lr=float(group["lr"]),
+                dampening=float(group["dampening"]),
+                nesterov=bool(group["nesterov"]),
+                maximize=bool(group["maximize"]),
+                is_first_step=first,
+            )
+        compat.foreach_add_([self.state[p]["step"] for p in params], 1)
+
     def fused_update(
         self,
         group: dict[str, Any],
@@ -219,9 +273,12 @@ class SGD(MemberOptimizer):
         # gradient into its buffer. Members (and parameters) split by it.
         momentum = float(values["momentum"])
         calls: dict[bool, tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
-        for p, g in zip(params, grads, strict=True):
+        shared = self.__dict__.get("_step_counts")  # before this step, where members share them
+        if shared is None:  # one host read of every parameter's counts (after this step's)
+            table = torch.stack([self.state[p]["step"] for p in params]).tolist()
+        for j, (p, g) in enumerate(zip(params, grads, strict=True)):
             state = self.state[p]
-            steps = state["step"].tolist()
+            steps = [shared[j] + 1] * self.num_members if shared is not None else table[j]
             if momentum != 0 and "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             p_rows = self._kept_rows(p)
@@ -258,8 +315,12 @@ def sgd_values(h: dict[str, Any], step: Tensor, *, momentum: bool) -> dict[str, 
     if isinstance(h["lr"], Tensor):
         v["lr"] = -h["lr"]
     if momentum:
-        factor = torch.as_tensor(h["momentum"], dtype=step.dtype, device=step.device)
-        keep = 1 - torch.as_tensor(h["dampening"], dtype=step.dtype, device=step.device)
+        factor, keep = h["momentum"], h["dampening"]
+        step = step.to(math_dtype(step.device))  # float32 counts (mode "fast") computed in float64
+        if not isinstance(factor, Tensor):  # a fill, not a blocking host->device copy
+            factor = torch.full((), factor, dtype=step.dtype, device=step.device)
+        keep = 1 - (keep.to(step.dtype) if isinstance(keep, Tensor) else keep)
+        factor = factor.to(step.dtype)
         fresh = (step == 1) | (factor == 0)
         v["momentum"] = factor.expand_as(step)
         v["decay"] = torch.where(fresh, 0.0, factor)

@@ -21,6 +21,12 @@ from phalanx._members import member_index, pairs
 __all__ = ["MemberSurgery"]
 
 
+def lr_factor(group: dict[str, Any]) -> float:
+    """The factor a torch scheduler put on every member's rate in a per-member group:
+    ``group["lr"] / group["lr_reference"]``, exactly 1.0 until a scheduler moves ``lr``."""
+    return float(group["lr"]) / float(group.get("lr_reference") or 1.0)
+
+
 def _hyper_slots(group: dict[str, Any], names: Iterable[str]) -> list[tuple[str, int | None]]:
     """(key, position) of every hyperparameter of a group; position indexes a tuple (betas)."""
     slots: list[tuple[str, int | None]] = [("member_lr", None)]
@@ -88,7 +94,7 @@ class MemberSurgery:
     def hyperparameters(self, group: int = 0) -> dict[str, Tensor | tuple[Tensor, ...]]:
         """Each member's hyperparameters in param group ``group``, as (N,) tensors.
 
-        "lr" is the rate member i steps with, ``group["lr"] * group["member_lr"][i]``; tuples
+        "lr" is the rate member i steps with, ``member_lr[i] * lr / lr_reference``; tuples
         such as Adam's betas come back as tuples of (N,) tensors. Values are copies.
 
         Example:
@@ -108,7 +114,7 @@ class MemberSurgery:
                 return torch.full((n,), value, dtype=torch.bool)
             return torch.full((n,), float(value), dtype=torch.float64)
 
-        lr = full(g["lr"]) if g["member_lr"] is None else full(g["member_lr"]) * float(g["lr"])
+        lr = full(g["lr"]) if g["member_lr"] is None else full(g["member_lr"]) * lr_factor(g)
         out: dict[str, Tensor | tuple[Tensor, ...]] = {"lr": lr}
         for name, _ in self._HYPER:
             value = g[name]
@@ -210,9 +216,10 @@ class MemberSurgery:
                 f"torch LR scheduler; build the optimizer with lr=torch.full((N,), lr) so each "
                 f"member has its own rate (the scheduler then scales all of them)."
             )
-        rate = group["lr"]
-        group["member_lr"] = torch.full((self.num_members,), float(rate), dtype=torch.float64)
-        group["lr"] = 1.0
+        rate = float(group["lr"])
+        group["member_lr"] = torch.full((self.num_members,), rate, dtype=torch.float64)
+        group["lr_reference"] = rate if rate > 0 else 1.0  # group["lr"] stays the true rate
+        group["lr"] = group["lr_reference"]
 
     def _write(
         self,
@@ -272,6 +279,7 @@ class MemberSurgery:
         src, dst = pairs(source, target, self.num_members, where)
         for t in self.member_tensors():
             t[dst.to(t.device)] = t[src.to(t.device)]
+        self.__dict__["_counts"] = None  # counts written: the host's are unknown now
         if hyperparameters:
             self._copy_hyperparameters(src, dst)
             for schedule in self.member_schedules():
@@ -308,6 +316,7 @@ class MemberSurgery:
         """Writes rows taken by ``member_rows`` (of any member, any alike optimizer) into
         member ``member``: its optimizer state, counters and, with ``hyperparameters``, its
         hyperparameters."""
+        self.__dict__["_counts"] = None  # counts written: the host's are unknown now
         tensors = self.member_tensors()
         if len(rows) != len(tensors) + (len(self._hyper_tensors()) if hyperparameters else 0):
             raise ValueError(
@@ -356,6 +365,7 @@ class MemberSurgery:
             ValueError: a member listed twice, or ``params`` that do not match in number,
                 shape, dtype or device.
         """
+        self.__dict__["_counts"] = None  # counts written: the host's are unknown now
         where = f"{self._NAME}.keep_members()"
         index = member_index(members, self.num_members, where)
         if len(index.unique()) != len(index):

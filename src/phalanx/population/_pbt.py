@@ -188,7 +188,8 @@ class PBT:
                 )
             check_mutation(name, mutation, where)
         if "lr" in mutations and any(
-            g["lr"] != 1.0 and g["member_lr"] is not None for g in optimizer.param_groups
+            g["member_lr"] is not None and g["lr"] != (g.get("lr_reference") or 1.0)
+            for g in optimizer.param_groups
         ):
             raise ValueError(
                 f"{where}: a torch LR scheduler scales group['lr'] of this optimizer, so PBT's "
