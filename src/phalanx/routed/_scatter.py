@@ -77,6 +77,9 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
         if covered and graph and any(t.requires_grad for t in column):
             rows_of = [routing.entries.narrow(0, s, c) for s, c in zip(starts, seg.count_list)]
             out = _PutRows.apply(rows_of, size, *column)
+        elif covered:  # the segments joined, then copied into place in one call
+            out = t0.new_empty(size, *t0.shape[1:])
+            out.index_copy_(0, routing.entries, torch.cat(column))
         else:
             out = (t0.new_empty if covered else t0.new_zeros)(size, *t0.shape[1:])
             for t, start, c in zip(column, starts, seg.count_list):
