@@ -50,8 +50,8 @@ class Routing:
         last = num_members - 1
         counts = torch.zeros(num_members, dtype=torch.long, device=flat.device)
         counts.index_add_(0, flat.clamp(0, last), torch.ones_like(flat))
-        if flat.numel():
-            low, high = torch.aminmax(flat)
+        if flat.numel():  # the sorted entries' first and last
+            low, high = self.member_of[0], self.member_of[-1]
         else:
             low = high = torch.zeros((), dtype=torch.long, device=flat.device)
         # a stable sort of a sorted index keeps every row in place
