@@ -34,13 +34,13 @@ class Routing:
         self.rows = index.shape[0]
         self.k = 1 if index.dim() == 1 else index.shape[1]
         flat = index.reshape(-1)
-        position = torch.arange(flat.numel(), device=flat.device)
         if keep is not None:
             kept = keep.reshape(-1)
-            position = position[kept]
+            position = torch.arange(flat.numel(), device=flat.device)[kept]
             flat = flat[kept]
         order = torch.argsort(flat, stable=True)
-        self.entries = position.index_select(0, order)  # flat positions in segment order
+        # flat positions in segment order (``position`` is ``0..B*k-1`` unless entries drop)
+        self.entries = order if keep is None else position.index_select(0, order)
         self.source_rows = self.entries // self.k if self.k > 1 else self.entries
         self.member_of = flat.index_select(0, order)  # each sorted entry's member
         # Everything the host needs in one read, the call's one host sync: the index's
@@ -50,8 +50,8 @@ class Routing:
         last = num_members - 1
         counts = torch.zeros(num_members, dtype=torch.long, device=flat.device)
         counts.index_add_(0, flat.clamp(0, last), torch.ones_like(flat))
-        if flat.numel():
-            low, high = torch.aminmax(flat)
+        if flat.numel():  # the sorted entries' first and last
+            low, high = self.member_of[0], self.member_of[-1]
         else:
             low = high = torch.zeros((), dtype=torch.long, device=flat.device)
         # a stable sort of a sorted index keeps every row in place

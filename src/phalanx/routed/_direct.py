@@ -302,6 +302,12 @@ class Workspace:
         return Workspace()  # scratch: a copy starts empty rather than copying the buffers
 
 
+WORKSPACE_MIN = 8192
+"""Outputs of fewer elements than this (32 KiB in float32, well below the allocator's
+threshold for fresh pages) are ``F.linear``'s own: a new small tensor costs less than the
+buffer's bookkeeping (a PETS call of 400 rows on 5 members: 80-row segments, 64 features)."""
+
+
 def phalanx_linear_into(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -311,10 +317,11 @@ def phalanx_linear_into(
 ) -> torch.Tensor:
     """``F.linear(x, w, b)`` written into the reused buffer ``buffers[slot]`` (a
     ``Workspace``'s), or ``F.linear`` itself where its input is not a 2-D matrix of the
-    weight's dtype."""
+    weight's dtype or the output is small (``WORKSPACE_MIN``)."""
     if (
         x.dim() != 2
         or w.dim() != 2
+        or x.shape[0] * w.shape[0] < WORKSPACE_MIN
         or w.dtype != x.dtype
         or (b is not None and (b.dim() != 1 or b.dtype != x.dtype))
     ):

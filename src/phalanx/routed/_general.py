@@ -64,8 +64,25 @@ def general_path(
     return concat(outputs, [c for _, c in segments])
 
 
-def concat(outputs: list[Any], counts: list[int]) -> Any:
-    """The members' segment outputs joined along dim 0, leaf by leaf."""
+def _plain(out: Any) -> int | None:
+    """-1 for a tensor output, n for a plain tuple of n tensors, else None (a pytree)."""
+    if isinstance(out, torch.Tensor):
+        return -1
+    if type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out):
+        return len(out)
+    return None
+
+
+def columns_of(outputs: list[Any]) -> tuple[list[list[Any]], Any]:
+    """The members' outputs leaf by leaf (``columns[j][s]``: leaf j of segment s) and a
+    function that rebuilds the structure from one value per leaf. A tensor or a plain tuple
+    of tensors, the same for every segment, needs no pytree walk (a few microseconds a
+    segment, which the loop over members does not pay)."""
+    kind = _plain(outputs[0])
+    if kind is not None and all(_plain(out) == kind for out in outputs[1:]):
+        if kind == -1:
+            return [list(outputs)], lambda leaves: leaves[0]
+        return [list(col) for col in zip(*outputs)], tuple
     flat0, spec0 = pytree.tree_flatten(outputs[0])
     refuse_opaque(flat0, WHERE)
     columns: list[list[Any]] = [[leaf] for leaf in flat0]
@@ -78,6 +95,12 @@ def concat(outputs: list[Any], counts: list[int]) -> Any:
             )
         for col, leaf in zip(columns, flat):
             col.append(leaf)
+    return columns, lambda leaves: pytree.tree_unflatten(leaves, spec0)
+
+
+def concat(outputs: list[Any], counts: list[int]) -> Any:
+    """The members' segment outputs joined along dim 0, leaf by leaf."""
+    columns, rebuild = columns_of(outputs)
     joined = []
     for col in columns:
         if not isinstance(col[0], torch.Tensor):
@@ -96,4 +119,4 @@ def concat(outputs: list[Any], counts: list[int]) -> Any:
                     f"{tuple(t.shape)}; routed members must keep the rows on dim 0."
                 )
         joined.append(col[0] if len(col) == 1 else torch.cat(col))
-    return pytree.tree_unflatten(joined, spec0)
+    return rebuild(joined)

@@ -399,18 +399,26 @@ def direct_segments(
     order), outputs added into their rows (``index_add_``, weighted, the k choices summed in
     member order) or, in order, joined."""
     views = MemberViews(direct, seg.members, seg.num_members)
-    outputs = []
-    start = 0
     in_order = routing.in_order
-    views_of_input = in_order and not direct.writes
-    for m, count in zip(seg.members, seg.count_list):
-        if views_of_input:
-            rows = tuple(a.narrow(0, start, count) for a in args)
-        else:
-            source = routing.source_rows.narrow(0, start, count)
-            rows = tuple(a.index_select(0, source) for a in args)
-        outputs.append(views.run(m, rows))
-        start += count
+    counts = seg.count_list
+    # Each input's rows in segment order, split into the segments in one call (one autograd
+    # node, whose backward joins the segments' gradients): views of the input where the
+    # routing keeps the rows in order, else of one gather. A forward that writes its input
+    # gets rows of its own per segment (a copy, as the loop's ``x[index == i]``): views
+    # of one tensor share a version counter, and split's views refuse in-place writes.
+    if direct.writes:
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)
+        split = [
+            [a.index_select(0, routing.source_rows.narrow(0, s, c)) for s, c in zip(starts, counts)]
+            for a in args
+        ]
+    elif in_order:
+        split = [a.split(counts) for a in args]
+    else:
+        split = [a.index_select(0, routing.source_rows).split(counts) for a in args]
+    outputs = [views.run(m, rows) for m, rows in zip(seg.members, zip(*split))]
     if in_order:
         joined = concat(outputs, seg.count_list)
         weights = routing.weights

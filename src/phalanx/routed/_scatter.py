@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from phalanx._torch_compat import pytree
 from phalanx.routed._checks import Routing
-from phalanx.routed._general import concat
+from phalanx.routed._general import columns_of, concat
 from phalanx.routed._segments import Segments
 
 
@@ -49,13 +48,7 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
     weights (each row the weighted sum of its k outputs, in member order, added into
     zeros), ``(B, k, ...)`` or ``(B, ...)`` without (copied into place, as the loop's
     ``out[rows] = y``); dropped entries zero."""
-    flat0, spec0 = pytree.tree_flatten(outputs[0])
-    flats = [flat0]
-    for out in outputs[1:]:
-        flat, spec = pytree.tree_flatten(out)
-        if spec != spec0:
-            concat(outputs, seg.count_list)  # raises the error naming the structures
-        flats.append(flat)
+    columns, rebuild = columns_of(outputs)
     weights = None if routing.weights is None else routing.weights.reshape(-1)
     k, rows = routing.k, routing.rows
     summed = weights is not None
@@ -66,8 +59,8 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
     for c in seg.count_list:
         starts.append(starts[-1] + c)
     joined = []
-    for j, t0 in enumerate(flat0):
-        column = [flat[j] for flat in flats]
+    for column in columns:
+        t0 = column[0]
         if not isinstance(t0, torch.Tensor):
             joined.append(concat(column, seg.count_list))  # equal values, else its error
             continue
@@ -77,6 +70,9 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
         if covered and graph and any(t.requires_grad for t in column):
             rows_of = [routing.entries.narrow(0, s, c) for s, c in zip(starts, seg.count_list)]
             out = _PutRows.apply(rows_of, size, *column)
+        elif covered:  # the segments joined, then copied into place in one call
+            out = t0.new_empty(size, *t0.shape[1:])
+            out.index_copy_(0, routing.entries, torch.cat(column))
         else:
             out = (t0.new_empty if covered else t0.new_zeros)(size, *t0.shape[1:])
             for t, start, c in zip(column, starts, seg.count_list):
@@ -93,4 +89,4 @@ def scatter(outputs: list[Any], routing: Routing, seg: Segments) -> Any:
         if not summed and routing.index.dim() == 2:
             out = out.view(rows, k, *t0.shape[1:])
         joined.append(out)
-    return pytree.tree_unflatten(joined, spec0)
+    return rebuild(joined)
