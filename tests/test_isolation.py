@@ -105,9 +105,12 @@ def test_other_members_are_bit_identical_to_a_run_without_the_injection(
 
 
 def test_freeze_after_k_bad_steps() -> None:
-    clean, _ = run(phalanx.optim.Adam, skip_nonfinite=True)
+    # bit for bit is mode="torch"'s promise (the default's is float rounding)
+    clean, _ = run(phalanx.optim.Adam, skip_nonfinite=True, mode="torch")
     with pytest.warns(NonFiniteWarning) as caught:
-        dirty, opt = run(phalanx.optim.Adam, inject_at={2, 4}, skip_nonfinite=True, freeze_after=2)
+        dirty, opt = run(
+            phalanx.optim.Adam, inject_at={2, 4}, skip_nonfinite=True, freeze_after=2, mode="torch"
+        )
     assert "Members [3] are now frozen after 2 non-finite steps" in str(caught[-1].message)
     assert opt.frozen.tolist() == [i == BAD for i in range(N)]
     for t in range(4, STEPS):  # frozen from step 4 on, although its later losses are finite
@@ -120,10 +123,12 @@ def test_freeze_after_k_bad_steps() -> None:
 
 def test_without_warnings_no_sync_path_gives_the_same_bits() -> None:
     """warn_skipped=False always takes the masked path: still identical to the clean run."""
-    clean, _ = run(phalanx.optim.Adam, skip_nonfinite=True)
+    clean, _ = run(phalanx.optim.Adam, skip_nonfinite=True, mode="torch")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing may warn
-        dirty, opt = run(phalanx.optim.Adam, inject_at={5}, skip_nonfinite=True, warn_skipped=False)
+        dirty, opt = run(
+            phalanx.optim.Adam, inject_at={5}, skip_nonfinite=True, warn_skipped=False, mode="torch"
+        )
     for a, b in zip(clean, dirty, strict=True):
         for p, q in zip(a, b, strict=True):
             assert torch.equal(others(p), others(q))
@@ -148,3 +153,17 @@ def test_loss_shape_is_checked() -> None:
         match=r"SGD.step\(\): loss must hold one value per member, shape \(4,\); got shape \(\)",
     ):
         opt.step(loss=torch.tensor(1.0))
+
+
+def test_the_default_mode_keeps_the_other_members_to_float_rounding() -> None:
+    """The default mode promises float rounding: a skipped member moves the others from torch's
+    fused kernel to the blocked arithmetic, which rounds alike up to a few ulps of the update."""
+    clean, _ = run(phalanx.optim.Adam, skip_nonfinite=True)
+    with pytest.warns(NonFiniteWarning):
+        dirty, opt = run(phalanx.optim.Adam, inject_at={2}, skip_nonfinite=True)
+    assert opt.bad_steps.tolist() == [int(i == BAD) for i in range(N)]
+    for a, b in zip(clean, dirty, strict=True):
+        for p, q in zip(a, b, strict=True):
+            torch.testing.assert_close(others(p), others(q), rtol=1e-6, atol=1e-7)
+    for p, q in zip(dirty[2], dirty[1], strict=True):  # the bad step left member BAD as it was
+        assert torch.equal(p[BAD], q[BAD])

@@ -73,6 +73,8 @@ class _Undo:
         self.params = list(params.items())
         self.saved_params: list[torch.Tensor] | None = None
         self.versions = [compat.version(p) for _, p in self.params]
+        # what says, without a copy, whether an unsaved buffer or input was written
+        self.tensor_versions = [compat.version(t) for t in self.tensors]
         # Once fused has run calls of these shapes in this context (``seen``), nothing is
         # saved: a copy of every buffer and input on every call is a kernel launch each on a
         # GPU, for a failure that shapes alone no longer predict.
@@ -101,15 +103,19 @@ class _Undo:
                 for (_, p), saved in zip(self.params, self.saved_params or []):
                     if not torch.equal(p, saved):
                         p.copy_(saved)
-        if self.saved is None:
+        if self.saved is None and any(
+            compat.version(t) != v for t, v in zip(self.tensors, self.tensor_versions)
+        ):
             raise RuntimeError(
                 f"Stack.forward(): backend 'auto' cannot hand this call over to the loop: "
-                f"backend 'fused' failed ({_reason(failure)}) after the member's forward may "
-                f"have written into its buffers or inputs, which were not saved on this call "
+                f"backend 'fused' failed ({_reason(failure)}) after the member's forward "
+                f"wrote into its buffers or inputs, which were not saved on this call "
                 f"(they are saved on the first call, and on calls of input shapes fused has "
                 f"not run yet when they total at most {SNAPSHOT_BYTES >> 20} MB). Nothing else "
                 f"ran. Pass backend='loop' to phalanx.stack() for this model."
             ) from failure
+        if self.saved is None:
+            return  # nothing was written: nothing to put back
         with torch.no_grad():
             for t, saved in zip(self.tensors, self.saved):
                 if not torch.equal(t, saved):
