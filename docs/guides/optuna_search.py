@@ -3,8 +3,8 @@
 `model(trial)` suggests the hyperparameters and returns the trial's network; `train(group)`
 trains one stack whose member i is trial i, with the trials' hyperparameters as (N,) tensors
 (`group.params["lr"]`), and reports per-trial values to Optuna's pruner. Trials that share an
-architecture share a stack: suggest architecture choices (a width, a dropout rate) from a few
-categories.
+architecture share a stack: suggest architecture choices (a width) from a few categories. A
+dropout rate is a per-member value, as a learning rate is: any float keeps one stack.
 Needs `pip install 'phalanx[optuna]'`. Run: python docs/guides/optuna_search.py
 """
 
@@ -27,9 +27,7 @@ def model(trial):
     trial.suggest_float("lr", 1e-3, 1.0, log=True)  # a per-member value: any float
     trial.suggest_float("momentum", 0.0, 0.95)
     width = trial.suggest_categorical("width", [32, 64])  # an architecture: splits stacks
-    # a dropout rate is a module setting too: from a few values, not suggest_float, which
-    # would give every trial its own stack (phalanx warns with a StackSplitWarning)
-    p = trial.suggest_categorical("dropout", [0.0, 0.1])
+    p = trial.suggest_float("dropout", 0.0, 0.3)  # a per-member rate: keeps one stack
     return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Dropout(p), nn.Linear(width, 3))
 
 
