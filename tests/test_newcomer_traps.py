@@ -199,7 +199,7 @@ def test_stack_i_of_a_padded_stack_has_its_own_widths():
 
 def test_a_stack_is_annotated_with_what_its_call_returns():
     # for type checkers stack(x) is a Tensor by default; Stack[T] names another output type
-    # (mypy on `out = stack(x)` reveals torch.Tensor: checked by hand, see docs-incoming)
+    # (mypy on `out = stack(x)` reveals torch.Tensor: checked by hand)
     stack: phalanx.Stack[dict] = phalanx.stack([nn.Linear(4, 3) for _ in range(2)])
     assert phalanx.Stack[dict].__origin__ is phalanx.Stack
     assert isinstance(stack, phalanx.Stack)

@@ -35,7 +35,7 @@ PerMemberFlag: TypeAlias = bool | Tensor | Sequence[bool]
 
 _EXPECTED = {"nonneg": ">= 0", "unit": "in [0, 1)", "bool": "a bool"}
 
-#: The optimizer modes: what each member's bits are (docs-incoming/optim.md).
+#: The optimizer modes: what each member's bits are (docs/concepts/optimizers.md).
 #: "fast" (the default): equal to float rounding of the float64 update, at torch's fused speed;
 #: "torch": torch.optim's single-tensor arithmetic on member i alone, bit for bit;
 #: "fused": torch.optim's fused=True on member i alone, bit for bit.
@@ -624,7 +624,7 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
 
         On a CPU, ``BLOCK`` (measured: a block stays in a core's cache). Elsewhere (CUDA) whole
         tensors: each block costs ~10 kernel launches, and a GPU's cache is no reason to cut
-        a tensor; this choice is unmeasured until a GPU runs it (docs-incoming/optim.md).
+        a tensor; this choice is unmeasured until a GPU runs it (docs/concepts/optimizers.md).
         """
         return self.BLOCK if device.type == "cpu" else None
 
