@@ -608,9 +608,11 @@ def test_hyperparameters_set_in_place_equal_those_given_at_construction(case: Ca
     set_hyperparameters, steps bit for bit as one built with them: a number and an (N,)
     tensor of it take the same arithmetic (in float64 too)."""
     params, other = make_params(torch.float64), make_params(torch.float64)
-    built = case.ours(params, **case.kwargs)
+    # mode="torch": one arithmetic whatever the form (the default runs torch's fused kernel on
+    # shared numbers and the blocked arithmetic on tensors: equal to float rounding)
+    built = case.ours(params, mode="torch", **case.kwargs)
     plain = {k: v for k, v in case.kwargs.items() if k == "amsgrad"}
-    later = case.ours(other, **plain)
+    later = case.ours(other, mode="torch", **plain)
     later.set_hyperparameters(**{k: v for k, v in case.kwargs.items() if k != "amsgrad"})
     noise = [torch.randn_like(p) for p in params]
     for _ in range(3):
@@ -749,14 +751,15 @@ def test_blocks_and_sixteen_members_keep_each_members_bits(monkeypatch, cls, kwa
     """The eager step runs the rule on blocks (here 64 elements: a member's rows split, and
     several members' rows in one block) and 16 members (where torch's vectorised pow of the
     step counts rounded bias corrections differently from torch.optim's Python pow): each
-    member is still torch.optim on that member alone, bit for bit, masks included."""
+    member is still torch.optim on that member alone, bit for bit, masks included (mode="torch",
+    the mode that promises it)."""
     monkeypatch.setattr(getattr(phalanx.optim, cls), "BLOCK", 64)
     n, shapes = 16, [(10, 13), (5,)]
     g = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(n, *s, generator=g)) for s in shapes]
     refs = [[nn.Parameter(p[i].detach().clone()) for p in params] for i in range(n)]
     lr = torch.linspace(1e-3, 1e-1, n, dtype=torch.float64)
-    opt = getattr(phalanx.optim, cls)(params, **{**kwargs, "lr": lr})
+    opt = getattr(phalanx.optim, cls)(params, **{**kwargs, "lr": lr}, mode="torch")
     ref_opts = [
         getattr(torch.optim, cls)(r, **{**kwargs, "lr": float(lr[i])}) for i, r in enumerate(refs)
     ]

