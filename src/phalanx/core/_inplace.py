@@ -127,6 +127,8 @@ class StackedModuleList(Stack):
         self._take_rates(k, module, "StackedModuleList[i] = module")
 
     def _fixed_length(self, *_: Any) -> None:
+        """Refused: a stacked list holds a fixed number of members (``append``, ``extend`` and
+        ``insert`` raise a TypeError that says how to change it)."""
         raise TypeError(
             f"StackedModuleList: the number of members is fixed at {self.num_members}; to "
             f"change it, turn the list back with phalanx.unstack_in_place(model, path), edit "
