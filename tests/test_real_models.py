@@ -47,7 +47,7 @@ GAPS: dict[tuple[str, str], pytest.MarkDecorator] = {
         reason="the forecaster calls h0.requires_grad_(), which torch.func.vmap refuses",
     ),
 }
-# On some CPUs (this project's 2-core machines since 2026-12, at 5bbc8c3 already, the optimizer
+# On some CPUs (an Intel Xeon 2-core machine, at 5bbc8c3 already, the optimizer
 # unchanged) one BatchNorm bias after 3 Adam steps is 5-6x the float32 loop's single-draw error
 # (allowed 4x): its gradient is a cancelling sum whose last-bit rounding Adam magnifies, and
 # one float32 run is too narrow a yardstick there. Not strict: it passes on other CPUs. Any
