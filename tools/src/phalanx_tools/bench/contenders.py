@@ -293,6 +293,24 @@ class PhalanxRunner:
         return f"picked {self.stack.backend}" if self.requested == "auto" else ""
 
 
+def _warm_up(
+    compiled: Any, stack: nn.Module, optimizer: Any, x: torch.Tensor, t: torch.Tensor
+) -> None:
+    """Runs ``compile_step``'s warm-up (eager steps, the compilation, the timed steps) until it
+    has chosen, then puts the weights back and zeroes the optimizer state: the check sees a
+    step from the same state as every other contender's."""
+    start = {k: v.clone() for k, v in stack.state_dict().items()}
+    while compiled.choice is None:
+        compiled(x, t)
+    with torch.no_grad():
+        for k, v in stack.state_dict().items():
+            v.copy_(start[k])
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    v.zero_()
+
+
 class CompiledRunner(PhalanxRunner):
     """``phalanx.compile_step``: the whole training step captured and compiled.
 
@@ -320,16 +338,7 @@ class CompiledRunner(PhalanxRunner):
             self.stack, self.loss_fn, self.optimizer, in_dims=self.in_dims,
             backend=compile_backend,
         )  # fmt: skip
-        start = {k: v.clone() for k, v in self.stack.state_dict().items()}
-        while self.compiled.choice is None:
-            self.compiled(self.x, self.t)
-        with torch.no_grad():
-            for k, v in self.stack.state_dict().items():
-                v.copy_(start[k])
-            for state in self.optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        v.zero_()
+        _warm_up(self.compiled, self.stack, self.optimizer, self.x, self.t)
 
     def forward(self) -> torch.Tensor:
         raise NotImplementedError("compile_step captures the training step, not a forward pass")
@@ -387,18 +396,7 @@ class TaughtRunner:
             self.compiled = phalanx.compile_step(
                 self.stack, self.loss_fn, self.optimizer, in_dims=self.in_dims, **kwargs
             )
-            # its warm-up (eager steps, the compilation, timed steps), then the weights and
-            # optimizer state put back: the check sees a step from every contender's state
-            start = {k: v.clone() for k, v in self.stack.state_dict().items()}
-            while self.compiled.choice is None:
-                self.compiled(self.x, self.t)
-            with torch.no_grad():
-                for k, v in self.stack.state_dict().items():
-                    v.copy_(start[k])
-                for state in self.optimizer.state.values():
-                    for v in state.values():
-                        if isinstance(v, torch.Tensor):
-                            v.zero_()
+            _warm_up(self.compiled, self.stack, self.optimizer, self.x, self.t)
 
     def forward(self) -> torch.Tensor:
         raise NotImplementedError("the taught path is timed as a training step")
