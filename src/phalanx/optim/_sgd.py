@@ -246,19 +246,7 @@ class SGD(MemberOptimizer):
             gs.append(g)
             if momentum != 0:
                 bufs.append(state["momentum_buffer"])
-        for first, (ps, gs, bufs) in calls.items():
-            compat.fused_sgd_(
-                ps,
-                gs,
-                bufs,
-                weight_decay=float(group["weight_decay"]),
-                momentum=momentum,
-                lr=float(group["lr"]),
-                dampening=float(group["dampening"]),
-                nesterov=bool(group["nesterov"]),
-                maximize=bool(group["maximize"]),
-                is_first_step=first,
-            )
+        _fused_sgd_calls(calls, momentum, group)
         compat.foreach_add_([self.state[p]["step"] for p in params], 1)
 
     def fused_update(
@@ -290,19 +278,29 @@ class SGD(MemberOptimizer):
                 gs.append(g[i])  # new every step: not kept
                 if momentum != 0:
                     bufs.append(buf_rows[i])
-        for first, (ps, gs, bufs) in calls.items():
-            compat.fused_sgd_(
-                ps,
-                gs,
-                bufs,
-                weight_decay=float(values["weight_decay"]),
-                momentum=momentum,
-                lr=float(values["lr"]),
-                dampening=float(values["dampening"]),
-                nesterov=bool(values["nesterov"]),
-                maximize=bool(values["maximize"]),
-                is_first_step=first,
-            )
+        _fused_sgd_calls(calls, momentum, values)
+
+
+def _fused_sgd_calls(
+    calls: dict[bool, tuple[list[Tensor], list[Tensor], list[Tensor]]],
+    momentum: float,
+    values: dict[str, Any],
+) -> None:
+    """torch's fused SGD kernel, once per ``is_first_step`` value (a first step copies the
+    gradient into the momentum buffer): the tensors ``calls`` groups by it."""
+    for first, (ps, gs, bufs) in calls.items():
+        compat.fused_sgd_(
+            ps,
+            gs,
+            bufs,
+            weight_decay=float(values["weight_decay"]),
+            momentum=momentum,
+            lr=float(values["lr"]),
+            dampening=float(values["dampening"]),
+            nesterov=bool(values["nesterov"]),
+            maximize=bool(values["maximize"]),
+            is_first_step=first,
+        )
 
 
 def sgd_values(h: dict[str, Any], step: Tensor, *, momentum: bool) -> dict[str, Any]:
