@@ -7,6 +7,7 @@ Imported by the test files as ``from helpers import ...`` (pytest puts ``tests/`
 from __future__ import annotations
 
 import copy
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -246,3 +247,19 @@ def check_forward_and_gradients(backend, arch, mode, n, train):
         for (name, p), (_, q) in zip(m.named_parameters(), r.named_parameters()):
             assert p.grad is None, f"original parameter {name} got a gradient"
             torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+class Terminal(io.StringIO):
+    """A standard error that says it is a terminal (where progress bars show by default)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+PROGRESS_CASES = [
+    (False, None, False),
+    (True, None, True),
+    (True, False, False),
+    (False, True, True),
+]
+"""(stderr is a terminal, ``progress=``, a bar is shown): the default follows the terminal."""

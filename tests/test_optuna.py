@@ -16,6 +16,7 @@ from torch import nn
 
 import phalanx
 import phalanx.integrations.optuna as po
+from helpers import PROGRESS_CASES, Terminal
 from phalanx.testing import rounding_problems
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -298,19 +299,11 @@ def test_a_batch_that_falls_apart_into_stacks_of_one_says_why():
         po.optimize(_study(), model, quick, n_trials=12)
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-@pytest.mark.parametrize(
-    ("terminal", "progress", "shown"),
-    [(False, None, False), (True, None, True), (True, False, False), (False, True, True)],
-)
+@pytest.mark.parametrize(("terminal", "progress", "shown"), PROGRESS_CASES)
 def test_the_progress_bar_shows_on_a_terminal_or_as_progress_says(
     monkeypatch, terminal, progress, shown
 ):
-    stderr = _Terminal() if terminal else io.StringIO()
+    stderr = Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", stderr)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     po.optimize(

@@ -18,6 +18,7 @@ from ray.tune.search.optuna import OptunaSearch
 from torch import nn
 
 import phalanx
+from helpers import PROGRESS_CASES, Terminal
 from phalanx.integrations.ray_tune import optimize
 from phalanx.testing import assert_equal_to_loop
 
@@ -130,19 +131,11 @@ def test_bad_calls_are_refused():
         optimize(OptunaSearch(SPACE), train, n_trials=2)
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-@pytest.mark.parametrize(
-    ("terminal", "progress", "shown"),
-    [(False, None, False), (True, None, True), (True, False, False), (False, True, True)],
-)
+@pytest.mark.parametrize(("terminal", "progress", "shown"), PROGRESS_CASES)
 def test_the_progress_bar_shows_on_a_terminal_or_as_progress_says(
     monkeypatch, terminal, progress, shown
 ):
-    stderr = _Terminal() if terminal else io.StringIO()
+    stderr = Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", stderr)
     optimize(_searcher(), lambda c: [0.0] * len(c), n_trials=4, n_members=2, progress=progress)
     assert ("tune trials: 100%" in stderr.getvalue() and "4/4" in stderr.getvalue()) is shown
