@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from phalanx_tools.bench import hf_models
-from phalanx_tools.bench.real_suite import check_against_loop
+from phalanx_tools.bench.real_suite import check_against_loop, row_order_problems
 
 MODELS = {m.name: m for m in hf_models.hf_models()}
 
@@ -29,3 +29,10 @@ def test_hugging_face_model_matches_loop(backend, name, mode):
     report = check_against_loop(MODELS[name], backend, 3, mode, steps=2)
     assert not report.problems, "\n".join(report.problems)
     assert report.backend == "fused"  # runs fused: nothing in these models refuses
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_row_order_changes_only_rounding(name):
+    """The float32 loop's permuted runs (the yardstick) are sound for these models too."""
+    problems = row_order_problems(MODELS[name], 3, "shared", steps=2)
+    assert not problems, "\n".join(problems)

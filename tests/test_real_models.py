@@ -2,8 +2,9 @@
 
 models x backends {loop, vmap, auto, fused} x {shared, per-member} input, N = 3: outputs,
 per-member losses, input and parameter gradients, and parameters and buffers after three Adam
-steps, member by member, no further from a float64 loop than the float32 loop is (see
-``phalanx_tools.bench.real_suite``). Second derivatives on the MLP-like models.
+steps, member by member, no further from a float64 loop than the float32 loop is, run with
+each member's samples in several orders (see ``phalanx_tools.bench.real_suite``). Second
+derivatives on the MLP-like models.
 
 What torch.func cannot batch is a strict xfail with the failure observed; the fused backend
 runs every model of the zoo unchanged.
@@ -11,10 +12,12 @@ runs every model of the zoo unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
+from torch import nn
 
 import phalanx
 from phalanx_tools.bench import real_suite
@@ -24,6 +27,7 @@ from phalanx_tools.bench.real_suite import (
     check_against_loop,
     fixed_noise,
     format_table,
+    row_order_problems,
     time_model,
 )
 from phalanx_tools.bench.suite import Settings
@@ -47,17 +51,6 @@ GAPS: dict[tuple[str, str], pytest.MarkDecorator] = {
         reason="the forecaster calls h0.requires_grad_(), which torch.func.vmap refuses",
     ),
 }
-# On some CPUs (an Intel Xeon 2-core machine, at 5bbc8c3 already, the optimizer
-# unchanged) one BatchNorm bias after 3 Adam steps is 5-6x the float32 loop's single-draw error
-# (allowed 4x): its gradient is a cancelling sum whose last-bit rounding Adam magnifies, and
-# one float32 run is too narrow a yardstick there. Not strict: it passes on other CPUs. Any
-# other failure of the cell (a raise that is not this assertion) still fails.
-for _backend in ("vmap", "fused", "auto"):
-    GAPS[_backend, "resnet_basicblock"] = pytest.mark.xfail(
-        raises=AssertionError,
-        strict=False,
-        reason="BatchNorm bias after 3 Adam steps: 5-6x the float32 loop's error on some CPUs",
-    )
 
 
 def _cases(backends, models, modes):
@@ -100,6 +93,17 @@ def test_second_derivatives_match_loop(backend, name, mode):
     assert not report.problems, "\n".join(report.problems)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_row_order_changes_only_rounding(name, mode):
+    """The yardstick's permuted float32 runs are sound: in float64, each model's losses,
+    gradients and state after the Adam steps do not depend on its samples' order."""
+    model = MODELS[name]
+    second_order = model.second_order and mode == "per-member"
+    problems = row_order_problems(model, N, mode, second_order=second_order)
+    assert not problems, "\n".join(problems)
+
+
 # ------------------------------------------------------------------- the check itself can fail
 
 
@@ -117,6 +121,36 @@ def test_check_catches_one_member_off(monkeypatch):
     report = check_against_loop(MODELS["td3_actor"], "vmap", N, "per-member", steps=1)
     assert any("gradient of 'l1.weight'" in p for p in report.problems), report.problems
     assert all(p.startswith("member 1 ") for p in report.problems), report.problems
+
+
+def test_check_catches_a_few_ulps_under_the_wider_yardstick(monkeypatch):
+    """Several float32 runs widen the yardstick to the loop's own rounding, no further: 30
+    ulps on member 1's convolution weights in the ResNet (whose BatchNorm biases after Adam
+    needed the wider yardstick) are still reported, naming member 1."""
+    stack = phalanx.stack
+
+    def nudged(models, **kwargs):
+        s = stack(models, **kwargs)
+        with torch.no_grad():
+            for name, p in s.named_parameters():
+                if name.endswith("conv2.weight"):
+                    p[1].add_(30 * torch.finfo(torch.float32).eps * p[1].abs())
+        return s
+
+    monkeypatch.setattr(real_suite.phalanx, "stack", nudged)
+    report = check_against_loop(MODELS["resnet_basicblock"], "fused", N, "shared")
+    assert any(p.startswith("member 1 gradient of") for p in report.problems), report.problems
+    assert not any(p.startswith(("member 0", "member 2")) for p in report.problems), report.problems
+
+
+def test_row_order_check_catches_dropout():
+    """A model whose samples draw dropout masks depends on their order: reported."""
+    model = dataclasses.replace(
+        MODELS["td3_actor"],
+        build=lambda: nn.Sequential(nn.Linear(17, 8), nn.Dropout(0.5), nn.Linear(8, 6)),
+    )
+    problems = row_order_problems(model, N, "shared", steps=1)
+    assert any(p.startswith("loss: samples in order") for p in problems), problems
 
 
 def test_compare_catches_nan_and_shape():

@@ -8,6 +8,12 @@ reference) and allow the stack to be at most :data:`FACTOR` times as far from it
 float32 loop is, plus :data:`FLOOR_ULPS` float32 ulps of the tensor's magnitude (for values
 the float32 loop happens to get exactly, such as a sum of few terms).
 
+One float32 run is one draw of its rounding, and a lucky one can be far below the typical
+error (a gradient that cancels to nearly zero keeps only its last bits, which Adam then
+magnifies). The yardstick is therefore the largest distance over several runs of the float32
+loop that differ only in summation order: the batch as given and with its rows permuted
+(:func:`row_orders`), where the result does not depend on the row order in exact arithmetic.
+
 :func:`assert_equal_to_loop` applies that rule; phalanx's tests, its benchmark's exactness
 check and the real-model suite all use it. :func:`assert_close` is the fixed-tolerance screen
 for two results of one precision where no float64 reference exists (a trajectory of many
@@ -35,11 +41,13 @@ from phalanx._torch_compat import pytree
 __all__ = [
     "FACTOR",
     "FLOOR_ULPS",
+    "ORDERS",
     "SAME_PRECISION",
     "TRAJECTORY",
     "assert_close",
     "assert_equal_to_loop",
     "rounding_problems",
+    "row_orders",
 ]
 
 FACTOR = 4.0
@@ -47,6 +55,9 @@ FACTOR = 4.0
 
 FLOOR_ULPS = 8.0
 """... plus this many float32 ulps of the compared tensor's largest magnitude."""
+
+ORDERS = 3
+"""How many runs of the float32 loop make the yardstick: the batch as given, then permuted."""
 
 SAME_PRECISION = {
     torch.float64: {"rtol": 1e-10, "atol": 1e-12},
@@ -60,6 +71,41 @@ TRAJECTORY = {
 }
 """... and after many optimizer steps: Adam divides by sqrt(v), which magnifies last-bit
 differences of small gradients, so float32 trajectories drift by a few ulps per step."""
+
+
+def row_orders(rows: int, *, runs: int = ORDERS, seed: int = 0) -> list[Tensor]:
+    """Row orders for the float32 loop's runs: the identity, then ``runs - 1`` permutations.
+
+    Run the float32 loop once per order on the batch's rows ``x[order]`` (targets alike) and
+    pass every run to :func:`rounding_problems`: the yardstick becomes the largest rounding
+    error over several summation orders instead of one draw. Valid only where the compared
+    result does not depend on the row order in exact arithmetic: per-member losses that are
+    means or sums over rows, parameter gradients, BatchNorm statistics, and the parameters
+    after optimizer steps are; row-wise results (outputs, input gradients) are once put back
+    with ``out[torch.argsort(order)]`` (autograd does it for the gradient of an input that
+    was indexed). Dropout and other per-row random draws are not: a permutation moves each
+    row's draw to another row, so run such a model as given only, or with the draws fixed.
+
+    Args:
+        rows: the batch size.
+        runs: how many orders, the identity included.
+        seed: seeds the permutations, so that a failing check repeats.
+
+    Returns:
+        ``runs`` index tensors of shape ``(rows,)``, the first ``torch.arange(rows)``.
+
+    Example:
+        >>> models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)) for _ in range(3)]
+        >>> x = torch.randn(6, 4)
+        >>> stack = phalanx.stack(models)
+        >>> got = stack(x).square().mean((1, 2))  # (N,) per-member losses: row order free
+        >>> loss = lambda m, x: m(x).square().mean()
+        >>> runs = [torch.stack([loss(m, x[o]) for m in models]) for o in row_orders(6)]
+        >>> ref = torch.stack([loss(m.double(), x.double()) for m in models])
+        >>> phalanx.testing.assert_equal_to_loop(got, runs, ref, what="losses", per_member=True)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.arange(rows)] + [torch.randperm(rows, generator=gen) for _ in range(runs - 1)]
 
 
 def rounding_problems(
@@ -76,8 +122,9 @@ def rounding_problems(
 
     Args:
         got: the stack's result, any float dtype.
-        loop: the float32 loop's result of the same shape, or several runs of it (the largest
-            distance of any run is the yardstick).
+        loop: the float32 loop's result of the same shape, or several runs of it in different
+            summation orders (see :func:`row_orders`; the largest distance of any run is the
+            yardstick).
         reference: the loop run in float64.
         what: names the tensor in the messages.
         per_member: compare member by member along dim 0 (each member's error against the

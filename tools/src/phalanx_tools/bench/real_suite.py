@@ -60,6 +60,16 @@ TINY_GRADIENT = 1e-6
 
 Args = tuple[Any, ...]
 Draw = Callable[[int, torch.Generator], tuple[Args, Any]]
+Reorder = Callable[[Args, Any, torch.Tensor], tuple[Args, Any]]
+
+
+def _rows(args: Args, target: Any, order: torch.Tensor) -> tuple[Args, Any]:
+    """One member's batch with its rows (dim 0 of every input and of the target) in ``order``."""
+
+    def take(t: Any) -> Any:
+        return t[order] if isinstance(t, torch.Tensor) else t
+
+    return tuple(take(a) for a in args), take(target)
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,10 @@ class RealModel:
             of the measured GEMM peak means something.
         noisy: its forward draws random numbers (``torch.randn_like``); checks replace them
             by a fixed function of the input (see :func:`fixed_noise`).
+        reorder: ``(inputs, target, order) -> (inputs, target)``, one member's batch with its
+            samples in ``order`` (a permutation of the batch size): the float32 loop's other
+            summation orders (``phalanx.testing.row_orders``). By default dim 0 of every
+            tensor; :func:`row_order_problems` checks that it changes nothing but rounding.
     """
 
     name: str
@@ -92,6 +106,7 @@ class RealModel:
     second_order: bool = False
     flop_counted: bool = True
     noisy: bool = False
+    reorder: Reorder = _rows
 
     def make(self, i: int, seed: int = 0) -> nn.Module:
         """Member i, initialised from seed 1000 * seed + i."""
@@ -146,6 +161,12 @@ def _bags(vocab: int, length: int) -> Draw:
         return (text, offsets), _classes(g, 4, b)
 
     return draw
+
+
+def _bag_rows(args: Args, target: Any, order: torch.Tensor) -> tuple[Args, Any]:
+    """:func:`_bags`' batch with its texts in ``order`` (all of one length: same offsets)."""
+    text, offsets = args
+    return (text.view(len(offsets), -1)[order].reshape(-1), offsets), target[order]
 
 
 def _td3_critic_loss(q: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
@@ -310,6 +331,7 @@ MODELS: dict[str, RealModel] = {
             F.cross_entropy,
             batch=64,
             flop_counted=False,
+            reorder=_bag_rows,
         ),
         RealModel(
             "vae",
@@ -434,10 +456,18 @@ def _float_inputs(batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
     return Batch(tuple(args), batch.in_dims, batch.target, batch.target_dim), leaves
 
 
-def _loop_forward(members: Sequence[Callable[..., Any]], model: RealModel, batch: Batch) -> Any:
-    outs = [m(*batch.member_args(i)) for i, m in enumerate(members)]
-    losses = torch.stack([model.loss(o, batch.member_target(i)) for i, o in enumerate(outs)])
-    return pytree.tree_map(lambda *leaves: torch.stack(leaves), *outs), losses
+def _loop_forward(members: Sequence[Callable[..., Any]], model: RealModel, batch: Batch,
+                  order: torch.Tensor | None = None) -> Any:  # fmt: skip
+    """The loop's outputs and (N,) losses; with ``order``, each member's samples in that order
+    (outputs then in that order too; input gradients come back in the batch's own)."""
+    outs, losses = [], []
+    for i, m in enumerate(members):
+        args, target = batch.member_args(i), batch.member_target(i)
+        if order is not None:
+            args, target = model.reorder(args, target, order)
+        outs.append(m(*args))
+        losses.append(model.loss(outs[-1], target))
+    return pytree.tree_map(lambda *leaves: torch.stack(leaves), *outs), torch.stack(losses)
 
 
 def _stack_forward(stack: phalanx.Stack, model: RealModel, batch: Batch) -> Any:
@@ -491,23 +521,93 @@ def _observe(forward: Callable[[Batch], tuple[Any, torch.Tensor]], batch: Batch,
     return [t.detach() for t in outputs], losses.detach(), [g.detach() for g in input_grads]
 
 
-def _compare(what: str, got: torch.Tensor, loop: torch.Tensor, ref: torch.Tensor,
-             per_member: bool) -> list[str]:  # fmt: skip
-    """Problems where ``got`` is further from ``ref`` (float64) than ``loop`` (float32) is:
-    ``phalanx.testing``'s rule, member by member where ``per_member``."""
+def _compare(what: str, got: torch.Tensor, loop: torch.Tensor | Sequence[torch.Tensor],
+             ref: torch.Tensor, per_member: bool) -> list[str]:  # fmt: skip
+    """Problems where ``got`` is further from ``ref`` (float64) than the float32 ``loop`` (or
+    the furthest of several runs of it) is: ``phalanx.testing``'s rule, member by member where
+    ``per_member``."""
     return phalanx.testing.rounding_problems(got, loop, ref, what=what, per_member=per_member)
+
+
+@dataclass
+class _Run:
+    """One run of :func:`check_against_loop`: what the stack or one loop gave."""
+
+    first: tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]  # step 0: outputs,
+    # losses, input gradients
+    grads: dict[str, torch.Tensor]  # step 0: parameter gradients, zeros where None
+    after: dict[str, dict[str, torch.Tensor]]  # "params" and "buffers" after the steps
+    tiny: dict[str, torch.Tensor]  # where a gradient was below TINY_GRADIENT at some step
+
+
+def _run(model: RealModel, forward: Callable[[Batch], Any], opt: Any, batches: list[Batch],
+         grads: Callable[[], dict[str, torch.Tensor]],
+         state: Callable[[str], dict[str, torch.Tensor]], second_order: bool) -> _Run:  # fmt: skip
+    """``steps`` Adam steps of the stack or of one loop, one per batch."""
+    first: Any = None
+    step0: dict[str, torch.Tensor] = {}
+    tiny: dict[str, torch.Tensor] = {}
+    with fixed_noise(model.noisy):
+        for step, data in enumerate(batches):
+            opt.zero_grad(set_to_none=True)
+            seen = _observe(forward, data, second_order)
+            g = grads()
+            for name, t in g.items():
+                small = t.abs() < TINY_GRADIENT
+                tiny[name] = tiny[name] | small if name in tiny else small
+            if step == 0:
+                first, step0 = seen, {k: t.clone() for k, t in g.items()}
+            opt.step()
+    return _Run(first, step0, {w: state(w) for w in ("params", "buffers")}, tiny)
+
+
+class _Opts:
+    """One ``torch.optim.Adam`` per member of a loop, zeroed and stepped together."""
+
+    def __init__(self, members: list[nn.Module]):
+        self.opts = [torch.optim.Adam(m.parameters(), lr=LR) for m in members]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+
+def _loop_run(model: RealModel, members: list[nn.Module], batches: list[Batch],
+              dtype: torch.dtype, order: torch.Tensor | None, second_order: bool) -> _Run:  # fmt: skip
+    """The loop over copies of ``members`` in ``dtype``, each member's samples in ``order``."""
+    loop = [copy.deepcopy(m).to(dtype) for m in members]
+    names = _param_names(members[0])
+    with _default_dtype(dtype):
+        return _run(
+            model, lambda b: _loop_forward(loop, model, b, order), _Opts(loop),
+            [b.to(dtype) for b in batches], lambda: _loop_grads(loop, names),
+            lambda what: _member_state(loop, what), second_order,
+        )  # fmt: skip
+
+
+def _batches(
+    model: RealModel, n: int, mode: Mode, batch: int, steps: int, seed: int
+) -> list[Batch]:
+    return [make_batch(model, n, mode, batch=batch, seed=seed + step) for step in range(steps)]
 
 
 def check_against_loop(model: RealModel, backend: str, n: int, mode: Mode, *, batch: int = 4,
                        steps: int = 3, second_order: bool = False, seed: int = 0) -> CheckReport:  # fmt: skip
     """A phalanx stack against the loop over the N original modules, member by member.
 
-    Three runs from the same weights on the same inputs: the stack (float32), the loop
-    (float32) and the loop in float64. Compared: output leaves, per-member losses, input
-    gradients, parameter gradients (of the losses' sum; or, with ``second_order``, of the
-    squared norm of the input gradient), then, after ``steps`` Adam steps on fresh batches
+    Runs from the same weights on the same inputs: the stack (float32), the loop in float64
+    (the reference), and the loop in float32 :data:`phalanx.testing.ORDERS` times, each
+    member's samples as given and permuted (``phalanx.testing.row_orders``): one float32 run
+    is one draw of its rounding, the yardstick is the largest. Compared: per-member losses,
+    input gradients, parameter gradients (of the losses' sum; or, with ``second_order``, of
+    the squared norm of the input gradient), then, after ``steps`` Adam steps on fresh batches
     (``phalanx.optim.Adam`` on the stack, one ``torch.optim.Adam`` per member in the loops),
-    parameters and buffers. See the module docstring for the tolerance.
+    parameters and buffers; and the output leaves, against the float32 loop as given alone
+    (their rows follow the order). See the module docstring for the tolerance.
 
     Args:
         model: the model.
@@ -517,7 +617,7 @@ def check_against_loop(model: RealModel, backend: str, n: int, mode: Mode, *, ba
         batch: the batch size (per member with per-member input).
         steps: Adam steps before the parameters are compared (at least 1).
         second_order: check second derivatives instead of the plain gradients.
-        seed: seeds weights and batches.
+        seed: seeds weights, batches and the row orders.
 
     Returns:
         The report; its ``problems`` are empty when the stack is exact.
@@ -526,79 +626,98 @@ def check_against_loop(model: RealModel, backend: str, n: int, mode: Mode, *, ba
         Whatever the stack raises: a refusal or a crash is not a mismatch.
     """
     members = [model.make(i, seed) for i in range(n)]
-    loop32 = [copy.deepcopy(m) for m in members]
-    loop64 = [copy.deepcopy(m).double() for m in members]
+    batches = _batches(model, n, mode, batch, steps, seed)
     names = _param_names(members[0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stack = phalanx.stack([copy.deepcopy(m) for m in members], backend=backend)
-        opt = phalanx.optim.Adam(stack.parameters(), lr=LR)
-        opts32 = [torch.optim.Adam(m.parameters(), lr=LR) for m in loop32]
-        opts64 = [torch.optim.Adam(m.parameters(), lr=LR) for m in loop64]
-        problems: list[str] = []
-        tiny = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in
-                _member_state(members, "params").items()}  # fmt: skip
-        with fixed_noise(model.noisy):
-            for step in range(steps):
-                data = make_batch(model, n, mode, batch=batch, seed=seed + step)
-                opt.zero_grad(set_to_none=True)
-                for o in (*opts32, *opts64):
-                    o.zero_grad(set_to_none=True)
-                s32 = _observe(lambda b: _stack_forward(stack, model, b), data, second_order)
-                f32 = _observe(lambda b: _loop_forward(loop32, model, b), data, second_order)
-                with _default_dtype(torch.float64):
-                    data64 = data.to(torch.float64)
-                    f64 = _observe(lambda b: _loop_forward(loop64, model, b), data64, second_order)
-                for name, g in _loop_grads(loop64, names).items():
-                    tiny[name] = tiny[name] | (g.abs() < TINY_GRADIENT)
-                if step == 0:  # the first step: everything the forward and backward give
-                    problems += _first_step_problems(s32, f32, f64, data)
-                    grads = _stack_state(stack, "params")
-                    problems += _grad_problems(
-                        {k: grads[k].grad for k in names}, loop32, loop64, names
-                    )
-                opt.step()
-                for o in (*opts32, *opts64):
-                    o.step()
-        for what in ("params", "buffers"):
-            after = _stack_state(stack, what)
-            a32, a64 = _member_state(loop32, what), _member_state(loop64, what)
-            for name in a32:
-                got, ref = after[name].detach(), a64[name]
-                if name in tiny:  # see TINY_GRADIENT
-                    got = torch.where(tiny[name], ref.to(got.dtype), got)
-                    a32[name] = torch.where(tiny[name], ref.to(got.dtype), a32[name])
-                problems += _compare(
-                    f"{what[:-1]} {name!r} after {steps} Adam steps",
-                    got, a32[name], ref, per_member=True,
-                )  # fmt: skip
+        got = _run(
+            model, lambda b: _stack_forward(stack, model, b),
+            phalanx.optim.Adam(stack.parameters(), lr=LR), batches,
+            lambda: {k: _grad(p) for k, p in _stack_state(stack, "params").items() if k in names},
+            lambda what: {k: v.detach() for k, v in _stack_state(stack, what).items()},
+            second_order,
+        )  # fmt: skip
+        ref = _loop_run(model, members, batches, torch.float64, None, second_order)
+        runs = [
+            _loop_run(model, members, batches, torch.float32, order, second_order)
+            for order in phalanx.testing.row_orders(batch, seed=seed)
+        ]
+    problems = _first_step_problems(got.first, [r.first for r in runs], ref.first, batches[0])
+    for name in names:
+        problems += _compare(f"gradient of {name!r}", got.grads[name],
+                             [r.grads[name] for r in runs], ref.grads[name], per_member=True)  # fmt: skip
+    for what in ("params", "buffers"):
+        for name, want in ref.after[what].items():
+            tiny = ref.tiny.get(name)  # see TINY_GRADIENT
+            problems += _compare(
+                f"{what[:-1]} {name!r} after {steps} Adam steps",
+                _untiny(got.after[what][name], want, tiny),
+                [_untiny(r.after[what][name], want, tiny) for r in runs], want, per_member=True,
+            )  # fmt: skip
     notes = list(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
     return CheckReport(stack.backend, problems, notes)
 
 
-def _first_step_problems(got: Any, f32: Any, f64: Any, data: Batch) -> list[str]:
-    (out, losses, xg), (out32, losses32, xg32), (out64, losses64, xg64) = got, f32, f64
+def _untiny(t: torch.Tensor, ref: torch.Tensor, tiny: torch.Tensor | None) -> torch.Tensor:
+    """``t`` with the reference's values where a gradient was tiny (see TINY_GRADIENT)."""
+    return t if tiny is None else torch.where(tiny, ref.to(t.dtype), t)
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p) if p.grad is None else p.grad
+
+
+def _first_step_problems(got: Any, runs: list[Any], f64: Any, data: Batch) -> list[str]:
+    (out, losses, xg), (out64, losses64, xg64) = got, f64
+    out32 = runs[0][0]  # the outputs' rows follow the order: the run as given alone
     problems = []
     if len(out) != len(out32):
         return [f"the output has {len(out)} tensors, the loop's {len(out32)}"]
     for k, (a, b, c) in enumerate(zip(out, out32, out64)):
         problems += _compare(f"output {k}", a, b, c, per_member=True)
-    problems += _compare("loss", losses, losses32, losses64, per_member=True)
+    problems += _compare("loss", losses, [r[1] for r in runs], losses64, per_member=True)
     float_dims = [d for a, d in zip(data.args, data.in_dims) if a.is_floating_point()]
-    for k, (a, b, c, d) in enumerate(zip(xg, xg32, xg64, float_dims)):
-        problems += _compare(f"input {k} gradient", a, b, c, per_member=d == 0)
+    for k, (c, d) in enumerate(zip(xg64, float_dims)):
+        problems += _compare(f"input {k} gradient", xg[k], [r[2][k] for r in runs], c,
+                             per_member=d == 0)  # fmt: skip
     return problems
 
 
-def _grad_problems(got: dict[str, torch.Tensor | None], loop32: list[nn.Module],
-                   loop64: list[nn.Module], names: list[str]) -> list[str]:  # fmt: skip
-    g32, g64 = _loop_grads(loop32, names), _loop_grads(loop64, names)
+def row_order_problems(model: RealModel, n: int, mode: Mode, *, batch: int = 4, steps: int = 3,
+                       second_order: bool = False, seed: int = 0) -> list[str]:  # fmt: skip
+    """Where the float64 loop depends on its samples' order by more than rounding.
+
+    :func:`check_against_loop` takes the float32 loop in several row orders as its yardstick,
+    which is sound only where the order changes nothing in exact arithmetic (mean and sum
+    losses, BatchNorm statistics, per-sample layers: yes; dropout or other per-sample random
+    draws: no). This runs the float64 loop as given and in the other orders and reports every
+    compared tensor (losses, input and parameter gradients, parameters and buffers after the
+    steps) that moved by more than 1% of a float32 ulp of its magnitude (at least 1): float64
+    rounding stays far below that, a changed computation does not.
+    """
+    members = [model.make(i, seed) for i in range(n)]
+    batches = _batches(model, n, mode, batch, steps, seed)
+    orders = phalanx.testing.row_orders(batch, seed=seed)
+    ref, *others = [
+        _loop_run(model, members, batches, torch.float64, order, second_order) for order in orders
+    ]
+    eps = torch.finfo(torch.float32).eps
     problems = []
-    for name in names:
-        g = got[name]
-        if g is None:
-            g = torch.zeros_like(g32[name])
-        problems += _compare(f"gradient of {name!r}", g, g32[name], g64[name], per_member=True)
+    for order, run in zip(orders[1:], others):
+        pairs = [("loss", run.first[1], ref.first[1])]
+        pairs += [(f"input {k} gradient", a, b) for k, (a, b) in
+                  enumerate(zip(run.first[2], ref.first[2]))]  # fmt: skip
+        pairs += [(f"gradient of {k!r}", run.grads[k], ref.grads[k]) for k in ref.grads]
+        for what in ("params", "buffers"):
+            pairs += [(f"{what[:-1]} {k!r} after {steps} Adam steps", run.after[what][k], t)
+                      for k, t in ref.after[what].items() if t.is_floating_point()]  # fmt: skip
+        for what, a, b in pairs:
+            diff = (a - b).abs().max().item()
+            allowed = 0.01 * eps * max(b.abs().max().item(), 1.0)
+            if not diff <= allowed:
+                problems.append(f"{what}: samples in order {order.tolist()} move it by "
+                                f"{diff:.3g} in float64 (allowed {allowed:.2g})")  # fmt: skip
     return problems
 
 
