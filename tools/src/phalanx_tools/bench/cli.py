@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--real",
         action="store_true",
-        help="time the real-model suite instead (14 model classes copied from public code, "
+        help="time the real-model suite instead (the model classes of tests/zoo, copied from "
+        "public code, and Hugging Face's BERT, GPT-2 and T5 when transformers is installed; "
         "each checked against the loop first); with --members N (default 16), --threads, "
         "--quick, --json and --workloads td3_critic,vae,... (a subset of the models)",
     )
