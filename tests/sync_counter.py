@@ -96,11 +96,15 @@ class Counts:
         return "; ".join(rows) or "none"
 
 
-class _Functions(TorchFunctionMode):
+class _Counting:
+    """A mode that writes what it sees into one :class:`Counts`."""
+
     def __init__(self, c: Counts) -> None:
         super().__init__()
         self.c = c
 
+
+class _Functions(_Counting, TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
@@ -123,11 +127,7 @@ class _Functions(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Dispatch(TorchDispatchMode):
-    def __init__(self, c: Counts) -> None:
-        super().__init__()
-        self.c = c
-
+class _Dispatch(_Counting, TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:

@@ -207,22 +207,23 @@ def _params(kind: str) -> list:
     ]
 
 
+def _within_budget(name: str, what: str) -> None:
+    c = _counted(name)
+    column, label = {"syncs": (1, "host syncs"), "copies": (2, "blocking copies")}[what]
+    allowed = BUDGET[name][column]
+    assert c.total(what) <= allowed, (
+        f"{name}: {c.total(what)} {label} per step, budget {allowed}: {c.describe()}"
+    )
+
+
 @pytest.mark.parametrize("name", _params("s"))
 def test_syncs(name):
-    c = _counted(name)
-    allowed = BUDGET[name][1]
-    assert c.total("syncs") <= allowed, (
-        f"{name}: {c.total('syncs')} host syncs per step, budget {allowed}: {c.describe()}"
-    )
+    _within_budget(name, "syncs")
 
 
 @pytest.mark.parametrize("name", _params("c"))
 def test_blocking_copies(name):
-    c = _counted(name)
-    allowed = BUDGET[name][2]
-    assert c.total("copies") <= allowed, (
-        f"{name}: {c.total('copies')} blocking copies per step, budget {allowed}: {c.describe()}"
-    )
+    _within_budget(name, "copies")
 
 
 @pytest.mark.parametrize("name", list(BUDGET))

@@ -18,25 +18,29 @@ from phalanx.testing import assert_close
 pytestmark = pytest.mark.filterwarnings("ignore:Stack.forward.*input 0 is shared")
 
 
-class Noisy(nn.Module):
+class Seeded(nn.Module):
+    """Member i: one ``Linear(d_in, d_out)`` initialised from seed i; subclasses add the
+    forward under test."""
+
+    def __init__(self, i: int, d_in: int = 6, d_out: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(i)
+        self.a = nn.Linear(d_in, d_out)
+
+
+class OwnGenerator(Seeded):
     """Draws from a torch.Generator of its own."""
 
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.lin, self.gen = nn.Linear(4, 4), torch.Generator().manual_seed(50 + seed)
+    def __init__(self, i: int, d_in: int = 6, d_out: int = 3) -> None:
+        super().__init__(i, d_in, d_out)
+        self.gen = torch.Generator().manual_seed(50 + i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) + torch.randn(x.shape[0], 4, generator=self.gen)
+        return self.a(x) + torch.randn(x.shape[0], self.a.out_features, generator=self.gen)
 
 
-class Halve(nn.Module):
+class Halve(Seeded):
     """Writes its shared input in place."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.a = nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x /= 2.0
@@ -60,7 +64,7 @@ def sq(out: torch.Tensor, rows: slice) -> torch.Tensor:
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_chunks_draw_each_members_own_generator(backend: str, k: int) -> None:
     """Failed before the fix: the chunk's view carried no generators (losses off by 8.5)."""
-    members = [Noisy(i) for i in range(5)]
+    members = [OwnGenerator(i, 4, 4) for i in range(5)]
     x = torch.randn(3, 4)
     alone = copy.deepcopy(members)
     first = [m(x).pow(2).sum() for m in alone]
@@ -74,7 +78,7 @@ def test_chunks_draw_each_members_own_generator(backend: str, k: int) -> None:
         torch.testing.assert_close(losses[i], first[i].detach(), rtol=0, atol=0)
         torch.testing.assert_close(nxt[i], second[i], rtol=0, atol=0)
         first[i].backward()
-        assert_close(stack.module.lin.weight.grad[i], alone[i].lin.weight.grad)
+        assert_close(stack.module.a.weight.grad[i], alone[i].a.weight.grad)
 
 
 @pytest.mark.parametrize("backend", ["loop", "fused", "auto", "vmap"])
@@ -236,33 +240,13 @@ def test_a_members_own_error_inside_jacrev_is_the_members() -> None:
 # ------------------------------------------------------------------------- compile_step
 
 
-class OwnGenerator(nn.Module):
-    def __init__(self, i: int) -> None:
-        super().__init__()
-        torch.manual_seed(i)
-        self.a, self.gen = nn.Linear(6, 3), torch.Generator().manual_seed(50 + i)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.a(x) + torch.randn(x.shape[0], 3, generator=self.gen)
-
-
-class Reseeds(nn.Module):
-    def __init__(self, i: int) -> None:
-        super().__init__()
-        torch.manual_seed(i)
-        self.a = nn.Linear(6, 3)
-
+class Reseeds(Seeded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         torch.manual_seed(123)
         return self.a(x) + torch.randn(x.shape[0], 3)
 
 
-class MakesGenerator(nn.Module):
-    def __init__(self, i: int) -> None:
-        super().__init__()
-        torch.manual_seed(i)
-        self.a = nn.Linear(6, 3)
-
+class MakesGenerator(Seeded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = torch.Generator().manual_seed(7)
         return self.a(x) + torch.randn(x.shape[0], 3, generator=g)
@@ -329,24 +313,18 @@ def test_compile_step_writes_an_input_once_per_step(warmup: int) -> None:
 # ------------------------------------------------------- random streams: made, held, spent
 
 
-class Dropping(nn.Module):
+class Dropping(Seeded):
     """Draws dropout, then turns its data into a Python value: fused refuses after drawing."""
-
-    def __init__(self, i: int) -> None:
-        super().__init__()
-        torch.manual_seed(i)
-        self.a = nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.dropout(self.a(x), 0.5, training=True)
         return h * 2 if bool(h.sum() > 0) else h
 
 
-class HoldsUnused(nn.Module):
+class HoldsUnused(Seeded):
     def __init__(self, i: int) -> None:
-        super().__init__()
-        torch.manual_seed(i)
-        self.a, self.gen = nn.Linear(6, 3), torch.Generator().manual_seed(i)
+        super().__init__(i)
+        self.gen = torch.Generator().manual_seed(i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x)
@@ -412,7 +390,7 @@ def test_a_generator_held_but_never_drawn_from_costs_no_backend(backend: str) ->
 def test_a_held_generator_drawn_from_is_still_refused(backend: str) -> None:
     from phalanx.backends import BackendRefusal
 
-    stack = phalanx.stack([Noisy(i) for i in range(3)], backend=backend)
+    stack = phalanx.stack([OwnGenerator(i, 4, 4) for i in range(3)], backend=backend)
     with pytest.raises(BackendRefusal, match=r"draws from a torch.Generator object"):
         stack(torch.randn(5, 4))
 

@@ -311,26 +311,51 @@ class Stack(nn.Module, Generic[Out]):
         """
         where = "Stack[i] = module"
         k = self._member_index(index, where)
-        diffs = architecture_differences(
-            self._member_module(k),
-            module,
-            k,
-            ref_name=f"the stack's member {k}",
-            check_device=False,
-            check_mode=False,
+        self._check_architecture(
+            where, [(k, module)], "the module does not match the members' architecture"
         )
-        if diffs:
-            raise ValueError(
-                f"{where}: the module does not match the members' architecture:\n  - "
-                + "\n  - ".join(diffs)
+        self._copy_rows([(k, module)], into_stack=True)
+        self._take_rates(k, module, where)
+
+    def _check_architecture(
+        self, where: str, modules: Sequence[tuple[int, nn.Module]], what: str, *, one: bool = False
+    ) -> None:
+        """Raises ValueError naming every difference between each ``(i, module)`` and member
+        i's architecture (with ``one`` and no padding: the stack's, named "the stack").
+
+        Args:
+            where: the public call, first in the message.
+            modules: (member index, module) pairs.
+            what: the message's summary line, after ``where``.
+            one: compare every module with one reference, member 0, where members share
+                their widths.
+        """
+        reference = self._member_module(0) if one and self._padding is None else None
+        diffs = [
+            d
+            for i, m in modules
+            for d in architecture_differences(
+                self._member_module(i) if reference is None else reference,
+                m,
+                i,
+                ref_name=f"the stack's member {i}" if reference is None else "the stack",
+                check_device=False,
+                check_mode=False,
             )
+        ]
+        if diffs:
+            raise ValueError(f"{where}: {what}:\n  - " + "\n  - ".join(diffs))
+
+    def _copy_rows(self, modules: Sequence[tuple[int, nn.Module]], *, into_stack: bool) -> None:
+        """Copies member i's rows of the stacked parameters and buffers into each ``(i,
+        module)``'s own tensors, or, ``into_stack``, the module's tensors into the rows."""
         params, buffers = self.stacked_state()
         with torch.no_grad():
-            for name, p in params.items():
-                self._row(p, name, k).copy_(module.get_parameter(name))
-            for name, b in buffers.items():
-                self._row(b, name, k).copy_(module.get_buffer(name))
-        self._take_rates(k, module, where)
+            for i, module in modules:
+                for stacked, own in ((params, module.get_parameter), (buffers, module.get_buffer)):
+                    for name, t in stacked.items():
+                        row, theirs = self._row(t, name, i), own(name)
+                        (row if into_stack else theirs).copy_(theirs if into_stack else row)
 
     def _rates_of(self, i: int) -> dict[str, float]:
         """Member i's dropout rates where they differ between members, by module path."""
@@ -975,32 +1000,12 @@ class Stack(nn.Module, Generic[Out]):
                 f"{where}: the stack has {self.num_members} members but {len(targets)} modules "
                 f"were given; pass exactly one module per member."
             )
-        one = self._padding is None  # else each member is checked at its own widths
-        reference = self._member_module(0)
-        diffs = [
-            d
-            for i, m in enumerate(targets)
-            for d in architecture_differences(
-                reference if one else self._member_module(i),
-                m,
-                i,
-                ref_name="the stack" if one else f"the stack's member {i}",
-                check_device=False,
-                check_mode=False,
-            )
-        ]
-        if diffs:
-            raise ValueError(
-                f"{where}: the modules do not match the stack's architecture:\n  - "
-                + "\n  - ".join(diffs)
-            )
-        params, buffers = self.stacked_state()
-        with torch.no_grad():
-            for i, m in enumerate(targets):
-                for name, p in params.items():
-                    m.get_parameter(name).copy_(self._row(p, name, i))
-                for name, b in buffers.items():
-                    m.get_buffer(name).copy_(self._row(b, name, i))
+        pairs = list(enumerate(targets))
+        # one reference, unless padded: then each member is checked at its own widths
+        self._check_architecture(
+            where, pairs, "the modules do not match the stack's architecture", one=True
+        )
+        self._copy_rows(pairs, into_stack=False)
         if self._view.rates is not None:  # each member's own dropout rates
             for i, m in enumerate(targets):
                 for path, p in self._view.rates.of(i).items():

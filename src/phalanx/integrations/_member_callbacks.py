@@ -93,6 +93,13 @@ class MemberEarlyStopping(TrainerCallback, ExportableState):
             control.should_training_stop = True
 
     def state(self) -> dict[str, Any]:
+        """What a Trainer checkpoint saves of this callback (transformers' ``ExportableState``).
+
+        Returns:
+            ``{"args": ..., "attributes": ...}``: the constructor's arguments, and each
+            member's best metric, evaluations without improvement and whether it stopped;
+            ``MemberEarlyStopping.from_state`` rebuilds the callback from it on resume.
+        """
         return {
             "args": {
                 "patience": self.patience,
