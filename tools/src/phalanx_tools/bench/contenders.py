@@ -311,7 +311,21 @@ def _warm_up(
                     v.zero_()
 
 
-class CompiledRunner(PhalanxRunner):
+class _WholeStep:
+    """A contender whose ``backward()`` runs the whole training step (forward, loss,
+    backward, update) and keeps no gradients: the check compares losses and the state after
+    the step."""
+
+    whole_step = True
+
+    def step(self) -> None:
+        pass  # backward() ran the whole step
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        return {}
+
+
+class CompiledRunner(_WholeStep, PhalanxRunner):
     """``phalanx.compile_step``: the whole training step captured and compiled.
 
     The step decides by timing whether its captured graph beats the eager step, so it is
@@ -321,8 +335,6 @@ class CompiledRunner(PhalanxRunner):
     gradients, so ``grads()`` is None and the check compares losses and the state after the
     step. Training only: its forward is the stack's.
     """
-
-    whole_step = True
 
     def __init__(
         self,
@@ -346,12 +358,6 @@ class CompiledRunner(PhalanxRunner):
     def backward(self) -> torch.Tensor:
         return self.compiled(self.x, self.t)
 
-    def step(self) -> None:
-        pass  # backward() ran the whole step
-
-    def grads(self) -> dict[str, torch.Tensor | None]:
-        return {}
-
     def compile_seconds(self) -> float | None:
         return self.compiled.compile_seconds
 
@@ -359,14 +365,12 @@ class CompiledRunner(PhalanxRunner):
         return self.compiled.report
 
 
-class TaughtRunner:
+class TaughtRunner(_WholeStep):
     """The training step exactly as the README's tour writes it, and nothing more:
     ``phalanx.stack(members)``, ``phalanx.optim.Adam``, ``phalanx.member_losses`` of the
     workload's own torch loss, and ``phalanx.compile_step`` (``captured=True``) or the eager
     step a user writes from the same lines (``captured=False``). No backend, optimizer mode
     or compile option is chosen for it: what a user who follows the tour runs."""
-
-    whole_step = True
 
     def __init__(
         self,
@@ -415,12 +419,6 @@ class TaughtRunner:
         losses.sum().backward()
         self.optimizer.step()
         return losses.detach()
-
-    def step(self) -> None:
-        pass  # backward() ran the whole step
-
-    def grads(self) -> dict[str, torch.Tensor | None]:
-        return {}
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k.removeprefix("module."): v for k, v in self.stack.state_dict().items()}
