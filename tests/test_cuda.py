@@ -94,19 +94,29 @@ def test_captured_step_matches_eager_step_on_cuda(backend):
     eager, eager_opt = build()
     torch.manual_seed(0)
     for k in range(6):
-        x = torch.randn(16, 10, device=DEVICE)
-        y = torch.randint(0, 2, (16,), device=DEVICE)
-        mask = torch.tensor([True, k % 2 == 0, True, True], device=DEVICE)
-        losses = step(x, y, mask=mask)
-        eager_opt.zero_grad()
-        expected = phalanx.member_losses(F.cross_entropy, eager(x), y)
-        expected.sum().backward()
-        phalanx.clip_grad_norm_(eager.parameters(), 1.0)
-        eager_opt.step(mask=mask, loss=expected.detach())
-        assert_close(losses, expected.detach(), trajectory=True, msg=f"losses of step {k}")
+        _step_both(step, eager, eager_opt, k)
     assert step.choice == "captured" and step.compile_seconds is not None
+    _assert_same_members(stack, eager)
+
+
+def _step_both(step, eager, eager_opt, k: int) -> None:
+    """Step k of the captured step and of the eager step it stands for (member 1 masked on
+    odd steps, clipping at 1): the same losses."""
+    x = torch.randn(16, 10, device=DEVICE)
+    y = torch.randint(0, 2, (16,), device=DEVICE)
+    mask = torch.tensor([True, k % 2 == 0, True, True], device=DEVICE)
+    losses = step(x, y, mask=mask)
+    eager_opt.zero_grad()
+    expected = phalanx.member_losses(F.cross_entropy, eager(x), y)
+    expected.sum().backward()
+    phalanx.clip_grad_norm_(eager.parameters(), 1.0)
+    eager_opt.step(mask=mask, loss=expected.detach())
+    assert_close(losses, expected.detach(), trajectory=True, msg=f"losses of step {k}")
+
+
+def _assert_same_members(stack, eager) -> None:
     for (name, p), q in zip(stack.named_parameters(), eager.parameters()):
-        for i in range(n):
+        for i in range(len(stack)):
             assert_close(p[i], q[i], msg=f"member {i} {name}", trajectory=True)
 
 
@@ -331,18 +341,7 @@ def test_the_captured_step_runs_as_cuda_graphs_and_survives_a_reloaded_optimizer
         if k == 4:  # a checkpoint reloaded: every state tensor replaced
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
             eager_opt.load_state_dict(copy.deepcopy(eager_opt.state_dict()))
-        x = torch.randn(16, 10, device=DEVICE)
-        y = torch.randint(0, 2, (16,), device=DEVICE)
-        mask = torch.tensor([True, k % 2 == 0, True, True], device=DEVICE)
-        losses = step(x, y, mask=mask)
-        eager_opt.zero_grad()
-        expected = phalanx.member_losses(F.cross_entropy, eager(x), y)
-        expected.sum().backward()
-        phalanx.clip_grad_norm_(eager.parameters(), 1.0)
-        eager_opt.step(mask=mask, loss=expected.detach())
-        assert_close(losses, expected.detach(), trajectory=True, msg=f"losses of step {k}")
+        _step_both(step, eager, eager_opt, k)
     assert step.choice == "captured"
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    for (name, p), q in zip(stack.named_parameters(), eager.parameters()):
-        for i in range(n):
-            assert_close(p[i], q[i], msg=f"member {i} {name}", trajectory=True)
+    _assert_same_members(stack, eager)
