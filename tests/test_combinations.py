@@ -290,9 +290,16 @@ def _collect(
 
 
 def run_eager(kind: str, backend: str, per_member: bool) -> tuple[Result, Result]:
-    members = members_for(kind)
-    x, kwargs = input_for(kind, per_member), kwargs_for(kind)
-    stack = _stack(members, backend)
+    return _run_once(kind, backend, per_member)
+
+
+def _run_once(
+    kind: str, backend: str, per_member: bool, widths: list[int] | None = None
+) -> tuple[Result, Result]:
+    """One forward and backward of the stack (of members of ``widths``, padded), and the loop."""
+    members = members_for(kind, widths)
+    x, kwargs = input_for(kind, per_member), kwargs_for(kind, widths)
+    stack = _stack(members, backend, **({} if widths is None else {"pad_widths": True}))
     xs = _leaf_input(x, kind)
     torch.manual_seed(123)
     out = stack(xs, in_dims=0 if per_member else None, **kwargs)
@@ -435,18 +442,7 @@ WIDTHS = [3, 4, 5]
 
 
 def run_padded(kind: str, backend: str, per_member: bool) -> tuple[Result, Result]:
-    members = members_for(kind, WIDTHS)
-    x, kwargs = input_for(kind, per_member), kwargs_for(kind, WIDTHS)
-    stack = _stack(members, backend, pad_widths=True)
-    xs = _leaf_input(x, kind)
-    torch.manual_seed(123)
-    out = stack(xs, in_dims=0 if per_member else None, **kwargs)
-    losses = loss_of(out)
-    losses.sum().backward()
-    got = _collect(stack, out, losses, xs, kind)
-    torch.manual_seed(123)
-    masks = _dropout_masks(kind, backend, out)
-    return got, reference(members, kind, x, per_member, kwargs, masks=masks)
+    return _run_once(kind, backend, per_member, WIDTHS)
 
 
 RUNNERS = {
