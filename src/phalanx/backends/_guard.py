@@ -22,14 +22,16 @@ if TYPE_CHECKING:
     from phalanx.backends import Backend, StackView
 
 
-def _refuse(name: str, why: str) -> None:
+def random_refusal(who: str, why: str) -> BackendRefusal:
+    """The refusal of ``who`` (a backend, or the vmapped ones), which cannot give each member
+    its own random numbers because ``why``; ``auto`` reads ``why`` when it hands over."""
     refusal = BackendRefusal(
-        f"Stack.forward(): backend {name!r} cannot give each member its own random numbers: "
-        f"{why}\nUse phalanx.stack(models, backend='loop'), or backend='auto', which hands "
-        f"over to the loop by itself."
+        f"Stack.forward(): {who} cannot give each member its own random numbers: {why}.\n"
+        f"Use phalanx.stack(models, backend='loop'), or backend='auto', which hands over to "
+        f"the loop by itself."
     )
     refusal.why = why  # type: ignore[attr-defined]
-    raise refusal
+    return refusal
 
 
 class Guarded:
@@ -52,8 +54,8 @@ class Guarded:
         # is drawn from (``rules.BatchedOps``): one it holds and never draws from costs
         # nothing.
         if any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values())):
-            _refuse(
-                self.name,
+            raise random_refusal(
+                f"backend {self.name!r}",
                 "a torch.Generator is passed to the forward, and one vmapped call draws every "
                 "member's noise from it at once; the loop draws member after member, as the "
                 "members alone do",
@@ -69,8 +71,8 @@ class Guarded:
         before = compat.seed_token()
         out = self.inner.forward(view, args, kwargs, in_dims, kw_dims)
         if compat.seed_token() != before:
-            _refuse(
-                self.name,
+            raise random_refusal(
+                f"backend {self.name!r}",
                 "the member's forward reseeds the global generator (torch.manual_seed): each "
                 "member alone then draws what the seed gives, one vmapped call N different "
                 "draws",

@@ -317,7 +317,7 @@ def _refuse_generator(func: Any, generator: torch.Generator, module: Any) -> Non
     """A draw from a ``torch.Generator`` object (one the member holds, or makes and seeds in
     its forward): one vmapped call would draw every member's numbers from that one stream at
     once; each member alone draws its own from it. Refused before anything is drawn."""
-    from phalanx.backends import BackendRefusal
+    from phalanx.backends._guard import random_refusal
 
     held = [
         f"{path}.{key}" if path else key
@@ -331,13 +331,7 @@ def _refuse_generator(func: Any, generator: torch.Generator, module: Any) -> Non
         f"{getattr(func, '__name__', func)}(generator=...)), and one vmapped call draws every "
         f"member's numbers from it at once; the loop draws each member's as it draws alone"
     )
-    refusal = BackendRefusal(
-        f"Stack.forward(): the vmapped backends cannot give each member its own random "
-        f"numbers: {why}.\nUse phalanx.stack(models, backend='loop'), or backend='auto', "
-        f"which hands over to the loop by itself."
-    )
-    refusal.why = why  # type: ignore[attr-defined]
-    raise refusal
+    raise random_refusal("the vmapped backends", why)
 
 
 def _fresh_leaf(args: Any, kwargs: Any) -> bool:
