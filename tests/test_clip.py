@@ -122,3 +122,42 @@ def test_clip_on_stack_parameters_and_errors() -> None:
         phalanx.clip_grad_value_(
             [nn.Parameter(torch.zeros(4, 2)), nn.Parameter(torch.zeros(3, 2))], 1.0
         )
+
+
+# -------------------------------------- torch's clip_grad_norm_ on a stack: made loud by a check
+
+
+def _training_step(optimizer: str, clip):
+    """A stack with dropout and BatchNorm, its optimizer and one step that clips with ``clip``."""
+    torch.manual_seed(0)
+    stack = phalanx.stack(
+        [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.Linear(8, 2))
+         for _ in range(3)]
+    )  # fmt: skip
+    opt = getattr(phalanx.optim, optimizer)(stack.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+
+    def step() -> None:
+        opt.zero_grad()
+        phalanx.member_losses(torch.nn.functional.mse_loss, stack(x), y).sum().backward()
+        clip(stack.parameters(), max_norm=1.0)
+        opt.step()
+
+    return stack, opt, step
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_coupling_check_catches_torchs_joint_clip(optimizer: str) -> None:
+    """torch.nn.utils.clip_grad_norm_ on a stack cannot be detected when it runs (it reads
+    plain gradient tensors): phalanx.testing's check shows it, naming the fix; phalanx's own
+    clipping passes, and the check leaves weights and optimizer state as they were."""
+    stack, opt, step = _training_step(optimizer, torch.nn.utils.clip_grad_norm_)
+    before = {k: v.clone() for k, v in stack.state_dict().items()}
+    with pytest.raises(AssertionError, match=r"member 1 parameter .*phalanx.clip_grad_norm_"):
+        phalanx.testing.assert_members_independent(stack, step, opt)
+    for k, v in stack.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not opt.state_dict()["state"]
+    stack, opt, step = _training_step(optimizer, phalanx.clip_grad_norm_)
+    phalanx.testing.assert_members_independent(stack, step, opt)
+    phalanx.testing.assert_members_independent(stack, step, opt, member=2)

@@ -30,7 +30,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ __all__ = [
     "TRAJECTORY",
     "assert_close",
     "assert_equal_to_loop",
+    "assert_members_independent",
+    "coupling_problems",
     "rounding_problems",
     "row_orders",
 ]
@@ -187,6 +190,113 @@ def assert_equal_to_loop(
         got, loop, reference, what=what, per_member=per_member, factor=factor,
         floor_scale=floor_scale,
     )  # fmt: skip
+    if problems:
+        raise AssertionError("; ".join(problems))
+
+
+def coupling_problems(
+    stack: torch.nn.Module,
+    step: Callable[[], Any],
+    optimizer: Any,
+    *,
+    member: int = 0,
+    factor: float = 1e6,
+) -> list[str]:
+    """Members whose update depends on another member's gradients in one training step.
+
+    Runs ``step()`` (one eager training step of your own on a fixed batch: forward, losses,
+    backward, clipping, ``optimizer.step()``) twice from the same weights, optimizer state and
+    random state: as it is, and with member ``member``'s gradients multiplied by ``factor`` as
+    backward computes them (an exploding member). Every other member must take the same step
+    both times, to a few float32 ulps. Whatever reads all members' gradients together fails:
+    ``torch.nn.utils.clip_grad_norm_(stack.parameters(), ...)``, which clips every member by one
+    joint norm (use ``phalanx.clip_grad_norm_``), or one loss scale for all members. The
+    weights and the optimizer's state are put back afterwards. The step must not advance a
+    learning-rate scheduler (both runs must see the same rates).
+
+    Args:
+        stack: the stack (any module whose parameters carry the member axis first).
+        step: runs one training step; its return value is ignored.
+        optimizer: the optimizer ``step`` steps (its state is saved and put back).
+        member: the member whose gradients are blown up.
+        factor: how much.
+
+    Returns:
+        One message per other member and parameter whose update changed; empty when the
+        members are independent.
+
+    Example:
+        >>> stack = phalanx.stack([nn.Linear(4, 2) for _ in range(3)])
+        >>> opt = phalanx.optim.SGD(stack.parameters(), lr=0.1)
+        >>> x, y = torch.randn(8, 4), torch.randn(8, 2)
+        >>> def step():
+        ...     opt.zero_grad()
+        ...     phalanx.member_losses(F.mse_loss, stack(x), y).sum().backward()
+        ...     torch.nn.utils.clip_grad_norm_(stack.parameters(), max_norm=1.0)  # the trap
+        ...     opt.step()
+        >>> print(coupling_problems(stack, step, opt)[0])  # doctest: +ELLIPSIS
+        member 1 parameter 'weight': its update changed by ... when member 0's gradients were ...
+    """
+    params = dict(stack.named_parameters())
+    start = {k: v.detach().clone() for k, v in stack.state_dict().items()}
+    opt_start = copy.deepcopy(optimizer.state_dict())
+
+    def run(scaled: bool) -> dict[str, Tensor]:
+        hooks = []
+        if scaled:
+            for p in params.values():
+                scale = torch.ones(
+                    p.shape[0], *([1] * (p.dim() - 1)), dtype=p.dtype, device=p.device
+                )
+                scale[member] = factor
+                hooks.append(p.register_hook(lambda g, s=scale: g * s))
+        try:
+            with torch.random.fork_rng():
+                step()
+        finally:
+            for h in hooks:
+                h.remove()
+        after = {k: p.detach().clone() for k, p in params.items()}
+        with torch.no_grad():
+            for k, v in stack.state_dict().items():
+                v.copy_(start[k])
+        optimizer.load_state_dict(copy.deepcopy(opt_start))
+        return after
+
+    plain, blown = run(False), run(True)
+    eps = torch.finfo(torch.float32).eps
+    problems = []
+    for name, after in plain.items():
+        for i in range(after.shape[0]):
+            if i == member:
+                continue
+            change = (blown[name][i] - after[i]).abs().max().item()
+            allowed = FLOOR_ULPS * eps * after[i].abs().max().item()
+            if not change <= allowed:
+                problems.append(
+                    f"member {i} parameter {name.removeprefix('module.')!r}: its update changed "
+                    f"by {change:.3g} when member {member}'s gradients were multiplied by "
+                    f"{factor:g} (allowed {allowed:.2g}): the step reads all members' gradients "
+                    f"together, e.g. torch.nn.utils.clip_grad_norm_(stack.parameters()), which "
+                    f"clips every member by one joint norm; clip with phalanx.clip_grad_norm_, "
+                    f"one norm per member"
+                )
+    return problems
+
+
+def assert_members_independent(
+    stack: torch.nn.Module,
+    step: Callable[[], Any],
+    optimizer: Any,
+    *,
+    member: int = 0,
+    factor: float = 1e6,
+) -> None:
+    """Raises AssertionError unless no member's step depends on another member's gradients.
+
+    See :func:`coupling_problems` for the arguments.
+    """
+    problems = coupling_problems(stack, step, optimizer, member=member, factor=factor)
     if problems:
         raise AssertionError("; ".join(problems))
 
