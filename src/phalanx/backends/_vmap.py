@@ -18,6 +18,7 @@ called on every call, so hooks, attributes and modes changed at any time are see
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -206,10 +207,11 @@ def members_own_error(
             with own_rates or contextlib.nullcontext():
                 functional_call(view.module, state, member_args, member_kw)
         except Exception as e:
-            e.add_note(
-                f"(raised by member {i}'s own forward{_where(e, paths)}, as "
-                f"backend='loop' raises it)"
-            )
+            note = f"(raised by member {i}'s own forward{_where(e, paths)}, as backend='loop' raises it)"
+            if sys.version_info >= (3, 11):
+                e.add_note(note)
+            else:  # BaseException.add_note is 3.11's; 3.10 keeps the note where 3.11 puts it
+                e.__notes__ = [*getattr(e, "__notes__", []), note]
             return e
         finally:
             put_back(list(written(before)))
