@@ -12,7 +12,10 @@ times it in.
   Adam steps (``phalanx.optim.Adam`` on the stack, ``torch.optim.Adam`` per member).
   Tolerances are earned, not tuned: the same loop is also run in float64, and the stack's
   error against it may be at most :data:`FACTOR` times the float32 loop's own error (plus a
-  few ulps of the tensor's scale, for results the float32 loop happens to get exactly).
+  few ulps of the tensor's scale, for results the float32 loop happens to get exactly),
+  the largest over runs with each member's samples in several orders
+  (``phalanx.testing.row_orders``; :func:`row_order_problems` checks, in float64, that the
+  order changes nothing but rounding).
 - :func:`time_model` times one training step (forward, loss, backward, Adam step) of the
   stack (``auto``) against the loop with ``torch.optim.Adam()``, the loop with
   ``torch.optim.Adam(fused=True)`` (which isolates the gain from batching) and torch.func's
