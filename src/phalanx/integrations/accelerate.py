@@ -84,6 +84,9 @@ class PhalanxAccelerator(accelerate.Accelerator):
         self._stacked: set[int] = set()
         self._n: int | None = None
         self.member_mask: Tensor | None = None
+        # set by a step that already updated the members (PhalanxTrainer's captured step):
+        # the prepared optimizer's next step is then that one, not a second
+        self._step_taken = False
         # a callable giving the mask at each step (the Trainer's early stopping), or None
         self.member_mask_fn: Callable[[], Tensor | None] | None = None
         self._torch_scaler: Any = getattr(
@@ -277,6 +280,10 @@ class _MemberOptimizer(AcceleratedOptimizer):
 
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients:
+            return
+        if self._accelerator._step_taken:
+            self._accelerator._step_taken = False
+            self._is_overflow = False
             return
         mask = self._accelerator.current_member_mask()
         scaler = self._accelerator.scaler
