@@ -287,8 +287,8 @@ class StackModule(pl.LightningModule):
             step = TrainStep(stacks[0], loss_fn, inner, step=self.step_mode, where=name,
                              on_choice=self._chosen, **options)  # fmt: skip
             self._train_step = (key, step)
-        mask = self._mask()
-        mask = None if bool(mask.all()) else mask
+        live = self._mask()
+        mask = None if bool(live.all()) else live
         # Lightning counts an optimizer step (global_step, its progress) around its
         # optimizer's step; the step runs the phalanx optimizer itself, so count it here.
         lopt._on_before_step()

@@ -179,7 +179,9 @@ class TrainStep:
     def _step(self) -> CompiledStep:
         stack = self.stack
         if self._compiled is None or self._built_for is not stack:
-            prefer = "captured" if self.mode == "captured" else "fastest"
+            prefer: Literal["fastest", "captured"] = (
+                "captured" if self.mode == "captured" else "fastest"
+            )
             self._compiled = compile_step(stack, self.loss_fn, self.optimizer, prefer=prefer,
                                           **self._kwargs)  # fmt: skip
             self._built_for = stack
