@@ -11,11 +11,20 @@ integration (and which couple the members: one joint clip, one shared scale):
 - scaler: phalanx.MemberGradScaler against torch.amp.GradScaler (scale, step, update), the
   same MLP stack under CPU bfloat16 autocast.
 
+Then the step each integration can run, captured (``step="captured"``: compile_step with
+inductor) against eager (``step="eager"``), after the capture, same interleaving:
+
+- Trainer: PhalanxTrainer(step="captured") against PhalanxTrainer(step="eager");
+- accelerate: PhalanxAccelerator.train_step(step="captured") against its eager step (backward,
+  clip_grad_norm_, the prepared optimizer's step).
+
 Run: flock /tmp/bench.lock env OMP_NUM_THREADS=1 python benchmarks/integrations_overhead.py
+(``--quick``: one round, fewer steps; ``--steps-only``: the captured-against-eager rows only)
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -64,16 +73,17 @@ class Clock(transformers.TrainerCallback):
         self.times.append(time.perf_counter())
 
 
-def trainer_step(kind, stack, steps=12):
+def trainer_step(kind, stack, steps=12, skip=2):
     clock = Clock()
     args = transformers.TrainingArguments(
         tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=8, report_to=[],
         use_cpu=True, disable_tqdm=True, save_strategy="no", logging_steps=4,
     )  # fmt: skip
     opt = phalanx.optim.AdamW(stack.parameters(), lr=1e-4)
-    if kind == "phalanx":
+    if kind in ("phalanx", "captured", "eager"):
+        step = "eager" if kind == "phalanx" else kind
         trainer = PhalanxTrainer(
-            model=stack, args=args, train_dataset=Tokens(), optimizers=(opt, None)
+            model=stack, args=args, train_dataset=Tokens(), optimizers=(opt, None), step=step
         )
     else:
         trainer = transformers.Trainer(
@@ -81,7 +91,7 @@ def trainer_step(kind, stack, steps=12):
         )
     trainer.add_callback(clock)
     trainer.train()
-    diffs = [b - a for a, b in zip(clock.times[2:], clock.times[3:])]  # after warm-up
+    diffs = [b - a for a, b in zip(clock.times[skip:], clock.times[skip + 1 :])]  # after warm-up
     return statistics.median(diffs)
 
 
@@ -99,6 +109,20 @@ def accelerate_step(kind, stack, x, y, steps=60):
         opt.zero_grad()
         times.append(time.perf_counter() - start)
     return statistics.median(times[5:])
+
+
+def accelerate_train_step(kind, stack, x, y, steps=60):
+    """PhalanxAccelerator.train_step, captured or eager; the capture (step 4) left out."""
+    acc = PhalanxAccelerator(cpu=True)
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-3)
+    model, opt = acc.prepare(stack, opt)
+    train = acc.train_step(model, F.cross_entropy, opt, step=kind, max_norm=1.0)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        train(x, y)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[8:])
 
 
 def scaler_step(kind, stack, x, y, steps=60):
@@ -121,15 +145,22 @@ def scaler_step(kind, stack, x, y, steps=60):
     return statistics.median(times[5:])
 
 
-def ratio(run):
+def ratio(run, kinds=("phalanx", "plain")):
     ours, plain = [], []
     for _ in range(ROUNDS):
-        ours.append(run("phalanx"))
-        plain.append(run("plain"))
+        ours.append(run(kinds[0]))
+        plain.append(run(kinds[1]))
     return statistics.median(ours), statistics.median(plain)
 
 
 def main():
+    global ROUNDS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round, fewer steps")
+    parser.add_argument("--steps-only", action="store_true", help="captured vs eager rows only")
+    args = parser.parse_args()
+    if args.quick:
+        ROUNDS = 1
     config = transformers.GPT2Config(
         vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, use_cache=False
     )
@@ -141,6 +172,25 @@ def main():
         seed=0,
     )
     x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
+    captured = ("captured", "eager")
+    trainer_steps = 16 if args.quick else 24
+    steps = [
+        (
+            "Trainer step='captured' vs 'eager' (GPT-2s)",
+            ratio(lambda k: trainer_step(k, gpt2, steps=trainer_steps, skip=6), captured),
+        ),
+        (
+            "accelerate train_step captured vs eager (MLPs)",
+            ratio(
+                lambda k: accelerate_train_step(k, mlp, x, y, 30 if args.quick else 60), captured
+            ),
+        ),
+    ]
+    print(f"{'integration: the captured step':46} {'captured':>10} {'eager':>9} {'ratio':>6}")
+    for name, (ours, plain) in steps:
+        print(f"{name:46} {ours * 1e3:10.2f} {plain * 1e3:9.2f} {ours / plain:6.3f}")
+    if args.steps_only:
+        return
     rows = [
         ("Trainer (8 GPT-2s, 2 layers, batch 8x32)", ratio(lambda k: trainer_step(k, gpt2))),
         (

@@ -1,9 +1,15 @@
 """Per-step overhead of phalanx.integrations.lightning against Lightning's plain loop, and of
 phalanx.integrations.torchrl against the plain call / TorchRL's plain SAC step; each a ratio of
 times measured in this one process, alternating, on identical inputs.
-Run: flock /tmp/bench.lock env OMP_NUM_THREADS=1 python benchmarks/lightning_torchrl_overhead.py"""
+Then StackModule(step="captured") against StackModule(step="eager") (``member_step``, manual
+optimization) and against the automatic-optimization StackModule, per-member clip in all three:
+a step's time after the capture, the median of steps timed by a callback, alternating.
+Run: flock /tmp/bench.lock env OMP_NUM_THREADS=1 python benchmarks/lightning_torchrl_overhead.py
+(``--quick``: one round; ``--steps-only``: the captured-against-eager rows only)"""
 
 import logging
+import statistics
+import sys
 import time
 import warnings
 
@@ -96,6 +102,57 @@ def fit(cls, steps, **kw):
 def per_step(cls, **kw):  # fit(250) - fit(50): the set-up cancels
     return (fit(cls, 250, **kw) - fit(cls, 50, **kw)) / 200 * 1e3
 
+
+class Stepped(StackModule):
+    """phalanx's step through member_step, captured or eager (manual optimization)."""
+
+    def __init__(self, step):
+        super().__init__(step=step)
+        self.stack = phalanx.stack(make, num_members=N, seed=0)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        self.member_step(F.cross_entropy, x, y, max_norm=1.0)
+
+    def configure_optimizers(self):
+        return phalanx.optim.Adam(self.stack.parameters(), lr=1e-3)
+
+
+class StepClock(pl.Callback):
+    def __init__(self):
+        self.times = []
+
+    def on_train_batch_end(self, *args):
+        self.times.append(time.perf_counter())
+
+
+def steady_step(make_module, steps=120, **kw):
+    """Median ms between batch ends after step 12 (the capture and the timing done)."""
+    clock = StepClock()
+    t = pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock], **kw,
+    )  # fmt: skip
+    t.fit(make_module(), DL)
+    return statistics.median(b - a for a, b in zip(clock.times[12:], clock.times[13:])) * 1e3
+
+
+QUICK = "--quick" in sys.argv
+step_cases = {
+    "StackModule(step='captured'), member_step, max_norm=1": (lambda: Stepped("captured"), {}),
+    "StackModule(step='eager'), member_step, max_norm=1": (lambda: Stepped("eager"), {}),
+    "StackModule automatic, gradient_clip_val=1 (eager)": (MemberNoLog, {"gradient_clip_val": 1.0}),
+}
+step_times = {k: [] for k in step_cases}
+for _ in range(1 if QUICK else 3):
+    for k, (make_module, kw) in step_cases.items():
+        step_times[k].append(steady_step(make_module, 60 if QUICK else 120, **kw))
+eager_ms = min(step_times["StackModule(step='eager'), member_step, max_norm=1"])
+print(f"Lightning, N={N} MLP 10-64-3, batch 64, Adam: the step, ms after the capture")
+for k, v in step_times.items():
+    print(f"  {k:60s} {min(v):7.3f} ms  {min(v) / eager_ms:5.2f}x the eager member_step")
+if "--steps-only" in sys.argv:
+    sys.exit(0)
 
 cases = {
     "Lightning plain, no clip": (Plain, {}),

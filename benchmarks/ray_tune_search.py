@@ -8,6 +8,10 @@ train the same configurations; the script prints both wall times (Tune's include
 Ray, as a user's run does), their ratio and the largest difference of the two runs' values.
 
     flock /tmp/bench.lock env OMP_NUM_THREADS=1 python benchmarks/ray_tune_search.py
+
+``--compare-step``: the one-stack search only, its steps through ``train_step`` at
+``step="captured"`` (compile_step, inductor, the compile included) against ``step="eager"``.
+``--quick``: 16 configurations, 2 epochs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -25,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from phalanx.integrations.ray_tune import optimize
+from phalanx.integrations.ray_tune import optimize, train_step
 from phalanx_tools.demo import load_digits
 
 warnings.filterwarnings("ignore")
@@ -81,7 +86,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--compare-step", action="store_true", help="captured vs eager step")
+    parser.add_argument("--quick", action="store_true", help="16 configurations, 2 epochs")
     args = parser.parse_args()
+    if args.quick:
+        args.trials, args.epochs = 16, 2
     torch.set_num_threads(1)
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
@@ -95,6 +104,7 @@ def main() -> None:
 
     data = load_digits(0)
     numbers: dict[str, int] = {}
+    steady: dict[str, list[float]] = {"captured": [], "eager": [], "auto": []}
 
     def train_stack(configs: list[dict]) -> torch.Tensor:
         base = len(numbers)
@@ -111,8 +121,17 @@ def main() -> None:
             data.x_train, data.y_train, num_members=len(configs), batch_size=32,
             drop_last=True, seed=SEED, first_member=base,
         )  # fmt: skip
+        step = train_step(stack, F.cross_entropy, opt, in_dims=0) if args.compare_step else None
+        calls = 0
         for _ in range(args.epochs):
             for xb, yb in loader:
+                if step is not None:  # optimize(step=...)'s choice
+                    t0 = time.perf_counter()
+                    step(xb, yb)
+                    calls += 1
+                    if calls > 10:  # after the warm-up, the capture and the timing
+                        steady[step.mode].append(time.perf_counter() - t0)
+                    continue
                 losses = phalanx.member_losses(
                     F.cross_entropy, stack(xb, in_dims=0), yb, in_dims=(0, 0)
                 )
@@ -121,6 +140,30 @@ def main() -> None:
                 opt.step()
         with torch.no_grad():
             return phalanx.metrics.loss(F.cross_entropy, stack(data.x_val), data.y_val)
+
+    if args.compare_step:
+        times: dict[str, float] = {}
+        values = {}
+        for step_mode in ("captured", "eager"):
+            numbers.clear()
+            t0 = time.perf_counter()
+            values[step_mode] = optimize(
+                searcher(), train_stack, n_trials=args.trials, step=step_mode
+            )
+            times[step_mode] = time.perf_counter() - t0
+        diffs = [abs(a[2] - b[2]) for a, b in zip(values["captured"], values["eager"])]
+        cap_ms, eag_ms = (statistics.median(steady[k]) * 1e3 for k in ("captured", "eager"))
+        print(
+            f"{args.trials} configurations, {args.epochs} epochs of MLP 64-{args.hidden}-10 on "
+            f"digits, one stack, one thread:\n"
+            f"  optimize(step='captured'): {times['captured']:.2f} s (compile included)\n"
+            f"  optimize(step='eager'):    {times['eager']:.2f} s\n"
+            f"  a step after the capture (median): captured {cap_ms:.3f} ms, eager {eag_ms:.3f} "
+            f"ms, eager / captured {eag_ms / cap_ms:.2f}x\n"
+            f"  whole search eager / captured {times['eager'] / times['captured']:.2f}x; "
+            f"max |value difference| {max(diffs):.1e}"
+        )
+        return
 
     t0 = time.perf_counter()
     runs = optimize(searcher(), train_stack, n_trials=args.trials)

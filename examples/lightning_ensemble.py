@@ -1,5 +1,7 @@
 """Eight MLPs with eight learning rates trained by pytorch_lightning.Trainer as one stack:
-each member clipped with its own norm, logged, early-stopped and checkpointed on its own."""
+each member clipped with its own norm, logged, early-stopped and checkpointed on its own.
+phalanx runs each step (StackModule(step="auto")), captured by phalanx.compile_step where that
+measures faster."""
 
 import tempfile
 import warnings
@@ -21,7 +23,7 @@ LRS = torch.logspace(-3, 1, N).tolist()  # each member stops when its own val_lo
 
 class Sweep(StackModule):
     def __init__(self, lrs=LRS):
-        super().__init__()
+        super().__init__(step="auto")  # member_step below; "eager" or "captured" to choose
         self.save_hyperparameters()
         self.stack = phalanx.stack(
             lambda: nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)),
@@ -31,9 +33,10 @@ class Sweep(StackModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        losses = phalanx.member_losses(F.cross_entropy, self.stack(x), y)  # (N,)
+        # zero_grad, forward, member_losses, backward, each member clipped by its own norm,
+        # the step (stopped members masked): one call, the (N,) losses
+        losses = self.member_step(F.cross_entropy, x, y, max_norm=1.0)
         self.log_members("train_loss", losses)
-        return losses.sum()  # member i's gradient is its own loss's
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -53,7 +56,6 @@ members = MemberCheckpoint(out, monitor="val_loss")
 stopper = MemberEarlyStopping("val_loss", patience=2)
 trainer = pl.Trainer(
     max_epochs=8,
-    gradient_clip_val=1.0,
     accelerator="cpu",
     logger=False,
     enable_progress_bar=False,
@@ -65,6 +67,7 @@ model = Sweep()
 trainer.fit(model, train, val)
 print("members still training:", model.member_mask.int().tolist())
 print("stopped at epoch (-1: never):", stopper.stopped_epoch.tolist())
+print("step:", model.step_choice)
 print("best val_loss per member:", [round(float(v), 3) for v in members.best])
 trainer.save_checkpoint(f"{out}/last.ckpt")
 back = Sweep.load_from_checkpoint(f"{out}/last.ckpt")

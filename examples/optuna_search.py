@@ -4,7 +4,8 @@ Each trial suggests a learning rate, a momentum and a width; the trials of one w
 stack (the width is an architecture choice), trained with per-member hyperparameters and a
 per-member data pipeline (each member its own order and its own random noise augmentation,
 through torch's DataLoader). Optuna's MedianPruner stops members by mask; every trial is
-told COMPLETE, PRUNED or FAIL. Run: python examples/optuna_search.py
+told COMPLETE, PRUNED or FAIL. Each step runs captured by phalanx.compile_step where that
+measures faster (optimize's step="auto"). Run: python examples/optuna_search.py
 """
 
 import optuna
@@ -43,14 +44,10 @@ def train(group):
     loader = phalanx.data.MemberDataLoader(
         train_set, num_members=len(group), batch_size=64, transform=noise, seed=0
     )
+    step = group.train_step(F.cross_entropy, opt, in_dims=0)  # captured where faster
     for epoch in range(4):
         for xb, yb in loader:
-            losses = phalanx.member_losses(
-                F.cross_entropy, group.stack(xb, in_dims=0), yb, in_dims=(0, 0)
-            )
-            opt.zero_grad()
-            losses.sum().backward()
-            opt.step(mask=group.mask)  # pruned members stop stepping
+            step(xb, yb, mask=group.mask)  # pruned members stop stepping
         with torch.no_grad():
             val = phalanx.metrics.loss(F.cross_entropy, group.stack(x_val), y_val)
         group.report(val, epoch)  # each trial its own intermediate value; the pruner decides
@@ -69,3 +66,4 @@ print(
 )
 best = study.best_trial
 print(f"best trial {best.number}: validation loss {best.value:.3f} with {best.params}")
+print("steps:", sorted({str(g.step_choice) for g in groups}))

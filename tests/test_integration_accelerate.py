@@ -231,3 +231,44 @@ def test_clipping_a_stack_never_prepared_is_refused():
     plain(torch.randn(4, 3)).sum().backward()
     assert accelerator.clip_grad_norm_(plain.parameters(), 1.0).shape == ()
     del opt
+
+
+def _run_step(step, dtype, steps=6, accumulate=1):
+    accelerator = PhalanxAccelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    members = [m.to(dtype) for m in _members()]
+    with torch.no_grad():
+        members[1][0].weight[0, 0] = float("nan")  # member 1 diverged before training
+    stack = phalanx.stack(members)
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+    stack, opt = accelerator.prepare(stack, opt)
+    accelerator.member_mask = torch.tensor([True, True, True, False])  # member 3 stopped
+    train = accelerator.train_step(stack, F.cross_entropy, opt, step=step, max_norm=1.0,
+                                   backend="aot_eager")  # fmt: skip
+    for x, y in _batches(steps):
+        losses = train(x.to(dtype), y)
+    return stack, train, losses
+
+
+def test_the_accelerators_train_step_captured_gives_the_eager_steps_members():
+    eager, e_step, _ = _run_step("eager", torch.float32)
+    eager64, _, _ = _run_step("eager", torch.float64)
+    got, step, losses = _run_step("captured", torch.float32)
+    assert step.choice == "captured" and e_step.choice == "eager"
+    assert losses[1].isnan() and losses[[0, 2, 3]].isfinite().all()
+    torch.testing.assert_close(step.last_norms[[0, 2, 3]], e_step.last_norms[[0, 2, 3]])
+    fresh = phalanx.stack(_members())
+    for (name, p), q, q64, p0 in zip(
+        got.named_parameters(), eager.parameters(), eager64.parameters(), fresh.parameters()
+    ):
+        for i in (0, 2):
+            phalanx.testing.assert_equal_to_loop(p[i], q[i], q64[i], what=f"member {i} {name}")
+        assert torch.equal(p[3], p0[3])  # masked out of every step
+
+
+def test_the_accelerators_train_step_says_why_it_runs_eager():
+    _, step, _ = _run_step("auto", torch.float32, steps=2, accumulate=2)
+    assert step.choice == "eager" and "gradient_accumulation_steps=2" in step.report
+    with pytest.raises(ValueError, match=r"step='captured' cannot run here.*accumulation"):
+        _run_step("captured", torch.float32, steps=1, accumulate=2)
+    with pytest.raises(ValueError, match=r"step must be 'auto'.*got 'fast'"):
+        _run_step("fast", torch.float32, steps=1)

@@ -100,22 +100,31 @@ def test_the_trainer_with_one_member_exploding_steps_the_others_exactly_as_alone
         assert min(h["grad_norm/member_2"] / h["grad_norm/member_0"] for h in logs) > 1e3
 
 
-def test_checkpoints_hold_one_save_pretrained_folder_per_member_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("step", ["eager", "captured"])
+def test_checkpoints_hold_one_save_pretrained_folder_per_member_and_resume_exactly(tmp_path, step):
+    # captured: the run's steps 4 and 5 are captured (after 3 eager ones), the resumed run's
+    # step 3 to 5 eager then captured: equal to float rounding, not bit for bit
     def run(out, steps, resume=None):
         stack = phalanx.stack(gpt2s(), backend="loop")
         args = _args(out, max_steps=steps, save_strategy="steps", save_steps=2, max_grad_norm=0.5)
-        trainer = PhalanxTrainer(model=stack, args=args, train_dataset=Ids())
+        trainer = PhalanxTrainer(
+            model=stack, args=args, train_dataset=Ids(), step=step, step_backend="aot_eager"
+        )
         trainer.train(resume_from_checkpoint=resume)
         return stack, trainer
 
-    whole, trainer = run(tmp_path / "a", 4)  # tied weights: the Trainer's own save crashed
+    whole, trainer = run(tmp_path / "a", 5)  # tied weights: the Trainer's own save crashed
+    assert trainer.step_choice == step
     checkpoint = tmp_path / "a" / "checkpoint-2"
     assert {"member_0", "member_1", "member_2", "phalanx.safetensors", "optimizer.pt"} <= set(
         os.listdir(checkpoint)
     )
-    resumed, _ = run(tmp_path / "b", 4, resume=str(checkpoint))
+    resumed, _ = run(tmp_path / "b", 5, resume=str(checkpoint))
     for p, q in zip(whole.parameters(), resumed.parameters()):
-        assert torch.equal(p, q)
+        if step == "eager":
+            assert torch.equal(p, q)
+        else:
+            torch.testing.assert_close(p, q)
     trainer.save_model(str(tmp_path / "final"))
     for i, member in enumerate(whole.unstack()):
         back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "final" / f"member_{i}")
@@ -136,7 +145,7 @@ def test_member_early_stopping_masks_a_stopped_member_and_metrics_are_per_member
     args = _args(tmp_path, max_steps=12, eval_strategy="steps", eval_steps=2, max_grad_norm=0.0)
     trainer = PhalanxTrainer(
         model=stack, args=args, train_dataset=Ids(), eval_dataset=Ids(), optimizers=(opt, None),
-        compute_metrics=accuracy, callbacks=[stopper],
+        compute_metrics=accuracy, callbacks=[stopper], step_backend="aot_eager",
     )  # fmt: skip
     snapshots = {}
 
@@ -240,7 +249,7 @@ def test_a_resumed_run_restores_which_members_stopped(tmp_path):
         )
         return stack, PhalanxTrainer(
             model=stack, args=args, train_dataset=Ids(), eval_dataset=Ids(), optimizers=(opt, None),
-            callbacks=[stopper],
+            callbacks=[stopper], step_backend="aot_eager",
         )  # fmt: skip
 
     _, first = trainer(tmp_path / "a", 6, MemberEarlyStopping(patience=1))
@@ -261,7 +270,9 @@ def test_logged_loss_is_the_members_mean_as_eval_loss_and_predict_is_members_fir
     args = _args(
         tmp_path, max_steps=4, logging_steps=4, learning_rate=0.0
     )  # one epoch, weights stay
-    trainer = PhalanxTrainer(model=stack, args=args, train_dataset=Ids(), eval_dataset=Ids())
+    trainer = PhalanxTrainer(
+        model=stack, args=args, train_dataset=Ids(), eval_dataset=Ids(), step_backend="aot_eager"
+    )
     trainer.train()
     logged = next(h for h in trainer.state.log_history if "loss" in h)
     members = [logged[f"loss/member_{i}"] for i in range(N)]
@@ -297,8 +308,12 @@ def test_member_data_gives_each_member_its_own_order_as_a_plain_trainer_on_it(
     members = gpt2s()
     stack = phalanx.stack(copy.deepcopy(members), backend="loop")
     args = _args(tmp_path, max_steps=steps, seed=5)
-    trainer = PhalanxTrainer(model=stack, args=args, train_dataset=Ids(), member_data=member_data)
+    trainer = PhalanxTrainer(
+        model=stack, args=args, train_dataset=Ids(), member_data=member_data, step="captured",
+        step_backend="aot_eager",
+    )  # fmt: skip
     trainer.train()
+    assert trainer.step_choice == "captured"  # per-member batches and counts, in the graph
     orders = phalanx.data.MemberLoader(
         torch.arange(len(Ids())), num_members=N, batch_size=batch,
         bootstrap=member_data == "bootstrap", seed=5,
@@ -329,3 +344,71 @@ def test_member_data_needs_the_stack_itself_and_a_known_order(tmp_path):
     wrapped = Scaled(stack, torch.ones(N))
     with pytest.raises(ValueError, match=r"must be the stack itself"):
         PhalanxTrainer(model=wrapped, args=_args(tmp_path), member_data="shuffle")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_captured_step_trains_each_member_as_alone_with_one_member_diverging(tmp_path, backend):
+    # the stack itself as model, member 1's weights non-finite from the start: its loss and
+    # gradients are NaN, and members 0 and 2 go on as a plain Trainer trains them alone,
+    # captured from the 4th step on (3 eager steps first)
+    members = gpt2s()
+    with torch.no_grad():
+        members[1].transformer.wte.weight[0, 0] = float("nan")
+    steps = 6
+    alone = {}
+    for i in (0, 2):
+        for dtype in (torch.float32, torch.float64):
+            m = copy.deepcopy(members[i]).to(dtype)
+            transformers.Trainer(
+                model=m, args=_args(tmp_path, max_steps=steps), train_dataset=Ids()
+            ).train()
+            alone[i, dtype] = m
+    stack = phalanx.stack(copy.deepcopy(members), backend="loop")
+    trainer = PhalanxTrainer(
+        model=stack, args=_args(tmp_path, max_steps=steps), train_dataset=Ids(),
+        step="captured", step_backend=backend,
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.step_choice == "captured"
+    logs = [h for h in trainer.state.log_history if "loss/member_0" in h]
+    assert [h.get("captured_step") for h in logs] == [None, None, None, 1.0, None, None]
+    assert all(h["loss/member_1"] != h["loss/member_1"] for h in logs)  # NaN all along
+    out = stack.unstack()
+    for i in (0, 2):
+        pairs = zip(
+            out[i].named_parameters(),
+            alone[i, torch.float32].parameters(),
+            alone[i, torch.float64].parameters(),
+        )
+        for (name, p), q, q64 in pairs:
+            phalanx.testing.assert_equal_to_loop(p, q, q64, what=f"member {i} {name}")
+
+
+def test_the_step_choice_is_said_and_the_trainers_own_step_runs_where_capture_cannot(tmp_path):
+    stack = phalanx.stack(gpt2s(), backend="loop")
+    trainer = PhalanxTrainer(
+        model=stack, args=_args(tmp_path, max_steps=10), train_dataset=Ids(),
+        step_backend="aot_eager",
+    )  # fmt: skip
+    assert trainer.step_mode == "auto" and trainer.step_choice is None
+    trainer.train()  # 3 eager steps, the capture, 3 captured and 3 eager: decided at step 10
+    assert trainer.step_choice in ("captured", "eager")
+    logged = [h["captured_step"] for h in trainer.state.log_history if "captured_step" in h]
+    assert logged == [float(trainer.step_choice == "captured")]
+    # a module around the stack computes the loss itself: the Trainer's own step, said
+    wrapped = Scaled(phalanx.stack(gpt2s(), backend="loop"), torch.ones(N))
+    trainer = PhalanxTrainer(model=wrapped, args=_args(tmp_path, max_steps=1), train_dataset=Ids())
+    assert "around the stack" in trainer.why_eager()
+    trainer.train()
+    assert trainer.step_choice == "eager"
+    with pytest.raises(ValueError, match=r"step='captured'.*around the stack.*step='auto'"):
+        PhalanxTrainer(
+            model=wrapped, args=_args(tmp_path, max_steps=1), train_dataset=Ids(),
+            step="captured",
+        ).train()  # fmt: skip
+    with pytest.raises(ValueError, match=r"step must be 'auto'"):
+        PhalanxTrainer(model=stack, args=_args(tmp_path), step="fast")
+    accumulating = PhalanxTrainer(
+        model=stack, args=_args(tmp_path, gradient_accumulation_steps=2), train_dataset=Ids()
+    )
+    assert "gradient_accumulation_steps=2" in accumulating.why_eager()

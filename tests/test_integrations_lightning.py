@@ -341,3 +341,96 @@ def test_member_early_stopping_on_train_epoch_end():
     trainer(max_epochs=3, callbacks=[stopper]).fit(model, DataLoader(data(), batch_size=32))
     assert model.member_mask.tolist() == [True, True, False, True]
     assert stopper.stopped_epoch.tolist() == [-1, -1, 1, -1]
+
+
+class Stepped(StackModule):
+    """phalanx runs the step (``step=``): manual optimization through ``member_step``; member
+    ``nan`` diverged (NaN weights) before training."""
+
+    def __init__(self, step="captured", nan=None, dtype=torch.float32, backend="aot_eager"):
+        super().__init__(step=step)
+        self.stack = phalanx.stack(make, num_members=N, seed=0, backend="loop").to(dtype)
+        self.dtype_, self.compiler = dtype, backend
+        if nan is not None:
+            with torch.no_grad():
+                self.stack.module[0].weight[nan, 0, 0] = float("nan")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        losses = self.member_step(
+            F.cross_entropy, x.to(self.dtype_), y, max_norm=1.0, backend=self.compiler
+        )
+        self.log_members("train_loss", losses)
+
+    def validation_step(self, batch, batch_idx):
+        e = float(self.current_epoch)
+        self.log_members("val_score", torch.tensor([e if i == 1 else -e for i in range(N)]))
+
+    def configure_optimizers(self):
+        return phalanx.optim.Adam(self.stack.parameters(), lr=LRS)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_the_captured_step_gives_lightnings_members_with_one_diverging(compiler):
+    """Member 2 NaN from the start: members 0, 1 and 3 end where Lightning's own loop
+    (automatic optimization, gradient_clip_val=1.0) takes them, to float rounding against its
+    float64 run; 8 steps, captured from the 4th."""
+    dl = DataLoader(data(), batch_size=16)
+    refs = []
+    for dtype in (torch.float32, torch.float64):
+        ref = Ensemble(scale=[1.0] * N).to(dtype)
+        with torch.no_grad():
+            ref.stack.module[0].weight[2, 0, 0] = float("nan")
+        dl_ = DataLoader(TensorDataset(*(t.to(dtype) if t.is_floating_point() else t
+                                         for t in data().tensors)), batch_size=16)  # fmt: skip
+        trainer(max_steps=8, gradient_clip_val=1.0).fit(ref, dl_)
+        refs.append(ref)
+    model = Stepped(nan=2, backend=compiler)
+    t = trainer(max_steps=8)
+    t.fit(model, dl)
+    assert model.step_choice == "captured" and t.global_step == 8
+    assert model.last_grad_norms[2].isnan() and model.last_grad_norms[[0, 1, 3]].isfinite().all()
+    for i in (0, 1, 3):
+        got = phalanx.export_members(model.stack, [i])[0]
+        ref, ref64 = (phalanx.export_members(r.stack, [i])[0] for r in refs)
+        for k, v in got.items():
+            phalanx.testing.assert_equal_to_loop(v, ref[k], ref64[k], what=f"member {i} {k}")
+
+
+def test_the_captured_step_masks_stopped_members_and_resumes_from_a_checkpoint(tmp_path):
+    dl = DataLoader(data(), batch_size=16)
+
+    def fit(epochs, ckpt=None, save=None):
+        model = Stepped()
+        stopper = MemberEarlyStopping("val_score", patience=1)
+        t = trainer(max_epochs=epochs, callbacks=[stopper], num_sanity_val_steps=0)
+        t.fit(model, dl, dl, ckpt_path=ckpt)
+        if save:
+            t.save_checkpoint(save)
+        return model, t
+
+    whole, t = fit(4)
+    assert whole.member_mask.tolist() == [True, False, True, True]  # stopped at epoch 1
+    assert t.global_step == 4 * 6 and whole.step_choice == "captured"
+    half, _ = fit(2, save=tmp_path / "half.ckpt")
+    resumed, t = fit(4, ckpt=tmp_path / "half.ckpt")
+    assert resumed.member_mask.tolist() == [True, False, True, True] and t.global_step == 24
+    for k, v in whole.stack.state_dict().items():
+        torch.testing.assert_close(resumed.stack.state_dict()[k], v)
+        assert torch.equal(v[1], half.stack.state_dict()[k][1])  # member 1: stopped, not moved
+
+
+def test_the_step_option_is_checked_and_member_step_needs_it():
+    with pytest.raises(ValueError, match=r"step must be 'auto'.*got 'fast'"):
+        Stepped(step="fast")
+
+    class Automatic(Ensemble):
+        def training_step(self, batch, batch_idx):
+            return self.member_step(F.cross_entropy, *batch)
+
+    with pytest.raises(ValueError, match=r"built without step=.*step='auto'"):
+        trainer(max_steps=1).fit(Automatic(), DataLoader(data(), batch_size=16))
+    model = Stepped(step="eager")
+    assert not model.automatic_optimization
+    trainer(max_steps=2).fit(model, DataLoader(data(), batch_size=16))
+    assert model.step_choice == "eager"

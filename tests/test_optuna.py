@@ -349,3 +349,75 @@ def test_multi_objective_studies_and_unknown_group_by_names_are_refused():
     with pytest.raises(ValueError, match=r"group_by names \['batch'\], which no trial suggested"):
         po.optimize(study, _lr_model, _zeros, n_trials=2, group_by=("lr", "batch"))
     assert [t.state for t in study.trials] == [TrialState.FAIL] * 2
+
+
+def train_step_search(dtype):
+    """``train`` through ``group.train_step``: per-member batches, pruned members dropped by
+    ``keep_live`` (the step follows the smaller stack), at ``dtype``."""
+
+    def train_with_step(group):
+        group.stack.to(dtype)
+        p = group.params
+        opt = phalanx.optim.AdamW(
+            group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"]
+        )
+        loader = group.loader(X.to(dtype), Y, batch_size=p["batch_size"][0])
+        step = group.train_step(F.cross_entropy, opt, in_dims=0, backend="aot_eager")
+        for epoch in range(EPOCHS):
+            for xb, yb in loader:
+                step(xb, yb, mask=group.mask)
+            with torch.no_grad():
+                val = phalanx.metrics.loss(F.cross_entropy, group.stack(XV.to(dtype)), YV)
+            group.report(val, epoch)
+            if not group.live.any():
+                break
+            group.keep_live(group.stack, optimizer=opt, loader=loader)
+        return val if len(val) == len(group) else torch.full((len(group),), math.nan)
+
+    return train_with_step
+
+
+def nan_model(trial):
+    net = model(trial)
+    if trial.number == 2:  # this trial diverged: NaN from the start, it fails alone
+        with torch.no_grad():
+            net[0].weight[0, 0] = math.nan
+    return net
+
+
+def test_a_search_with_the_captured_step_gives_the_eager_searchs_trials():
+    runs = {}
+    for step, dtype in (("eager", torch.float64), ("eager", torch.float32), ("captured", None)):
+        study = _study()
+        groups = po.optimize(
+            study, nan_model, train_step_search(dtype or torch.float32), n_trials=12,
+            n_members=12, group_by=["batch_size"], seed=SEED, step=step,
+        )  # fmt: skip
+        assert all(g.step == step and g.step_choice == step for g in groups)
+        runs[step, dtype] = study.trials
+    got, ref32, ref64 = (
+        runs["captured", None],
+        runs["eager", torch.float32],
+        runs["eager", torch.float64],
+    )
+    states = [t.state for t in got]
+    assert states == [t.state for t in ref32] == [t.state for t in ref64]
+    assert states[2] is TrialState.FAIL and TrialState.COMPLETE in states
+    for a, b, c in zip(got, ref32, ref64):
+        steps = sorted(a.intermediate_values)
+        assert steps == sorted(b.intermediate_values)
+        if steps:  # the diverged trial reported none (a NaN fails it at once)
+            curve = [torch.tensor([t.intermediate_values[s] for s in steps]) for t in (a, b, c)]
+            assert not rounding_problems(*curve, what=f"trial {a.number}'s curve")
+
+
+def test_the_progress_bar_says_which_step_ran(monkeypatch):
+    stderr = Terminal()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    po.optimize(
+        _study(), model, train_step_search(torch.float32), n_trials=2, group_by=["batch_size"],
+        seed=SEED, step="eager", progress=True,
+    )  # fmt: skip
+    assert "step=eager" in stderr.getvalue()
+    with pytest.raises(ValueError, match=r"step must be 'auto'.*got 'fast'"):
+        po.optimize(_study(), model, train, n_trials=1, step="fast")

@@ -19,7 +19,7 @@ from torch import nn
 
 import phalanx
 from helpers import PROGRESS_CASES, Terminal
-from phalanx.integrations.ray_tune import optimize
+from phalanx.integrations.ray_tune import optimize, train_step
 from phalanx.testing import assert_equal_to_loop
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -148,3 +148,48 @@ def test_a_metric_other_than_the_searchers_is_refused():
         optimize(searcher, train, n_trials=2, metric="acc")
     assert len(optimize(searcher, train, n_trials=2, metric="loss")) == 2
     assert len(optimize(OptunaSearch(SPACE, mode="min"), train, n_trials=2)) == 2
+
+
+def train_with_step(dtype):
+    def run(configs):
+        stack = phalanx.stack(_nets(len(configs), dtype))
+        opt = phalanx.optim.SGD(
+            stack.parameters(),
+            lr=[c["lr"] for c in configs],
+            momentum=[c["momentum"] for c in configs],
+        )
+        if len(configs) > 1:
+            with torch.no_grad():
+                stack.module[0].weight[1, 0, 0] = math.nan  # configuration 1 diverged
+        step = train_step(stack, F.cross_entropy, opt, backend="aot_eager")  # optimize's step=
+        for _ in range(6):
+            step(X.to(dtype), Y)
+        assert step.choice == step.mode
+        with torch.no_grad():
+            return phalanx.metrics.loss(F.cross_entropy, stack(X.to(dtype)), Y)
+
+    return run
+
+
+def test_a_search_with_the_captured_step_gives_the_eager_searchs_values(monkeypatch):
+    stderr = Terminal()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    runs = {}
+    for step, dtype in (("eager", torch.float64), ("eager", torch.float32), ("captured", None)):
+        runs[step, dtype] = optimize(
+            _searcher(), train_with_step(dtype or torch.float32), n_trials=8, n_members=4,
+            step=step, progress=True,
+        )  # fmt: skip
+        assert f"step={step}" in stderr.getvalue()
+    got, ref32, ref64 = (
+        runs["captured", None],
+        runs["eager", torch.float32],
+        runs["eager", torch.float64],
+    )
+    assert [c for _, c, _ in got] == [c for _, c, _ in ref32] == [c for _, c, _ in ref64]
+    values = [torch.tensor([v for _, _, v in r]) for r in (got, ref32, ref64)]
+    assert values[0][[1, 5]].isnan().all()  # the diverged ones, told as errors
+    finite = values[1].isfinite()
+    assert_equal_to_loop(values[0][finite], values[1][finite], values[2][finite])
+    with pytest.raises(ValueError, match=r"step must be 'auto'.*got 'fast'"):
+        optimize(_searcher(), train, n_trials=1, step="fast")

@@ -3,7 +3,8 @@
 `PhalanxTrainer` is the real `transformers.Trainer`, subclassed: each member is clipped with
 its own gradient norm, its loss and evaluation loss are logged per member
 (`loss/member_i`, `eval_loss/member_i`), and `save_model` writes one `save_pretrained` folder
-per member. Needs `pip install 'phalanx[hf]'`. Run: python docs/guides/hf_trainer.py
+per member. Each step runs captured by `phalanx.compile_step` where that measures faster
+(`step="auto"`, the default; `trainer.step_choice` says which). Needs `pip install 'phalanx[hf]'`. Run: python docs/guides/hf_trainer.py
 """
 
 import tempfile
@@ -54,6 +55,7 @@ trainer = PhalanxTrainer(
     model=stack, args=args, train_dataset=Sentences(128, 0), eval_dataset=Sentences(64, 1)
 )
 trainer.train()
+print("step:", trainer.step_choice)  # "captured" where it measured faster, else "eager"
 metrics = trainer.evaluate()
 print(
     "eval loss per member:", " ".join(f"{metrics[f'eval_loss/member_{i}']:.3f}" for i in range(N))

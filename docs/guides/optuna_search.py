@@ -2,7 +2,9 @@
 
 `model(trial)` suggests the hyperparameters and returns the trial's network; `train(group)`
 trains one stack whose member i is trial i, with the trials' hyperparameters as (N,) tensors
-(`group.params["lr"]`), and reports per-trial values to Optuna's pruner. Trials that share an
+(`group.params["lr"]`), and reports per-trial values to Optuna's pruner. `group.train_step`
+is the whole training step, captured by `phalanx.compile_step` where that measures faster
+(`optimize(..., step="auto")`, the default; "eager" or "captured" to choose). Trials that share an
 architecture share a stack: suggest architecture choices (a width) from a few categories. A
 dropout rate is a per-member value, as a learning rate is: any float keeps one stack.
 Needs `pip install 'phalanx[optuna]'`. Run: python docs/guides/optuna_search.py
@@ -35,13 +37,10 @@ def train(group):
     p = group.params  # {"lr": (N,), "momentum": (N,), "width": ...}: one value per trial
     opt = phalanx.optim.SGD(group.stack.parameters(), lr=p["lr"], momentum=p["momentum"])
     loader = group.loader(x_train, y_train, batch_size=64)  # trial i's own data order
+    step = group.train_step(F.cross_entropy, opt, in_dims=0)  # per-member batches
     for epoch in range(4):
         for xb, yb in loader:
-            out = group.stack(xb, in_dims=0)
-            losses = phalanx.member_losses(F.cross_entropy, out, yb, in_dims=(0, 0))
-            opt.zero_grad()
-            losses.sum().backward()
-            opt.step(mask=group.mask)  # pruned trials stop stepping
+            step(xb, yb, mask=group.mask)  # pruned trials stop stepping
         group.stack.eval()
         with torch.no_grad():
             val = phalanx.metrics.loss(F.cross_entropy, group.stack(x_val), y_val)  # (N,)
@@ -61,3 +60,4 @@ print(
     {s: states.count(s) for s in set(states)},
 )
 print(f"best trial {study.best_trial.number}: {study.best_value:.3f} with {study.best_params}")
+print("steps:", sorted({g.step_choice for g in groups}))  # "captured" where it was faster

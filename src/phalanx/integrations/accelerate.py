@@ -8,6 +8,13 @@ when one overflows), whose optimizer steps take a per-member mask, and whose
 ``save_state`` / ``load_state`` keep a stack of tied-weight models (safetensors refuses
 their shared tensors) and ``save_model`` writes one ``save_pretrained`` folder per member.
 What it cannot keep apart (DeepSpeed, FSDP, Megatron-LM, XLA) it refuses at ``prepare``.
+
+The loop is the user's: ``accelerator.backward(losses)``, ``clip_grad_norm_`` and
+``optimizer.step()`` run the eager step. ``accelerator.train_step(model, loss_fn,
+optimizer)`` is the whole step as one call instead, captured by ``phalanx.compile_step``
+where its own timing keeps it (``step="auto"``) and where accelerate's settings leave the step
+to phalanx (one process, no float16 scaler, no gradient accumulation); elsewhere it runs the
+eager step through the accelerator and says why.
 """
 
 from __future__ import annotations
@@ -25,12 +32,15 @@ from torch import Tensor, nn
 from phalanx.checkpoint._single import load, save
 from phalanx.core._stack import Stack, live_stacks
 from phalanx.optim import MemberOptimizer
+from phalanx.population import TrainStep
+from phalanx.population._step import StepMode, _target_dims, check_step, logger
 from phalanx.train._clip import clip_grad_norm_
+from phalanx.train._losses import member_losses
 from phalanx.train._scaler import MemberGradScaler
 
 from ._stacks import STACK_FILE, num_members, save_members, stacked_parameter_ids, stacks_in
 
-__all__ = ["PhalanxAccelerator"]
+__all__ = ["AcceleratedStep", "PhalanxAccelerator"]
 
 _WHERE = "phalanx.integrations.accelerate.PhalanxAccelerator"
 _COUPLING = {
@@ -84,6 +94,9 @@ class PhalanxAccelerator(accelerate.Accelerator):
         self._stacked: set[int] = set()
         self._n: int | None = None
         self.member_mask: Tensor | None = None
+        # set by a step that already updated the members (PhalanxTrainer's captured step):
+        # the prepared optimizer's next step is then that one, not a second
+        self._step_taken = False
         # a callable giving the mask at each step (the Trainer's early stopping), or None
         self.member_mask_fn: Callable[[], Tensor | None] | None = None
         self._torch_scaler: Any = getattr(
@@ -168,6 +181,79 @@ class PhalanxAccelerator(accelerate.Accelerator):
         return out
 
     # ---------------------------------------------------------------------- training
+
+    def why_eager(self) -> str | None:
+        """Why accelerate's settings need the eager step (through ``backward``, the scaler
+        and the prepared optimizer), or None where the captured step can run."""
+        if self.num_processes > 1:
+            return f"{self.num_processes} processes: DDP averages the gradients in backward"
+        if isinstance(self.scaler, MemberGradScaler) and self.scaler.is_enabled():
+            return "mixed_precision='fp16' scales each member's loss in backward"
+        if self.gradient_accumulation_steps != 1:
+            return (
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} sums gradients "
+                "over several batches before one optimizer step"
+            )
+        return None
+
+    def train_step(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., Tensor] | None,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: StepMode = "auto",
+        max_norm: float | Tensor | None = None,
+        norm_type: float = 2.0,
+        in_dims: Any = None,
+        target_in_dims: Any = "same",
+        kw_in_dims: Any = None,
+        backend: str = "inductor",
+    ) -> AcceleratedStep:
+        """The whole training step of a prepared stack as one call, captured where faster.
+
+        ``losses = step(x, y)`` zeroes the gradients, runs the forward, ``member_losses``,
+        backward, per-member clipping at ``max_norm`` and the optimizer step with
+        ``member_mask``: captured by ``phalanx.compile_step`` with ``step="auto"`` (where its
+        own timing keeps it) or ``"captured"``, where :meth:`why_eager` allows; else (and with
+        ``step="eager"``) the eager step through this accelerator (``backward`` with its
+        scaler, ``clip_grad_norm_``, the prepared optimizer). ``step.choice`` says which, and
+        the ``phalanx`` logger says it.
+
+        Args:
+            model: the prepared stack (or the model ``prepare`` returned for it).
+            loss_fn, in_dims, target_in_dims, kw_in_dims, max_norm, norm_type, backend: as
+                for :func:`phalanx.compile_step`.
+            optimizer: the prepared phalanx optimizer.
+            step: "auto", "captured" or "eager".
+
+        Raises:
+            ValueError: ``step="captured"`` where :meth:`why_eager` gives a reason.
+            TypeError: the model holds no stack, or the optimizer is not a phalanx one.
+        """
+        where = f"{_WHERE}.train_step()"
+        check_step(step, where)
+        stack = self.unwrap_model(model)
+        if not isinstance(stack, Stack):
+            raise TypeError(
+                f"{where}: model must be a prepared phalanx stack; got {type(stack).__name__} "
+                "(a module around a stack: call the step's parts yourself)."
+            )
+        inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+        if not isinstance(inner, MemberOptimizer):
+            raise TypeError(
+                f"{where}: optimizer must be a phalanx optimizer; got {type(inner).__name__}."
+            )
+        why = self.why_eager()
+        if step == "captured" and why is not None:
+            raise ValueError(
+                f"{where}: step='captured' cannot run here: {why}. Use step='auto' (the eager "
+                f"step through the accelerator where capture is not possible) or 'eager'."
+            )
+        options = {"in_dims": in_dims, "target_in_dims": target_in_dims,
+                   "kw_in_dims": kw_in_dims, "max_norm": max_norm, "norm_type": norm_type}  # fmt: skip
+        return AcceleratedStep(self, model, stack, loss_fn, optimizer, inner, step, why, options,
+                               backend)  # fmt: skip
 
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """Backpropagates the (N,) per-member losses (their sum, each member's scaled by its
@@ -264,6 +350,95 @@ class PhalanxAccelerator(accelerate.Accelerator):
         return None
 
 
+class AcceleratedStep:
+    """The step :meth:`PhalanxAccelerator.train_step` returns: ``losses = step(x, y)``.
+
+    Attributes:
+        mode: "auto", "captured" or "eager", as asked.
+        choice: "captured" or "eager" once decided (None while "auto" is timing).
+        last_norms: (N,) the members' norms before clipping, with ``max_norm``.
+    """
+
+    def __init__(
+        self,
+        accelerator: PhalanxAccelerator,
+        model: nn.Module,
+        stack: Stack,
+        loss_fn: Callable[..., Tensor] | None,
+        optimizer: Any,
+        inner: MemberOptimizer,
+        mode: StepMode,
+        why: str | None,
+        options: dict[str, Any],
+        backend: str,
+    ) -> None:
+        self.accelerator, self.model, self.loss_fn, self.optimizer = (
+            accelerator,
+            model,
+            loss_fn,
+            optimizer,
+        )
+        self.mode, self.why, self.options = mode, why, options
+        self.last_norms: Tensor | None = None
+        self._captured: TrainStep | None = None
+        self.choice: str | None = None
+        self._target_dims = _target_dims(options["in_dims"], options["target_in_dims"], _WHERE)
+        if mode != "eager" and why is None:
+            self._captured = TrainStep(stack, loss_fn, inner, step=mode, backend=backend,
+                                       where=f"{_WHERE}.train_step()", **options)  # fmt: skip
+        else:
+            self.choice = "eager"
+            logger.info(
+                "%s.train_step(): runs the eager step through the accelerator (%s)",
+                _WHERE, why or "step='eager'",
+            )  # fmt: skip
+
+    @property
+    def report(self) -> str:
+        """Which step runs, and why (the captured step's timings)."""
+        if self._captured is not None:
+            return self._captured.report
+        return f"the eager step through the accelerator ({self.why or 'step=' + repr(self.mode)})"
+
+    def __call__(
+        self,
+        inputs: Tensor | tuple[Any, ...],
+        target: Any = None,
+        *,
+        mask: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """One step of every member (``mask``: also leave these out, with ``member_mask``);
+        returns the (N,) losses before the update, detached."""
+        acc = self.accelerator
+        masks = [m for m in (acc.current_member_mask(), mask) if m is not None]
+        both = None
+        for m in masks:
+            both = m if both is None else both & m.to(both.device)
+        if self._captured is not None:
+            losses = self._captured(inputs, target, mask=both, **kwargs)
+            self.last_norms, self.choice = self._captured.last_norms, self._captured.choice
+            return losses
+        opts = self.options
+        self.optimizer.zero_grad()
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        out = self.model(*args, in_dims=opts["in_dims"], kw_in_dims=opts["kw_in_dims"], **kwargs)
+        losses = member_losses(self.loss_fn, out, target, in_dims=(0, self._target_dims))
+        acc.backward(losses)
+        if opts["max_norm"] is not None:
+            stack = acc.unwrap_model(self.model)
+            self.last_norms = acc.clip_grad_norm_(
+                stack.parameters(), opts["max_norm"], opts["norm_type"]
+            )
+        saved = acc.member_mask
+        acc.member_mask = both if mask is not None else saved
+        try:
+            self.optimizer.step()
+        finally:
+            acc.member_mask = saved
+        return losses.detach()
+
+
 class _MemberOptimizer(AcceleratedOptimizer):
     """accelerate's optimizer wrapper whose step passes the accelerator's member mask and
     steps through the per-member scaler."""
@@ -277,6 +452,10 @@ class _MemberOptimizer(AcceleratedOptimizer):
 
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients:
+            return
+        if self._accelerator._step_taken:
+            self._accelerator._step_taken = False
+            self._is_overflow = False
             return
         mask = self._accelerator.current_member_mask()
         scaler = self._accelerator.scaler

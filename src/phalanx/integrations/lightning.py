@@ -12,6 +12,12 @@ own extension points instead:
   the members still training (``mask=`` of the phalanx optimizer); :meth:`StackModule.log_members`
   logs an (N,) tensor as N scalars ``name/member_i``; ``setup`` refuses what Lightning cannot
   run with the members apart, naming the fix.
+- ``StackModule(step="auto")`` (or "captured", "eager"): phalanx runs the whole training
+  step, captured (``phalanx.compile_step``) where that measures faster: the module uses
+  Lightning's manual optimization and ``training_step`` calls
+  :meth:`StackModule.member_step`; the chosen step is said in Lightning's log and in
+  :attr:`StackModule.step_choice`. Without ``step`` Lightning's automatic optimization runs
+  the eager step (its closure, ``backward`` and ``optimizer_step`` are Lightning's).
 - :class:`MemberEarlyStopping`: Lightning's early stopping, one patience counter per member; a
   member that stops is masked out of the optimizer step (its weights and optimizer state stay
   bit for bit); the Trainer stops when every member has.
@@ -50,13 +56,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from pytorch_lightning.utilities import rank_zero_info
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -65,6 +72,8 @@ from phalanx.core._inplace import StackedModuleList
 from phalanx.core._stack import Stack
 from phalanx.distributed._shard import _shards
 from phalanx.optim import MemberOptimizer
+from phalanx.population import TrainStep
+from phalanx.population._step import StepMode, check_step
 from phalanx.train._clip import clip_grad_norm_, clip_grad_value_
 
 __all__ = ["MemberCheckpoint", "MemberEarlyStopping", "StackModule", "check_trainer"]
@@ -174,21 +183,41 @@ class StackModule(pl.LightningModule):
       are left out of every optimizer step, weights and optimizer state unchanged bit for bit.
     - checkpoints carry the mask, so ``load_from_checkpoint`` resumes with the same members.
 
+    With ``step="auto"`` (or "captured", "eager") phalanx runs the whole step instead: the
+    module uses manual optimization and ``training_step`` calls ``losses =
+    self.member_step(loss_fn, x, y)``, which zeroes the gradients, runs the forward,
+    ``member_losses``, backward, clipping (``max_norm=``, in place of the Trainer's
+    ``gradient_clip_val``, which Lightning refuses under manual optimization) and the masked
+    optimizer step, captured by :func:`phalanx.compile_step` where its own timing keeps it
+    ("auto"), always ("captured") or never ("eager"). Lightning counts the step
+    (``global_step``) as its own.
+
     If you override ``setup``, ``optimizer_step``, ``clip_gradients``, ``on_save_checkpoint``
     or ``on_load_checkpoint``, call ``super()``'s.
+
+    Args:
+        step: None (the default: Lightning's automatic optimization, the eager step), or
+            "auto", "captured", "eager": phalanx's step through :meth:`member_step`.
 
     Attributes:
         member_mask: (N,) bool, the members still training (all True until one stops).
         last_grad_norms: (N,) each member's gradient norm before the last clip, or None.
+        step_choice: the step :meth:`member_step` runs, "captured" or "eager" (None before it
+            decided, and without ``step``); said once in Lightning's log.
     """
 
     member_mask: Tensor | None
     last_grad_norms: Tensor | None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, step: StepMode | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.member_mask = None
         self.last_grad_norms = None
+        self.step_mode = None if step is None else check_step(step, f"{type(self).__name__}()")
+        self.step_choice: str | None = None
+        self._train_step: tuple[Any, TrainStep] | None = None
+        if self.step_mode is not None:
+            self.automatic_optimization = False
 
     @property
     def num_members(self) -> int:
@@ -204,6 +233,76 @@ class StackModule(pl.LightningModule):
         """Refuses the Trainer settings that would couple members (see :func:`check_trainer`)."""
         check_trainer(self.trainer, self)
         self._mask()
+
+    def member_step(
+        self,
+        loss_fn: Callable[..., Tensor] | None,
+        inputs: Tensor | tuple[Any, ...],
+        target: Any = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """One training step of every member, in ``training_step`` of a module built with
+        ``step=``; returns the (N,) losses before the update.
+
+        Args:
+            loss_fn: as for :func:`phalanx.compile_step` (``F.cross_entropy``).
+            inputs, target: the batch, as for the step of :func:`phalanx.compile_step`.
+            **kwargs: ``compile_step``'s ``in_dims``, ``target_in_dims``, ``kw_in_dims``,
+                ``max_norm``, ``norm_type``, ``backend`` (fixed by the first call: a call
+                with others builds a new step), and the members' keyword inputs.
+
+        Raises:
+            ValueError: the module was built without ``step=`` (Lightning runs the step).
+            TypeError: configure_optimizers returned several optimizers or a torch optimizer.
+        """
+        name = f"{type(self).__name__}.member_step()"
+        if self.step_mode is None:
+            raise ValueError(
+                f"{name}: the module was built without step=, so Lightning's automatic "
+                f"optimization runs the step; build it with super().__init__(step='auto') "
+                f"(phalanx runs the step, captured where that is faster), or return "
+                f"losses.sum() from training_step."
+            )
+        options = {k: kwargs.pop(k) for k in _STEP_OPTIONS if k in kwargs}
+        lopt: Any = self.optimizers()
+        if isinstance(lopt, list):
+            raise TypeError(
+                f"{name}: configure_optimizers returned {len(lopt)} optimizers; the step "
+                f"trains one stack with one phalanx optimizer."
+            )
+        key = (loss_fn, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        if self._train_step is None or self._train_step[0] != key:
+            stacks = [s for _, s in _stacks(self) if isinstance(s, Stack)]
+            if len(stacks) != 1:
+                raise TypeError(
+                    f"{name}: the step trains one phalanx.stack(...); "
+                    f"{type(self).__name__} holds {len(stacks)}."
+                )
+            inner = lopt.optimizer
+            if not isinstance(inner, MemberOptimizer):
+                raise TypeError(
+                    f"{name}: configure_optimizers returned {type(inner).__name__}; return a "
+                    f"phalanx optimizer (phalanx.optim.Adam, AdamW, SGD, Lion) over the stack."
+                )
+            step = TrainStep(stacks[0], loss_fn, inner, step=self.step_mode, where=name,
+                             on_choice=self._chosen, **options)  # fmt: skip
+            self._train_step = (key, step)
+        live = self._mask()
+        mask = None if bool(live.all()) else live
+        # Lightning counts an optimizer step (global_step, its progress) around its
+        # optimizer's step; the step runs the phalanx optimizer itself, so count it here.
+        lopt._on_before_step()
+        try:
+            losses = self._train_step[1](inputs, target, mask=mask, **kwargs)
+        finally:
+            lopt._on_after_step()
+        self.last_grad_norms = self._train_step[1].last_norms
+        return losses
+
+    def _chosen(self, choice: str) -> None:
+        self.step_choice = choice
+        assert self._train_step is not None
+        rank_zero_info(f"phalanx: {type(self).__name__} trains with {self._train_step[1].report}")
 
     def log_members(self, name: str, values: Tensor, **kwargs: Any) -> None:
         """Logs an (N,) tensor as N scalars ``f"{name}/member_{i}"`` through ``self.log_dict``.
@@ -296,6 +395,9 @@ class StackModule(pl.LightningModule):
         saved = checkpoint.get(_CKPT_KEY)
         if saved is not None:
             self.member_mask = saved["member_mask"].clone()
+
+
+_STEP_OPTIONS = ("in_dims", "target_in_dims", "kw_in_dims", "max_norm", "norm_type", "backend")
 
 
 def _stack_module(pl_module: pl.LightningModule, where: str) -> StackModule:
@@ -397,12 +499,13 @@ class MemberEarlyStopping(_PerMember):
         self.stopped_epoch: Tensor | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
+        if not pl_module.automatic_optimization and getattr(pl_module, "step_mode", None) is None:
             raise ValueError(
                 f"MemberEarlyStopping(monitor={self.monitor!r}): {type(pl_module).__name__} "
                 f"uses manual optimization, whose opt.step() calls phalanx cannot see, so a "
-                f"stopped member would go on training. Use automatic optimization, or drop "
-                f"this callback and pass mask=self.member_mask to opt.step() yourself."
+                f"stopped member would go on training. Use automatic optimization, or "
+                f"StackModule(step='auto') with self.member_step(...) (it passes the mask), or "
+                f"drop this callback and pass mask=self.member_mask to opt.step() yourself."
             )
         for opt in trainer.optimizers:
             if not isinstance(opt, MemberOptimizer):

@@ -47,7 +47,8 @@ from phalanx.core._validate import architecture_differences
 from phalanx.data import MemberLoader
 from phalanx.integrations._progress import progress_bar
 from phalanx.optim import MemberOptimizer
-from phalanx.population import keep_members
+from phalanx.population import TrainStep, keep_members
+from phalanx.population._step import StepMode, check_step, recording
 
 from ._stacks import describe_split
 
@@ -107,11 +108,17 @@ class TrialGroup:
         seed: the study seed; trial k's network and data depend on ``seed`` and k only.
         live: (N,) bool, the members neither pruned nor failed.
         failed: (N,) bool, the members whose reported value was not finite.
+        step: the training step ``train_step`` builds: "auto", "captured" or "eager"
+            (``optimize``'s ``step=``).
+        step_choice: the step the group's ``train_step`` ran ("captured" or "eager"), None
+            before it decided.
     """
 
     trials: list[Trial]
     stack: Stack
     seed: int
+    step: StepMode = "auto"
+    step_choice: str | None = field(init=False, default=None)
     live: Tensor = field(init=False)
     failed: Tensor = field(init=False)
     last: list[float | None] = field(init=False)
@@ -164,6 +171,34 @@ class TrialGroup:
         return trial_loader(
             *tensors, trial_numbers=self.numbers, batch_size=batch_size, seed=self.seed, **kwargs
         )
+
+    def train_step(
+        self,
+        loss_fn: Callable[..., Tensor] | None,
+        optimizer: MemberOptimizer,
+        **kwargs: Any,
+    ) -> TrainStep:
+        """The group's training step, captured where ``compile_step`` measures it faster.
+
+        ``losses = step(xb, yb, mask=group.mask)`` zeroes the gradients, runs the forward,
+        ``member_losses``, backward (clipping with ``max_norm=``) and ``optimizer.step``: the
+        captured step (``phalanx.compile_step``) or the eager one as ``optimize(...,
+        step=)`` says; ``step_choice`` and the progress bar's postfix say which ran. It
+        follows ``stack`` through ``keep_live``.
+
+        Args:
+            loss_fn: as for :func:`phalanx.compile_step` (``F.cross_entropy``).
+            optimizer: the group's phalanx optimizer over ``stack.parameters()``.
+            **kwargs: ``compile_step``'s ``in_dims``, ``target_in_dims``, ``kw_in_dims``,
+                ``max_norm``, ``norm_type``, ``backend``; ``step=`` overrides the search's.
+        """
+
+        def chosen(choice: str) -> None:
+            self.step_choice = choice
+
+        kwargs.setdefault("step", self.step)
+        return TrainStep(lambda: self.stack, loss_fn, optimizer, on_choice=chosen,
+                         where="TrialGroup.train_step()", **kwargs)  # fmt: skip
 
     def report(self, values: Any, step: int) -> Tensor:
         """Reports each running member's value at ``step`` and asks the pruner about it.
@@ -359,6 +394,7 @@ def optimize(
     seed: int = 0,
     stack_kwargs: dict[str, Any] | None = None,
     progress: bool | None = None,
+    step: StepMode = "auto",
 ) -> list[TrialGroup]:
     """Runs ``n_trials`` more trials of ``study``, ``n_members`` at a time, each group one stack.
 
@@ -379,6 +415,10 @@ def optimize(
         stack_kwargs: passed to ``phalanx.stack`` (e.g. ``{"backend": "vmap"}``).
         progress: a progress bar of the trials told, on standard error (tqdm): None (the
             default) shows it when standard error is a terminal; True or False to choose.
+        step: the training step ``group.train_step(...)`` builds: "auto" (the default: the
+            captured step, ``phalanx.compile_step``, where its own timing keeps it, else the
+            eager one), "captured" or "eager". The bar's postfix (``step=captured``), each
+            group's ``step_choice`` and the ``phalanx`` logger say which ran.
 
     A sampler that stops the study (``GridSampler`` once its grid is used up calls
     ``study.stop()``) ends the search after the running batch, as ``study.optimize`` ends
@@ -418,6 +458,7 @@ def optimize(
     for name, value in (("n_trials", n_trials), ("n_members", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{where}: {name} must be a positive int; got {value!r}.")
+    check_step(step, where)
     if len(study.directions) > 1:
         raise ValueError(
             f"{where}: the study has {len(study.directions)} objectives; optimize() tells each "
@@ -425,8 +466,13 @@ def optimize(
             "pruning, which Optuna allows for single-objective studies only. Create the study "
             "with one direction, or combine the objectives into one value in train()."
         )
-    with progress_bar(progress, total=n_trials, desc="optuna trials", unit="trial") as bar:
-        return _optimize(study, model, train, n_trials, batch, group_by, seed, stack_kwargs, bar)
+    with (
+        progress_bar(progress, total=n_trials, desc="optuna trials", unit="trial") as bar,
+        recording(step) as steps,
+    ):
+        return _optimize(
+            study, model, train, n_trials, batch, group_by, seed, stack_kwargs, bar, steps
+        )
 
 
 def _optimize(
@@ -439,6 +485,7 @@ def _optimize(
     seed: int,
     stack_kwargs: dict[str, Any] | None,
     bar: Any,
+    steps: Any,
 ) -> list[TrialGroup]:
     where = "phalanx.integrations.optuna.optimize()"
     done: list[TrialGroup] = []
@@ -461,7 +508,8 @@ def _optimize(
         _announce_split(groups, group_by, where)
         for k, (gtrials, gnets) in enumerate(groups):
             try:
-                group = TrialGroup(gtrials, build_stack(gnets, **(stack_kwargs or {})), seed)
+                stack = build_stack(gnets, **(stack_kwargs or {}))
+                group = TrialGroup(gtrials, stack, seed, step=steps.step)
                 finals = _values(train(group), len(group), f"{where}: train(group)'s result")
             except Exception:
                 # The trials asked and not yet told (this group's, the batch's later groups')
@@ -471,7 +519,9 @@ def _optimize(
                 raise
             group._tell(study, finals)
             done.append(group)
-            bar.set_postfix(stacks=len(done), refresh=False)
+            chosen = steps.summary()
+            postfix = {"stacks": len(done), **({"step": chosen} if chosen else {})}
+            bar.set_postfix(postfix, refresh=False)
             bar.update(len(group))
     return done
 

@@ -11,6 +11,10 @@ Tune's schedulers (ASHA, HyperBand, PBT) and its ``Trainable`` are not used: the
 whole Tune trials, one process each, and cannot stop or copy a member of a stack; inside a
 stack, ``phalanx.population`` does what they do (successive halving and PBT by member
 masks, ``keep_members`` and ``copy_members``, exactly). docs/SEARCH.md gives the reasons.
+
+``train_step(stack, loss_fn, optimizer)`` built inside ``train`` is the stack's training step,
+captured (``phalanx.compile_step``) where that measures faster, as ``optimize``'s ``step=``
+says; the progress bar's postfix says which step ran.
 """
 
 from __future__ import annotations
@@ -20,10 +24,40 @@ from collections.abc import Callable
 from typing import Any
 
 from ray.tune.search import Searcher
+from torch import Tensor
 
+from phalanx.core._stack import Stack
 from phalanx.integrations._progress import progress_bar
+from phalanx.optim import MemberOptimizer
+from phalanx.population import TrainStep
+from phalanx.population._step import StepMode, check_step, recording
 
-__all__ = ["optimize"]
+__all__ = ["optimize", "train_step"]
+
+
+def train_step(
+    stack: Stack,
+    loss_fn: Callable[..., Tensor] | None,
+    optimizer: MemberOptimizer,
+    *,
+    step: StepMode | None = None,
+    **kwargs: Any,
+) -> TrainStep:
+    """The training step of a batch's stack, for ``train(configs)``.
+
+    ``losses = step(x, y)`` zeroes the gradients, runs the forward, ``member_losses``,
+    backward (clipping with ``max_norm=``) and ``optimizer.step``: captured
+    (``phalanx.compile_step``) or eager as ``step`` says.
+
+    Args:
+        stack, loss_fn, optimizer: as for :func:`phalanx.compile_step`.
+        step: "auto" (the captured step where its own timing keeps it, else the eager
+            one), "captured" or "eager"; None (the default) takes ``optimize``'s ``step=``.
+        **kwargs: ``compile_step``'s ``in_dims``, ``target_in_dims``, ``kw_in_dims``,
+            ``max_norm``, ``norm_type``, ``backend``.
+    """
+    return TrainStep(stack, loss_fn, optimizer, step=step,
+                     where="phalanx.integrations.ray_tune.train_step()", **kwargs)  # fmt: skip
 
 
 def optimize(
@@ -35,6 +69,7 @@ def optimize(
     metric: str | None = None,
     prefix: str = "phalanx",
     progress: bool | None = None,
+    step: StepMode = "auto",
 ) -> list[tuple[str, dict[str, Any], float]]:
     """Runs ``n_trials`` configurations of ``searcher``, ``n_members`` at a time as one stack each.
 
@@ -49,6 +84,9 @@ def optimize(
         prefix: the Tune trial ids are ``f"{prefix}_{k}"``.
         progress: a progress bar of the configurations run, on standard error (tqdm): None
             (the default) shows it when standard error is a terminal; True or False to choose.
+        step: the step ``train_step(...)`` builds inside ``train``: "auto" (the default: the
+            captured step where ``compile_step``'s timing keeps it), "captured" or "eager";
+            the bar's postfix (``step=captured``) and the ``phalanx`` logger say which ran.
 
     Returns:
         (trial id, configuration, value) for every configuration run, in order.
@@ -76,6 +114,7 @@ def optimize(
     for name, count in (("n_trials", n_trials), ("n_members", batch)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{where}: {name} must be a positive int; got {count!r}.")
+    check_step(step, where)
     own = getattr(searcher, "metric", None)
     if metric and own and metric != own:
         raise ValueError(
@@ -89,8 +128,11 @@ def optimize(
             f"{where}: the searcher has no metric; build it with metric= and mode=, or pass "
             "metric= here."
         )
-    with progress_bar(progress, total=n_trials, desc="tune trials", unit="trial") as bar:
-        return _optimize(searcher, train, n_trials, batch, metric, prefix, bar)
+    with (
+        progress_bar(progress, total=n_trials, desc="tune trials", unit="trial") as bar,
+        recording(step) as steps,
+    ):
+        return _optimize(searcher, train, n_trials, batch, metric, prefix, bar, steps)
 
 
 def _optimize(
@@ -101,6 +143,7 @@ def _optimize(
     metric: str,
     prefix: str,
     bar: Any,
+    steps: Any,
 ) -> list[tuple[str, dict[str, Any], float]]:
     where = "phalanx.integrations.ray_tune.optimize()"
     runs: list[tuple[str, dict[str, Any], float]] = []
@@ -133,6 +176,9 @@ def _optimize(
             else:
                 searcher.on_trial_complete(tid, None, error=True)
             runs.append((tid, config, value))
+        chosen = steps.summary()
+        if chosen:
+            bar.set_postfix(step=chosen, refresh=False)
         bar.update(len(configs))
     return runs
 

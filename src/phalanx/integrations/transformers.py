@@ -28,6 +28,18 @@ with one inside whose output's ``loss`` is the (N,) per-member losses). It runs 
 
 What the Trainer cannot keep apart is refused when the trainer is built, naming the fix.
 
+``step="auto"`` (the default) runs each training step captured by ``phalanx.compile_step``
+(forward, the members' own losses, backward, per-member clipping at ``max_grad_norm`` and
+the masked optimizer update in one graph) where its own timing on the first steps keeps it,
+and where the Trainer's settings leave the step to phalanx: the model is the stack itself
+and computes its own loss, one step per batch (no gradient accumulation), float32 (no
+``fp16``/``bf16`` autocast and scaler), one process. The Trainer's schedule, logs,
+evaluation, callbacks and checkpoints go on as before: only the optimizer step it would take
+after ``training_step`` is the one already taken. Elsewhere the Trainer's own eager step
+runs, and the reason is logged. ``step="eager"`` keeps the Trainer's step; ``"captured"``
+captures without the timing (refused where capture is not possible). ``trainer.step_choice``
+and the first training log (``captured_step``: 1.0 or 0.0) say which step ran.
+
 Member i is trained as a plain ``Trainer`` would train member i alone (same batches, same
 clipping and optimizer step), to float rounding, **without dropout**: the members' dropout
 masks are drawn for the stack as one computation (per backend, see the stack's randomness
@@ -54,6 +66,8 @@ from transformers.utils.generic import can_return_loss, find_labels
 from phalanx.checkpoint._single import load, save
 from phalanx.core._stack import Stack
 from phalanx.optim import SGD, AdamW, MemberOptimizer
+from phalanx.population import TrainStep
+from phalanx.population._step import StepMode, check_step
 
 from ._member_callbacks import MemberEarlyStopping, per_member_metrics, tree_map
 from ._member_data import MEMBER_DATA, MemberBatches, MemberCollate
@@ -66,6 +80,7 @@ if is_datasets_available():
     import datasets
 
 _WHERE = "phalanx.integrations.transformers.PhalanxTrainer"
+logger = transformers.utils.logging.get_logger(__name__)
 _ADAMW = {"adamw_torch", "adamw_torch_fused"}
 
 
@@ -81,7 +96,13 @@ class PhalanxTrainer(transformers.Trainer):
     ``loss`` is the (N,) per-member losses (a stack of Hugging Face models given ``labels``);
     ``optimizers=(phalanx.optim.AdamW(model.parameters(), ...), None)`` or none (then a
     phalanx AdamW from the arguments, one per member as the Trainer's own AdamW would be).
+    ``step``: "auto" (the default: the captured step, ``phalanx.compile_step``, where its
+    timing keeps it and the settings allow it), "captured" or "eager" (the Trainer's own
+    step); ``step_backend`` is the compiler (``"aot_eager"`` builds fast, for tests).
     See the module docstring for what it does per member.
+
+    Attributes:
+        step_choice: "captured" or "eager", the step training runs once decided (None before).
 
     Raises:
         ValueError: at construction, for what would couple the members: no stack in the
@@ -98,8 +119,16 @@ class PhalanxTrainer(transformers.Trainer):
         *,
         compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
         member_data: str = "shared",
+        step: StepMode = "auto",
+        step_backend: str = "inductor",
         **kwargs: Any,
     ) -> None:
+        self.step_mode = check_step(step, f"{_WHERE}()")
+        self.step_backend = step_backend
+        self.step_choice: str | None = None
+        self._train_step: TrainStep | None = None
+        self._step_taken = False  # the captured (or phalanx's) step already updated the members
+        self._step_logged = False
         if member_data not in MEMBER_DATA:
             raise ValueError(
                 f"{_WHERE}(): member_data={member_data!r}; choose 'shared' (every member the "
@@ -350,18 +379,111 @@ class PhalanxTrainer(transformers.Trainer):
         self._last_losses = loss.detach()
         return (loss, outputs) if return_outputs else loss
 
+    def why_eager(self) -> str | None:
+        """Why the Trainer's settings leave the step to the Trainer (its eager step), or None
+        where phalanx's step (captured, with ``step="auto"`` or ``"captured"``) can run."""
+        args = self.args
+        if not isinstance(self.model, Stack):
+            return (
+                f"the model is a {type(self.model).__name__} around the stack; compile_step "
+                "captures a phalanx.Stack's step (pass the stack itself as model)"
+            )
+        if self.compute_loss_func is not None:
+            return "compute_loss_func computes the loss on the stacked outputs"
+        if type(self).compute_loss is not PhalanxTrainer.compute_loss:
+            return "compute_loss is overridden"
+        if args.gradient_accumulation_steps != 1:
+            return (
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps} sums "
+                "gradients over several batches before one optimizer step"
+            )
+        if args.fp16 or args.bf16:
+            return "fp16/bf16 run the Trainer's autocast and loss scaler"
+        if args.world_size > 1 or self.accelerator.num_processes > 1:
+            return "several processes: DDP averages the gradients in the Trainer's backward"
+        if not isinstance(self.optimizer, MemberOptimizer) and not isinstance(
+            getattr(self.optimizer, "optimizer", None), MemberOptimizer
+        ):
+            return "the optimizer is not a phalanx optimizer"
+        if self.lr_scheduler is not None and isinstance(
+            self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
+        ):
+            return "ReduceLROnPlateau"
+        return None
+
+    def _phalanx_step(self) -> TrainStep | None:
+        """The step phalanx runs in ``training_step`` (built at the first), or None (the
+        Trainer's step: ``step="eager"``, or settings that leave the step to the Trainer)."""
+        if self._train_step is not None or self.step_choice == "eager":
+            return self._train_step
+        why = None if self.step_mode == "eager" else self.why_eager()
+        if self.step_mode == "captured" and why is not None:
+            raise ValueError(
+                f"{_WHERE}(step='captured'): the captured step cannot run here: {why}. Use "
+                f"step='auto' (the Trainer's step where capture is not possible) or 'eager'."
+            )
+        if self.step_mode == "eager" or why is not None:
+            self._chosen("eager", why or "step='eager'")
+            return None
+        model: Any = self.model
+        optimizer: Any = getattr(self.optimizer, "optimizer", self.optimizer)
+        per_member = self.member_data != "shared"
+        self._train_step = TrainStep(
+            model,
+            None,  # the loss each member computes itself, its output's .loss
+            optimizer,
+            step=self.step_mode,
+            kw_in_dims=0 if per_member else None,
+            target_in_dims=None,
+            # inf: no clipping, but the norms the Trainer logs without max_grad_norm
+            max_norm=self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf"),
+            backend=self.step_backend,
+            on_choice=lambda choice: self._chosen(choice, None),
+            where=f"{_WHERE}.training_step()",
+        )
+        return self._train_step
+
+    def _chosen(self, choice: str, why: str | None) -> None:
+        self.step_choice = choice
+        self._step_logged = False
+        report = self._train_step.report if self._train_step is not None else why
+        logger.warning(f"{_WHERE}: training runs the {choice} step ({report}).")
+
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> Tensor:
-        """The Trainer's step on the (N,) losses (their sum is backpropagated); returns their
-        mean, what the Trainer logs as ``loss`` (on the footing of ``eval_loss``, the mean of
-        the members' losses), and keeps each member's for ``loss/member_i``."""
-        losses = super().training_step(model, inputs, num_items_in_batch)
+        """The Trainer's step on the (N,) losses (their sum is backpropagated), or phalanx's
+        whole step (captured where faster, see ``step``); returns their mean, what the Trainer
+        logs as ``loss`` (on the footing of ``eval_loss``, the mean of the members' losses),
+        and keeps each member's for ``loss/member_i``."""
+        step = self._phalanx_step()
+        if step is None:
+            losses = super().training_step(model, inputs, num_items_in_batch)
+        else:
+            model.train()
+            inputs = dict(self._prepare_inputs(inputs))
+            if self._takes_use_cache and "use_cache" not in inputs:
+                inputs["use_cache"] = False
+            if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+                inputs["num_items_in_batch"] = num_items_in_batch
+            losses = step((), mask=self.member_mask(), **inputs)
+            self._step_taken = True
+            self.accelerator._step_taken = True  # the prepared optimizer's step is this one
         self._member_tr_loss += losses.detach().double().cpu()
         return losses.mean()
 
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if self._step_taken:  # clipped inside the step, each member by its own norm
+            return self._train_step.last_norms if self._train_step is not None else None
+        return super()._clip_grad_norm(model)
+
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        norms = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self._step_taken:
+            self._step_taken = False
+            grad_norm = self._train_step.last_norms if self._train_step is not None else None
+            norms = grad_norm
+        else:
+            norms = super()._get_grad_norm(model, grad_norm=grad_norm)
         self._member_steps += 1  # called once per optimizer step
         if isinstance(norms, Tensor) and norms.shape == (self.num_members,):
             self._member_grad_norm = norms.detach().double().cpu()
@@ -369,8 +491,12 @@ class PhalanxTrainer(transformers.Trainer):
         return norms
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds ``loss/member_i`` and ``grad_norm/member_i`` to the training logs."""
+        """Adds ``loss/member_i`` and ``grad_norm/member_i`` to the training logs, and, once
+        the step is chosen, ``captured_step`` (1.0 captured, 0.0 eager)."""
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
+            if self.step_choice is not None and not self._step_logged:
+                logs["captured_step"] = float(self.step_choice == "captured")
+                self._step_logged = True
             steps = max(self._member_steps, 1)
             for i, value in enumerate((self._member_tr_loss / steps).tolist()):
                 logs[f"loss/member_{i}"] = value

@@ -9,6 +9,8 @@ A stack already holds N experiments side by side. Here members copy each other a
   with the optimizer and loader compacted to follow it;
 - ``PBT``: population-based training (exploit the top quantile, explore hyperparameters);
 - ``SuccessiveHalving`` with ASHA's ``rungs``: stop the worse half at each milestone;
+- ``TrainStep`` (``PBT.train_step``, ``SuccessiveHalving.train_step``): the training step
+  that follows the driver's stack, captured (``compile_step``) or eager by ``step=``;
 - ``lineage``: where a member's weights came from, following the PBT log back;
 - ``plot_population``: each member's hyperparameter schedule and the metric with exploits.
 
@@ -32,6 +34,7 @@ from phalanx.population._halving import SuccessiveHalving, rungs
 from phalanx.population._mutations import Factors, LogUniform, Uniform
 from phalanx.population._pbt import PBT
 from phalanx.population._plot import lineage, plot_population
+from phalanx.population._step import TrainStep
 from phalanx.population._surgery import copy_members, keep_members
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "Factors",
     "LogUniform",
     "SuccessiveHalving",
+    "TrainStep",
     "Uniform",
     "copy_members",
     "keep_members",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +23,7 @@ from phalanx.data import MemberLoader
 from phalanx.optim import MemberOptimizer
 from phalanx.population._pbt import check_mode, ranking
 from phalanx.population._rows import check_run
+from phalanx.population._step import StepMode, TrainStep
 from phalanx.population._surgery import keep_members
 
 if TYPE_CHECKING:
@@ -136,6 +137,30 @@ class SuccessiveHalving:
         self.members = list(range(len(stack)))
         self.log: list[dict[str, Any]] = []
         self.last_step = 0
+
+    def train_step(
+        self, loss_fn: Callable[..., Tensor] | None, *, step: StepMode = "auto", **kwargs: Any
+    ) -> TrainStep:
+        """The training step of ``self.stack``, following it as it shrinks.
+
+        Each milestone's smaller stack gets its own step (captured again, timed again with
+        "auto"), since its shapes are new.
+
+        Args:
+            loss_fn: as for :func:`phalanx.compile_step`.
+            step: "auto" (the captured step where its timing keeps it), "captured" or
+                "eager"; ``.choice`` says which runs, and the ``phalanx`` logger says it.
+            **kwargs: ``compile_step``'s ``in_dims``, ``target_in_dims``, ``kw_in_dims``,
+                ``max_norm``, ``norm_type``, ``backend``.
+
+        Raises:
+            TypeError: the driver was built without the stack's optimizer.
+        """
+        where = "phalanx.population.SuccessiveHalving.train_step()"
+        if self.optimizer is None:
+            raise TypeError(f"{where}: build the driver with the stack's phalanx optimizer.")
+        return TrainStep(lambda: self.stack, loss_fn, self.optimizer, step=step, where=where,
+                         **kwargs)  # fmt: skip
 
     def ready(self, step: int) -> bool:
         """True when ``step`` is a milestone not handled yet."""

@@ -10,7 +10,7 @@ Tune's defaults (quantile 0.25, resample probability 0.25, perturbation factors 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,7 @@ from phalanx.distributed import _checkpoint as sharded
 from phalanx.optim import MemberOptimizer
 from phalanx.population._mutations import Mutation, check_mutation, mutate
 from phalanx.population._rows import check_run
+from phalanx.population._step import StepMode, TrainStep
 from phalanx.population._surgery import copy_members
 
 if TYPE_CHECKING:
@@ -226,6 +227,24 @@ class PBT:
     def num_members(self) -> int:
         """N, over all ranks."""
         return self.shard.num_members if self.shard is not None else len(self.stack)
+
+    def train_step(
+        self, loss_fn: Callable[..., Tensor] | None, *, step: StepMode = "auto", **kwargs: Any
+    ) -> TrainStep:
+        """The stack's training step: captured where ``compile_step`` measures it faster.
+
+        Exploits copy members in place and set their hyperparameters, which the step reads
+        at every call, so one step serves the whole run.
+
+        Args:
+            loss_fn: as for :func:`phalanx.compile_step`.
+            step: "auto" (the captured step where its timing keeps it), "captured" or
+                "eager"; ``.choice`` says which runs, and the ``phalanx`` logger says it.
+            **kwargs: ``compile_step``'s ``in_dims``, ``target_in_dims``, ``kw_in_dims``,
+                ``max_norm``, ``norm_type``, ``backend``.
+        """
+        return TrainStep(self.stack, loss_fn, self.optimizer, step=step,
+                         where="phalanx.population.PBT.train_step()", **kwargs)  # fmt: skip
 
     def ready(self, step: int) -> bool:
         """True when ``step`` is a multiple of the interval not exploited yet."""
