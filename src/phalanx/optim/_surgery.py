@@ -18,6 +18,8 @@ from torch import Tensor
 
 from phalanx._members import member_index, pairs
 
+from ._settings import Setting
+
 __all__ = ["MemberSurgery"]
 
 
@@ -27,15 +29,19 @@ def lr_factor(group: dict[str, Any]) -> float:
     return float(group["lr"]) / float(group.get("lr_reference") or 1.0)
 
 
-def _hyper_slots(group: dict[str, Any], names: Iterable[str]) -> list[tuple[str, int | None]]:
-    """(key, position) of every hyperparameter of a group; position indexes a tuple (betas)."""
+def _hyper_slots(
+    group: dict[str, Any], settings: Iterable[Setting]
+) -> list[tuple[str, int | None]]:
+    """(key, position) of every setting of a group besides the rate, read from the rule's
+    ``SETTINGS``; position indexes a tuple setting (betas)."""
     slots: list[tuple[str, int | None]] = [("member_lr", None)]
-    for name in names:
-        value = group[name]
-        if isinstance(value, tuple | list):
-            slots += [(name, k) for k in range(len(value))]
+    for s in settings:
+        if s.kind == "rate":
+            continue
+        if s.parts:
+            slots += [(s.name, k) for k in range(len(s.parts))]
         else:
-            slots.append((name, None))
+            slots.append((s.name, None))
     return slots
 
 
@@ -64,7 +70,7 @@ class MemberSurgery:
     last_skipped: Tensor
     bad_steps: Tensor
     frozen: Tensor
-    _HYPER: tuple[tuple[str, str], ...]
+    SETTINGS: tuple[Setting, ...]
     _NAME: str
 
     def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
@@ -116,9 +122,10 @@ class MemberSurgery:
 
         lr = full(g["lr"]) if g["member_lr"] is None else full(g["member_lr"]) * lr_factor(g)
         out: dict[str, Tensor | tuple[Tensor, ...]] = {"lr": lr}
-        for name, _ in self._HYPER:
-            value = g[name]
-            out[name] = tuple(map(full, value)) if isinstance(value, tuple | list) else full(value)
+        for s in self.SETTINGS:
+            if s.kind != "rate":
+                value = g[s.name]
+                out[s.name] = tuple(map(full, value)) if s.parts else full(value)
         return out
 
     @torch.no_grad()
@@ -168,13 +175,12 @@ class MemberSurgery:
         so the groups themselves change only when the caller commits the copies.
         """
         where = f"{self._NAME}.set_hyperparameters()"
-        kinds = dict(self._HYPER)
-        unknown = [k for k in values if k != "lr" and (k not in kinds or k == "amsgrad")]
+        names = [s.name for s in self.SETTINGS if s.per_member]
+        unknown = [k for k in values if k not in names]
         if unknown:
-            names = ", ".join(["lr", *(k for k in kinds if k != "amsgrad")])
             raise ValueError(
                 f"{where}: {', '.join(map(repr, unknown))} is not a per-member hyperparameter "
-                f"of {self._NAME}; choose from {names}."
+                f"of {self._NAME}; choose from {', '.join(names)}."
             )
         index = member_index(members, self.num_members, where)
         trial = [dict(group) for group in self.param_groups]
@@ -187,13 +193,14 @@ class MemberSurgery:
     def _set_in(
         self, groups: list[dict[str, Any]], index: Tensor, values: dict[str, Any], where: str
     ) -> None:
-        kinds = dict(self._HYPER)
+        settings = {s.name: s for s in self.SETTINGS}
         for g, group in enumerate(groups):
             for name, value in values.items():
-                if name == "lr":
+                kind = settings[name].kind
+                if kind == "rate":
                     self._lr_to_members(group, g, where)
-                    self._write(group, ("member_lr", None), index, value, "lr", "nonneg", where)
-                elif isinstance(group[name], tuple | list):
+                    self._write(group, ("member_lr", None), index, value, "lr", kind, where)
+                elif settings[name].parts:
                     if not isinstance(value, tuple | list) or len(value) != len(group[name]):
                         raise ValueError(
                             f"{where}: {name} takes a tuple of {len(group[name])} values, each "
@@ -201,9 +208,9 @@ class MemberSurgery:
                             f"{value!r}."
                         )
                     for k, v in enumerate(value):
-                        self._write(group, (name, k), index, v, f"{name}[{k}]", kinds[name], where)
+                        self._write(group, (name, k), index, v, f"{name}[{k}]", kind, where)
                 else:
-                    self._write(group, (name, None), index, value, name, kinds[name], where)
+                    self._write(group, (name, None), index, value, name, kind, where)
             self._check_group(group, where)
 
     def _lr_to_members(self, group: dict[str, Any], g: int, where: str) -> None:
@@ -234,7 +241,7 @@ class MemberSurgery:
         """Writes ``value`` into rows ``index`` of one hyperparameter, made (N,) if it was not."""
         n = self.num_members
         current = _get(group, slot)
-        boolean = kind == "bool"
+        boolean = kind == "flag"
         dtype = torch.bool if boolean else torch.float64
         if isinstance(current, Tensor):
             device = current.device
@@ -290,7 +297,7 @@ class MemberSurgery:
     ) -> None:
         """Each target's per-member hyperparameters become its source's (new tensors)."""
         for group in self.param_groups if groups is None else groups:
-            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+            for slot in _hyper_slots(group, self.SETTINGS):
                 value = _get(group, slot)
                 if isinstance(value, Tensor) and value.shape == (self.num_members,):
                     new = value.clone()
@@ -330,7 +337,7 @@ class MemberSurgery:
             return
         hyper_rows = iter(rows[len(tensors) :])
         for group in self.param_groups:
-            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+            for slot in _hyper_slots(group, self.SETTINGS):
                 value = _get(group, slot)
                 if isinstance(value, Tensor) and value.shape == (self.num_members,):
                     new = value.clone()  # never in place: it may be the caller's tensor
@@ -342,7 +349,7 @@ class MemberSurgery:
         return [
             value
             for group in self.param_groups
-            for slot in _hyper_slots(group, (name for name, _ in self._HYPER))
+            for slot in _hyper_slots(group, self.SETTINGS)
             if isinstance(value := _get(group, slot), Tensor) and value.shape == (self.num_members,)
         ]
 
@@ -399,7 +406,7 @@ class MemberSurgery:
                 state[swap[id(o)]] = {key: _rows(v, index, n) for key, v in self.state[o].items()}
         for group in self.param_groups:
             group["params"] = [swap[id(p)] for p in group["params"]]
-            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+            for slot in _hyper_slots(group, self.SETTINGS):
                 _put(group, slot, _rows(_get(group, slot), index, n))
         self.state = state
         self.num_members = k

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from phalanx.optim import MemberOptimizer
-from phalanx.optim._base import finite_members
+from phalanx.optim._arith import finite_members
 
 __all__ = ["MemberGradScaler"]
 
