@@ -6,6 +6,7 @@ Every hyperparameter is a number or an (N,) tensor, steps take a per-member ``ma
 
 from phalanx._warnings import NonFiniteWarning
 
+from ._adagrad import Adagrad
 from ._adam import Adam, AdamW, adam_update
 from ._base import MemberOptimizer
 from ._lbfgs import LBFGS
@@ -16,6 +17,7 @@ from ._sgd import SGD
 __all__ = [
     "LBFGS",
     "SGD",
+    "Adagrad",
     "Adam",
     "AdamW",
     "Lion",

@@ -292,7 +292,7 @@ def fused_applies(opt: MemberOptimizer, params: list[Tensor], grads: list[Tensor
     if all(t.is_contiguous() for t in tensors):
         return True
     if not getattr(opt, "_warned_fused", False):
-        opt._warned_fused = True
+        opt.__dict__["_warned_fused"] = True
         warn(
             f"{opt._NAME}(fused=True): a parameter, gradient or state tensor is not "
             "contiguous, so torch's fused kernel cannot run on the members' views; this "

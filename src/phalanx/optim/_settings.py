@@ -95,8 +95,9 @@ def resolve_mode(name: str, mode: str | None, fused: bool, *, kernel: bool = Tru
     chosen = "fused" if fused else (mode or "fast")
     if chosen == "fused" and not kernel:
         raise ValueError(
-            f"{name}(): mode='fused' needs torch's fused kernel for this rule, and torch has "
-            "none; use mode='fast' (the default) or mode='torch'."
+            f"{name}(): mode='fused' needs torch's fused kernel for this rule, which it does "
+            "not run (it defines no fused_update); use mode='fast' (the default) or "
+            "mode='torch'."
         )
     return chosen
 

@@ -41,7 +41,7 @@ def load_state_dict(opt: MemberOptimizer, state_dict: dict[str, Any]) -> None:
     """Loads a ``state_dict``; step counts and counters move to the parameters' device."""
     state_dict = dict(state_dict)
     members = state_dict.pop("members", None)
-    _check_state_names(self, state_dict)
+    _check_state_names(opt, state_dict)
     torch.optim.Optimizer.load_state_dict(opt, state_dict)
     opt.param_groups = [_Group(group) for group in opt.param_groups]
     for group in opt.param_groups:  # the saved factor back on the largest member's rate

@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -70,8 +70,8 @@ class MemberSurgery:
     last_skipped: Tensor
     bad_steps: Tensor
     frozen: Tensor
-    SETTINGS: tuple[Setting, ...]
-    _NAME: str
+    SETTINGS: ClassVar[tuple[Setting, ...]]
+    _NAME: ClassVar[str]
 
     def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
         raise NotImplementedError

@@ -298,8 +298,8 @@ class CompiledStep:
             if mask is not None:
                 raise ValueError(
                     f"CompiledStep(): a mask needs a phalanx optimizer; "
-                    f"{type(opt).__name__} updates every member. Use phalanx.optim.Adam, "
-                    f"AdamW or SGD."
+                    f"{type(opt).__name__} updates every member. Use a phalanx optimizer "
+                    f"(a phalanx.optim.MemberOptimizer)."
                 )
             opt.step()
         return losses
@@ -649,12 +649,12 @@ def _set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
 def _unsupported_optimizer(optimizer: Any) -> str | None:
     """Why the captured step cannot express this optimizer's update, or None."""
     if not isinstance(optimizer, MemberOptimizer) or (
-        type(optimizer).update is MemberOptimizer.update
+        type(optimizer).update_ is MemberOptimizer.update_
     ):
         return (
-            f"the captured step takes a phalanx optimizer with an update rule "
-            f"(phalanx.optim.Adam and AdamW, SGD, Lion, or a MemberOptimizer defining update); "
-            f"got {type(optimizer).__module__}.{type(optimizer).__name__}"
+            f"the captured step takes a phalanx optimizer with an update rule (a "
+            f"phalanx.optim.MemberOptimizer defining update_, as every phalanx.optim rule but "
+            f"LBFGS does); got {type(optimizer).__module__}.{type(optimizer).__name__}"
         )
     return None
 
