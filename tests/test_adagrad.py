@@ -14,9 +14,9 @@ from torch import nn
 
 import phalanx
 from test_optim import (
-    N,
     STEPS,
     Case,
+    N,
     Reference,
     grads_from,
     make_params,
@@ -104,7 +104,11 @@ def test_masked_members_keep_weights_state_and_counts() -> None:
     opt = case.ours(params, **case.kwargs)
     ref = Reference(case, params, **TORCH)
     noise = noise_stream(params)
-    masks = [torch.tensor([True, False, True, True]), None, torch.tensor([False, True, True, False])]
+    masks = [
+        torch.tensor([True, False, True, True]),
+        None,
+        torch.tensor([False, True, True, False]),
+    ]
     for mask in masks * 3:
         z = next(noise)
         for p, g in zip(params, grads_from(params, z), strict=True):
@@ -218,4 +222,3 @@ def test_one_cycle_without_momentum_schedules_each_member_as_torch() -> None:
     for i, o in enumerate(ref.opts):
         assert float(opt.hyperparameters()["lr"][i]) == o.param_groups[0]["lr"]
     assert_members_equal(opt, params, ref)
-

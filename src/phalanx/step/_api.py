@@ -10,9 +10,9 @@ evaluation, guards and pytree flattening, which cost as much as W2's whole compi
 Our own input signature is the guard. On CUDA with ``mode="reduce-overhead"`` (CUDA graphs)
 it goes through ``torch.compile``, which knows which inputs are static.
 
-The update is the optimizer's own rule (``MemberOptimizer.update``, the pure function its
-eager step runs), so any phalanx optimizer is captured: Adam, AdamW, SGD, Lion and every
-rule added later. An optimizer built with ``fused=True`` promises torch's fused kernel's
+The update is the optimizer's own rule (``MemberOptimizer.update``, the pure form of the
+``update_`` its eager step runs), so every phalanx optimizer with an update rule is
+captured, a rule added later included. An optimizer built with ``fused=True`` promises torch's fused kernel's
 bits, which a trace cannot hold (the kernel is one opaque call): there the graph ends at the
 clipped gradients and the optimizer's own step applies them, as in the eager step.
 

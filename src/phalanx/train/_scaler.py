@@ -279,7 +279,7 @@ class MemberGradScaler:
 def _check_optimizer(optimizer: Any, method: str) -> None:
     if not isinstance(optimizer, MemberOptimizer):
         raise TypeError(
-            f"{_WHERE}.{method}(): expected a phalanx optimizer (phalanx.optim.SGD, Adam, "
-            f"AdamW), whose step takes a per-member mask; got {type(optimizer).__name__}. A "
+            f"{_WHERE}.{method}(): expected a phalanx optimizer (a phalanx.optim."
+            f"MemberOptimizer), whose step takes a per-member mask; got {type(optimizer).__name__}. A "
             f"torch optimizer can only skip every member's step at once."
         )
