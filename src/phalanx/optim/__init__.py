@@ -12,6 +12,7 @@ from ._base import MemberOptimizer
 from ._lbfgs import LBFGS
 from ._lion import Lion
 from ._schedule import MemberLambdaLR, MemberScheduler
+from ._settings import Setting
 from ._sgd import SGD
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "MemberOptimizer",
     "MemberScheduler",
     "NonFiniteWarning",
+    "Setting",
     "adam_update",
 ]
 

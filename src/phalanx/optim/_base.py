@@ -21,8 +21,8 @@ from . import _executors as run
 from . import _state
 from ._arith import finite_members, fused_step_dtype, isolate, math_dtype, per_member
 from ._executors import Buffers
-from ._settings import Setting, _Group, _hypers_to, _refer, as_values, check_value, resolve_mode
-from ._surgery import MemberSurgery, lr_factor
+from ._settings import Setting, resolve_mode
+from ._surgery import MemberSurgery
 
 __all__ = ["KEEP_ELEMENTS", "MemberOptimizer", "NonFiniteWarning", "Setting"]
 
@@ -37,7 +37,7 @@ W6 (2048 members) 150 -> 126 ms; with W2's small tensors (8 members, at most 160
 marked too the step was 5% slower (198 -> 209 us), hence the size."""
 
 
-class MemberOptimizer(Buffers, MemberSurgery, torch.optim.Optimizer):
+class MemberOptimizer(Buffers, MemberSurgery):
     """A torch optimizer over stacked parameters whose members are independent experiments.
 
     A subclass is one update rule, declared once (docs/ARCHITECTURE.md, "Add an optimizer"):
@@ -94,15 +94,11 @@ class MemberOptimizer(Buffers, MemberSurgery, torch.optim.Optimizer):
             updated again until you clear their flag (``opt.frozen[i] = False``).
     """
 
-    # (name, kind) of each hyperparameter besides lr; kind is a key of _EXPECTED.
-    #: The rule's settings, ``lr`` first: one table for checks, surgery and schedulers.
-    SETTINGS: ClassVar[tuple[Setting, ...]] = (Setting("lr", "rate"),)
     #: The names ``values`` reads in ``h`` (derived from ``SETTINGS``): the captured step
     #: feeds each to its graph as an (N,) input.
     HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("lr",)
     #: ``values`` entries computed once under a trace for large parameters (``KEEP_ELEMENTS``).
     REALIZE: ClassVar[tuple[str, ...]] = ()
-    _NAME: ClassVar[str] = "phalanx.optim.MemberOptimizer"
     #: Runs every parameter through ``blocked_step`` (the derived pure rule): for tests.
     _BLOCKED: ClassVar[bool] = False
 
@@ -160,115 +156,7 @@ class MemberOptimizer(Buffers, MemberSurgery, torch.optim.Optimizer):
         return state
 
     # ----------------------------------------------------------------------------------------
-    # Parameter groups and settings
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a parameter group after checking its member axis and settings."""
-        params = param_group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        for j, p in enumerate(params):
-            if not isinstance(p, Tensor):
-                continue  # torch's own check gives the message
-            if p.dim() == 0 or (self.num_members >= 0 and p.shape[0] != self.num_members):
-                raise ValueError(
-                    f"{self._NAME}(): parameter {j} of group {len(self.param_groups)} has shape "
-                    f"{tuple(p.shape)}, expected (N, *shape) with N = "
-                    f"{self.num_members if self.num_members >= 0 else 'the number of members'}"
-                    ". Every parameter must be stacked with the member axis first, as "
-                    "phalanx.stack(models).parameters() are."
-                )
-            self.num_members = p.shape[0]
-        param_group["params"] = params
-        where = f"{self._NAME}()"
-        for s in self.SETTINGS:
-            pair = bool(s.parts)
-            if s.name in param_group:
-                param_group[s.name] = as_values(param_group[s.name], s.name, pair, where)
-            elif s.name in self.defaults:
-                self.defaults[s.name] = as_values(self.defaults[s.name], s.name, pair, where)
-        lr = param_group.get("lr", self.defaults.get("lr"))
-        if isinstance(lr, Tensor) and lr.dim() > 0:
-            param_group["member_lr"] = lr
-            param_group["lr"] = 1.0
-        super().add_param_group(_Group(param_group))
-        group = self.param_groups[-1]
-        group.setdefault("member_lr", None)
-        if group["member_lr"] is not None:
-            group["member_lr"] = self._check_hyper(group["member_lr"], "lr", "rate")
-            _refer(group, float(torch.as_tensor(group["member_lr"]).max()))
-        group.setdefault("lr_reference", None)
-        for s in self.SETTINGS:
-            value = group[s.name]
-            if s.parts and isinstance(value, tuple | list):
-                group[s.name] = tuple(
-                    self._check_hyper(v, f"{s.name}[{k}]", s.kind) for k, v in enumerate(value)
-                )
-            else:
-                group[s.name] = self._check_hyper(value, s.name, s.kind)
-        if params:
-            _hypers_to(group, params[0].device)
-        self._check_group(group)
-
-    def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
-        """Checks one value of a setting of ``kind``: a number (or bool), or (N,)."""
-        return check_value(value, name, kind, self.num_members, f"{self._NAME}()")
-
-    def setting(self, name: str) -> Setting | None:
-        """The rule's setting ``name`` in its ``SETTINGS``, or None."""
-        return next((s for s in self.SETTINGS if s.name == name), None)
-
-    def _values(self, value: Any, device: torch.device) -> float | Tensor:
-        """A group's setting as a number or an (N,) tensor in the math dtype."""
-        if isinstance(value, bool):
-            return value
-        if not isinstance(value, Tensor):
-            return float(value)
-        if value.shape not in {(), (self.num_members,)}:
-            raise ValueError(
-                f"{self._NAME}.step(): a param group holds a hyperparameter of shape "
-                f"{tuple(value.shape)}; expected a number or shape ({self.num_members},)."
-            )
-        dtype = torch.bool if value.dtype == torch.bool else math_dtype(device)
-        return value.to(device=device, dtype=dtype).expand(self.num_members)
-
-    def _lr(self, group: dict[str, Any], device: torch.device) -> float | Tensor:
-        """The learning rate of a group: one number, or (N,) in the math dtype."""
-        lr = self._values(group["lr"], device)
-        if group["member_lr"] is None:
-            return lr
-        return self._values(group["member_lr"], device) * lr_factor(group)
-
-    def member_rates(
-        self, group: dict[str, Any], device: torch.device
-    ) -> dict[torch.dtype, Tensor]:
-        """A per-member group's (N,) rates, cast once to each of its parameters' dtypes."""
-        rates = self._lr(group, device)
-        assert isinstance(rates, Tensor)
-        return {p.dtype: rates.to(p.dtype) for p in group["params"]}
-
-    # ----------------------------------------------------------------------------------------
     # The rule protocol: what a subclass declares (docs/ARCHITECTURE.md, "Add an optimizer")
-
-    def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        """A group's per-member settings as ``values`` reads them, by ``HYPERPARAMETERS``
-        name: each a number shared by all members or an (N,) tensor in the math dtype (bool
-        for flags). "lr" is the member's rate (``group["lr"]`` times ``member_lr``); a tuple
-        setting gives each value under its part's name (Adam's "beta1" from ``betas``)."""
-        out: dict[str, Any] = {}
-        for s in self.SETTINGS:
-            if s.kind == "rate":
-                out[s.name] = self._lr(group, device)
-            elif s.parts:
-                for part, value in zip(s.parts, group[s.name], strict=True):
-                    out[part] = self._values(value, device)
-            elif s.per_member:
-                out[s.name] = self._values(group[s.name], device)
-        return out
-
-    def options(self, group: dict[str, Any]) -> dict[str, Any]:
-        """The Python values the update branches on for this group: its ``"option"``
-        settings (Adam's ``amsgrad``). The captured graph is specialised on them."""
-        return {s.name: bool(group[s.name]) for s in self.SETTINGS if s.kind == "option"}
 
     @staticmethod
     def state_names(**options: Any) -> tuple[str, ...]:
@@ -426,22 +314,6 @@ class MemberOptimizer(Buffers, MemberSurgery, torch.optim.Optimizer):
             if isinstance(counts, dict):
                 counts[id(p)] = (0, id(state["step"]), compat.version(state["step"]))
         return state
-
-    def member_hyperparameters(
-        self, group: dict[str, Any], device: torch.device
-    ) -> dict[str, Tensor]:
-        """``update_hyperparameters`` with every value an (N,) tensor (bool for flags): the
-        captured step's graph inputs, so that a new value changes an input, not the graph."""
-        n = self.num_members
-        out = {}
-        for name, value in self.update_hyperparameters(group, device).items():
-            if isinstance(value, Tensor):
-                out[name] = value.contiguous()
-            elif isinstance(value, bool):
-                out[name] = torch.full((n,), value, device=device)
-            else:
-                out[name] = torch.full((n,), value, dtype=math_dtype(device), device=device)
-        return out
 
     # ----------------------------------------------------------------------------------------
     # Stepping

@@ -11,12 +11,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import torch
 from torch import Tensor
 
-__all__ = ["MODES", "PerMember", "PerMemberFlag", "Setting", "resolve_mode"]
+from ._arith import math_dtype
+
+__all__ = [
+    "MODES",
+    "MemberSettings",
+    "PerMember",
+    "PerMemberFlag",
+    "Setting",
+    "lr_factor",
+    "resolve_mode",
+]
 
 #: A hyperparameter as a user passes it: one number for all members, or one per member (an
 #: (N,) tensor, a list or tuple of N numbers, a numpy array).
@@ -109,6 +119,12 @@ def _hypers_to(group: dict[str, Any], device: torch.device) -> None:
             group[key] = value.to(device)
         elif isinstance(value, tuple) and any(isinstance(v, Tensor) for v in value):
             group[key] = tuple(v.to(device) if isinstance(v, Tensor) else v for v in value)
+
+
+def lr_factor(group: dict[str, Any]) -> float:
+    """The factor a torch scheduler put on every member's rate in a per-member group:
+    ``group["lr"] / group["lr_reference"]``, exactly 1.0 until a scheduler moves ``lr``."""
+    return float(group["lr"]) / float(group.get("lr_reference") or 1.0)
 
 
 def _refer(group: dict[str, Any], largest: float) -> None:
@@ -251,3 +267,139 @@ def check_value(value: Any, name: str, kind: str, n: int, where: str) -> Any:
             f"{where}: {name} is {values[k].item()} for {who}; expected {KINDS[kind]}."
         )
     return value
+
+
+class MemberSettings(torch.optim.Optimizer):
+    """A rule's settings in its param groups: checked against the ``SETTINGS`` table when a
+    group is added, and read per member for the update (a base of ``MemberOptimizer``)."""
+
+    #: The rule's settings, ``lr`` first: one table for checks, surgery and schedulers.
+    SETTINGS: ClassVar[tuple[Setting, ...]] = (Setting("lr", "rate"),)
+    #: The optimizer's name in messages (derived from the class by ``MemberOptimizer``).
+    _NAME: ClassVar[str] = "phalanx.optim.MemberOptimizer"
+    num_members: int
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a parameter group after checking its member axis and settings."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for j, p in enumerate(params):
+            if not isinstance(p, Tensor):
+                continue  # torch's own check gives the message
+            if p.dim() == 0 or (self.num_members >= 0 and p.shape[0] != self.num_members):
+                raise ValueError(
+                    f"{self._NAME}(): parameter {j} of group {len(self.param_groups)} has shape "
+                    f"{tuple(p.shape)}, expected (N, *shape) with N = "
+                    f"{self.num_members if self.num_members >= 0 else 'the number of members'}"
+                    ". Every parameter must be stacked with the member axis first, as "
+                    "phalanx.stack(models).parameters() are."
+                )
+            self.num_members = p.shape[0]
+        param_group["params"] = params
+        where = f"{self._NAME}()"
+        for s in self.SETTINGS:
+            pair = bool(s.parts)
+            if s.name in param_group:
+                param_group[s.name] = as_values(param_group[s.name], s.name, pair, where)
+            elif s.name in self.defaults:
+                self.defaults[s.name] = as_values(self.defaults[s.name], s.name, pair, where)
+        lr = param_group.get("lr", self.defaults.get("lr"))
+        if isinstance(lr, Tensor) and lr.dim() > 0:
+            param_group["member_lr"] = lr
+            param_group["lr"] = 1.0
+        super().add_param_group(_Group(param_group))
+        group = self.param_groups[-1]
+        group.setdefault("member_lr", None)
+        if group["member_lr"] is not None:
+            group["member_lr"] = self._check_hyper(group["member_lr"], "lr", "rate")
+            _refer(group, float(torch.as_tensor(group["member_lr"]).max()))
+        group.setdefault("lr_reference", None)
+        for s in self.SETTINGS:
+            value = group[s.name]
+            if s.parts and isinstance(value, tuple | list):
+                group[s.name] = tuple(
+                    self._check_hyper(v, f"{s.name}[{k}]", s.kind) for k, v in enumerate(value)
+                )
+            else:
+                group[s.name] = self._check_hyper(value, s.name, s.kind)
+        if params:
+            _hypers_to(group, params[0].device)
+        self._check_group(group)
+
+    def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
+        """Checks one value of a setting of ``kind``: a number (or bool), or (N,)."""
+        return check_value(value, name, kind, self.num_members, f"{self._NAME}()")
+
+    def setting(self, name: str) -> Setting | None:
+        """The rule's setting ``name`` in its ``SETTINGS``, or None."""
+        return next((s for s in self.SETTINGS if s.name == name), None)
+
+    def _values(self, value: Any, device: torch.device) -> float | Tensor:
+        """A group's setting as a number or an (N,) tensor in the math dtype."""
+        if isinstance(value, bool):
+            return value
+        if not isinstance(value, Tensor):
+            return float(value)
+        if value.shape not in {(), (self.num_members,)}:
+            raise ValueError(
+                f"{self._NAME}.step(): a param group holds a hyperparameter of shape "
+                f"{tuple(value.shape)}; expected a number or shape ({self.num_members},)."
+            )
+        dtype = torch.bool if value.dtype == torch.bool else math_dtype(device)
+        return value.to(device=device, dtype=dtype).expand(self.num_members)
+
+    def _lr(self, group: dict[str, Any], device: torch.device) -> float | Tensor:
+        """The learning rate of a group: one number, or (N,) in the math dtype."""
+        lr = self._values(group["lr"], device)
+        if group["member_lr"] is None:
+            return lr
+        return self._values(group["member_lr"], device) * lr_factor(group)
+
+    def member_rates(
+        self, group: dict[str, Any], device: torch.device
+    ) -> dict[torch.dtype, Tensor]:
+        """A per-member group's (N,) rates, cast once to each of its parameters' dtypes."""
+        rates = self._lr(group, device)
+        assert isinstance(rates, Tensor)
+        return {p.dtype: rates.to(p.dtype) for p in group["params"]}
+
+    def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """A group's per-member settings as ``values`` reads them, by ``HYPERPARAMETERS``
+        name: each a number shared by all members or an (N,) tensor in the math dtype (bool
+        for flags). "lr" is the member's rate (``group["lr"]`` times ``member_lr``); a tuple
+        setting gives each value under its part's name (Adam's "beta1" from ``betas``)."""
+        out: dict[str, Any] = {}
+        for s in self.SETTINGS:
+            if s.kind == "rate":
+                out[s.name] = self._lr(group, device)
+            elif s.parts:
+                for part, value in zip(s.parts, group[s.name], strict=True):
+                    out[part] = self._values(value, device)
+            elif s.per_member:
+                out[s.name] = self._values(group[s.name], device)
+        return out
+
+    def options(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The Python values the update branches on for this group: its ``"option"``
+        settings (Adam's ``amsgrad``). The captured graph is specialised on them."""
+        return {s.name: bool(group[s.name]) for s in self.SETTINGS if s.kind == "option"}
+
+    def member_hyperparameters(
+        self, group: dict[str, Any], device: torch.device
+    ) -> dict[str, Tensor]:
+        """``update_hyperparameters`` with every value an (N,) tensor (bool for flags): the
+        captured step's graph inputs, so that a new value changes an input, not the graph."""
+        n = self.num_members
+        out = {}
+        for name, value in self.update_hyperparameters(group, device).items():
+            if isinstance(value, Tensor):
+                out[name] = value.contiguous()
+            elif isinstance(value, bool):
+                out[name] = torch.full((n,), value, device=device)
+            else:
+                out[name] = torch.full((n,), value, dtype=math_dtype(device), device=device)
+        return out
+
+    def _check_group(self, group: dict[str, Any], where: str | None = None) -> None:
+        """Checks constraints between a group's settings (SGD's Nesterov rule); ``where``
+        names the caller in the error (default: the constructor)."""

@@ -11,22 +11,16 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from phalanx._members import member_index, pairs
 
-from ._settings import Setting
+from ._settings import MemberSettings, Setting, lr_factor
 
 __all__ = ["MemberSurgery"]
-
-
-def lr_factor(group: dict[str, Any]) -> float:
-    """The factor a torch scheduler put on every member's rate in a per-member group:
-    ``group["lr"] / group["lr_reference"]``, exactly 1.0 until a scheduler moves ``lr``."""
-    return float(group["lr"]) / float(group.get("lr_reference") or 1.0)
 
 
 def _hyper_slots(
@@ -60,25 +54,13 @@ def _put(group: dict[str, Any], slot: tuple[str, int | None], value: Any) -> Non
         group[key] = tuple(items)
 
 
-class MemberSurgery:
-    """The member surgery methods of ``MemberOptimizer`` (a mixin; see that class)."""
+class MemberSurgery(MemberSettings):
+    """The member surgery methods of ``MemberOptimizer`` (a base of it; see that class)."""
 
     # Provided by MemberOptimizer.
-    num_members: int
-    param_groups: list[dict[str, Any]]
-    state: Any
     last_skipped: Tensor
     bad_steps: Tensor
     frozen: Tensor
-    SETTINGS: ClassVar[tuple[Setting, ...]]
-    _NAME: ClassVar[str]
-
-    def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
-        raise NotImplementedError
-
-    def _check_group(self, group: dict[str, Any], where: str | None = None) -> None:
-        """Checks constraints between a group's hyperparameters (SGD's Nesterov rule);
-        ``where`` names the caller in the error (default: the constructor)."""
 
     def member_tensors(self) -> list[Tensor]:
         """Every tensor of the optimizer's state whose dim 0 is the member axis.
