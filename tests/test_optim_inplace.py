@@ -188,3 +188,16 @@ def test_a_rules_own_attributes_survive_copies_without_being_listed(how: str) ->
     twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     assert twin.steps_taken.tolist() == [1, 1, 1] and twin.num_members == 3
     assert "_scratch_buffers" not in twin.__dict__  # caches are made again, not copied
+
+
+def test_a_tuple_setting_saved_as_a_list_loads_back_as_its_tuple() -> None:
+    """A checkpoint written as JSON (or by another tool) holds Adam's betas as a list; the
+    table says betas is a tuple setting, so it loads as one."""
+    p = nn.Parameter(torch.randn(3, 4))
+    opt = phalanx.optim.Adam([p], betas=(torch.tensor([0.9, 0.8, 0.7], dtype=torch.float64), 0.99))
+    saved = opt.state_dict()
+    saved["param_groups"][0]["betas"] = list(saved["param_groups"][0]["betas"])
+    twin = phalanx.optim.Adam([nn.Parameter(p.detach().clone())])
+    twin.load_state_dict(saved)
+    assert isinstance(twin.param_groups[0]["betas"], tuple)
+    assert twin.hyperparameters()["betas"][0].tolist() == [0.9, 0.8, 0.7]

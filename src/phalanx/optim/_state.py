@@ -53,7 +53,11 @@ def load_state_dict(opt: MemberOptimizer, state_dict: dict[str, Any]) -> None:
             if initial is not None:
                 dict.__setitem__(group, "initial_lr", float(initial) * reference)
         group.setdefault("lr_reference", None)
+    pairs = [s.name for s in opt.SETTINGS if s.parts]  # a tuple setting, from the table
     for group in opt.param_groups:
+        for name in pairs:  # a checkpoint written as JSON or by another tool holds a list
+            if isinstance(group.get(name), list):
+                dict.__setitem__(group, name, tuple(group[name]))
         _hypers_to(group, group["params"][0].device)
     for p, state in opt.state.items():
         if isinstance(state.get("step"), Tensor):
