@@ -208,9 +208,11 @@ class MemberOptimizer(Buffers, MemberSurgery):
         single-tensor step, operation for operation, each member is torch's bit for bit.
 
         Args:
-            p, g: (rows, cols) views of the parameter and gradient (``g`` is read only).
-            state: (rows, cols) views of the ``state_names`` tensors, written in place.
-            v: ``values`` for these rows: numbers, or (rows, 1) tensors in ``p``'s dtype.
+            p, g: the parameter and gradient (``g`` is read only): (rows, cols) views in the
+                eager step, whole (N, ...) tensors in the pure ``update``.
+            state: the ``state_names`` tensors, shaped as ``p``, written in place.
+            v: ``values`` for these rows: numbers, or (rows, 1) tensors ((N, 1, ..., 1) in
+                ``update``) in ``p``'s dtype.
             scratch: two (rows, cols) buffers the rule may overwrite.
             **options: ``options(group)``.
         """
@@ -233,14 +235,15 @@ class MemberOptimizer(Buffers, MemberSurgery):
             "param" and the ``state_names`` entries (one absent from ``state`` starts as
             zeros), each shaped as ``p``.
         """
-        n = p.shape[0]
         names = cls.state_names(**options)
         started = frozenset(k for k in names if k not in state)
-        param = p.reshape(n, -1).clone(memory_format=torch.contiguous_format)
+        # Whole (N, ...) tensors, values broadcast as (N, 1, ..., 1): elementwise, so the same
+        # bits as on (rows, cols) blocks; no reshape, which inductor fused less well.
+        param = p.clone(memory_format=torch.contiguous_format)
         new = {"param": param}
         for k in names:
             new[k] = (
-                state[k].reshape(n, -1).clone(memory_format=torch.contiguous_format)
+                state[k].clone(memory_format=torch.contiguous_format)
                 if k in state
                 else torch.zeros_like(param)
             )
@@ -250,8 +253,8 @@ class MemberOptimizer(Buffers, MemberSurgery):
             for k, x in cls.values(h, state["step"], started, **options).items()
         }
         scratch = (torch.empty_like(param), torch.empty_like(param))
-        cls.update_(param, g.reshape(n, -1), {k: new[k] for k in names}, v, scratch, **options)
-        return {k: t.view(p.shape) for k, t in new.items()}
+        cls.update_(param, g, {k: new[k] for k in names}, v, scratch, **options)
+        return new
 
     def fused_update(
         self,
