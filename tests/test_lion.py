@@ -131,7 +131,7 @@ def test_bad_hyperparameters_are_named() -> None:
         phalanx.optim.Lion([w], weight_decay=torch.tensor([0.0, -1.0, 0.0]))
 
 
-@pytest.mark.parametrize("opt_cls", ["Lion", "SGD"])
+@pytest.mark.parametrize("opt_cls", ["Lion", "SGD", "Adagrad"])
 def test_captured_step_equals_the_eager_step(opt_cls) -> None:
     """Any phalanx optimizer is captured: its own update is what the graph runs."""
     arch = next(a for a in ARCHS if a.name == "question2")

@@ -6,16 +6,19 @@ Every hyperparameter is a number or an (N,) tensor, steps take a per-member ``ma
 
 from phalanx._warnings import NonFiniteWarning
 
+from ._adagrad import Adagrad
 from ._adam import Adam, AdamW, adam_update
 from ._base import MemberOptimizer
 from ._lbfgs import LBFGS
 from ._lion import Lion
 from ._schedule import MemberLambdaLR, MemberScheduler
+from ._settings import Setting
 from ._sgd import SGD
 
 __all__ = [
     "LBFGS",
     "SGD",
+    "Adagrad",
     "Adam",
     "AdamW",
     "Lion",
@@ -23,6 +26,7 @@ __all__ = [
     "MemberOptimizer",
     "MemberScheduler",
     "NonFiniteWarning",
+    "Setting",
     "adam_update",
 ]
 

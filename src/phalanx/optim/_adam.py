@@ -9,29 +9,12 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import (
-    MemberOptimizer,
-    PerMember,
-    PerMemberFlag,
-    _inplace_blocks,
-    math_dtype,
-    maximized,
-    per_member,
-    powers,
-    resolve_mode,
-)
+from ._arith import math_dtype, powers
+from ._base import KEEP_ELEMENTS, MemberOptimizer
+from ._executors import _inplace_blocks
+from ._settings import PerMember, PerMemberFlag, Setting
 
-__all__ = ["Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
-
-
-KEEP_ELEMENTS = 1 << 14
-"""A stacked parameter of at least this many elements has its per-member bias corrections
-computed once into a buffer when the update is traced (:func:`phalanx._torch_compat.realized`);
-inductor otherwise computes them again for every 16 of its elements. Captured steps, one
-process, interleaved (issue 26, sixth session; benchmarks/notes/TRAIN_STEP.md): W1 (400 members, a
-(400, 10, 20) weight) 947 -> 752 us, W4 88.7 -> 76.9 ms, W6 (2048 members) 150 -> 126 ms;
-with W2's small tensors (8 members, at most 1600 elements) marked too the step was 5%
-slower (198 -> 209 us), hence the size."""
+__all__ = ["KEEP_ELEMENTS", "Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
 
 
 def adam_update(
@@ -52,52 +35,27 @@ def adam_update(
 ) -> dict[str, Tensor]:
     """One Adam(W) update of a stacked parameter: its new value and state, nothing written.
 
-    The one rule: ``phalanx.optim.Adam`` runs it eagerly and writes the results in place;
-    ``phalanx.compile_step`` traces it into its graph, so the captured update is this
-    function, not a copy of it. ``step`` is the (N,) count after this step's increment; each
-    hyperparameter is a number or an (N,) tensor in the math dtype (bool for ``maximize``).
-    The same operations, in the same order and precision, as torch.optim's single-tensor
-    Adam, with (N, 1, ...) tensors where it has Python floats.
+    ``Adam.update`` (the pure form of ``adam_update_``, the one rule) on these arguments:
+    what ``phalanx.compile_step`` traces. ``step`` is the (N,) count after this step's
+    increment; each hyperparameter is a number or an (N,) tensor in the math dtype (bool for
+    ``maximize``). The same operations, in the same order and precision, as torch.optim's
+    single-tensor Adam, with (N, 1, ...) tensors where it has Python floats.
 
     Returns:
         "param", "exp_avg", "exp_avg_sq" and, with ``max_exp_avg_sq``, "max_exp_avg_sq".
     """
-    h = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
-    v = adam_values({**h, "maximize": maximize}, step, decoupled=decoupled)
-    if p.numel() >= KEEP_ELEMENTS:  # per member, from pow: computed once (under a trace)
-        for k in ("bias_correction2_sqrt", "step_size"):
-            v[k] = compat.realized(v[k])
-    g = maximized(g, maximize)
-    if v["decoupled"] is not None:
-        p = p * per_member(v["decoupled"], p)
-    elif isinstance(v["coupled"], Tensor):
-        g = torch.addcmul(g, p, per_member(v["coupled"], p))
-    elif v["coupled"] is not None:  # rounded as torch's grad.add(param, alpha=weight_decay)
-        g = g.add(p, alpha=v["coupled"])
-    exp_avg = torch.lerp(exp_avg, g, per_member(v["keep1"], g))
-    exp_avg_sq = exp_avg_sq * per_member(beta2, g)
-    if isinstance(beta2, Tensor):
-        # addcmul's value must be a number: fold (1 - beta2) into the first factor, which
-        # rounds the same as torch's value * grad * grad.
-        exp_avg_sq = torch.addcmul(exp_avg_sq, g * per_member(v["keep2"], g), g)
-    else:
-        exp_avg_sq = torch.addcmul(exp_avg_sq, g, g, value=v["keep2"])
-    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    state = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if max_exp_avg_sq is not None:
-        new["max_exp_avg_sq"] = torch.maximum(max_exp_avg_sq, exp_avg_sq)
-        denom = new["max_exp_avg_sq"].sqrt()
-    else:
-        denom = exp_avg_sq.sqrt()
-    denom = denom / per_member(v["bias_correction2_sqrt"], p)
-    denom = denom + per_member(eps, denom)
-    new["param"] = torch.addcdiv(p, exp_avg * per_member(v["step_size"], p), denom)
-    return new
+        state["max_exp_avg_sq"] = max_exp_avg_sq
+    h = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    h["maximize"] = maximize
+    amsgrad = max_exp_avg_sq is not None
+    return Adam.update(p, g, state, h, amsgrad=amsgrad, decoupled=decoupled)
 
 
 def adam_values(h: dict[str, Any], step: Tensor, *, decoupled: bool) -> dict[str, Any]:
     """The numbers the Adam rule derives from its hyperparameters and the (N,) counts (numbers
-    stay numbers; (N,) tensors in the math dtype): written once, read by ``adam_update`` and,
-    cut to a block's rows, by ``adam_update_``."""
+    stay numbers; (N,) tensors in the math dtype), read by ``adam_update_``."""
     lr, wd, maximize = h["lr"], h["weight_decay"], h["maximize"]
     v: dict[str, Any] = {"maximize": maximize, "eps": h["eps"], "beta2": h["beta2"]}
     if isinstance(maximize, Tensor):
@@ -133,9 +91,9 @@ def adam_update_(
     *,
     amsgrad: bool,
 ) -> None:
-    """``adam_update`` written into ``p`` and ``state`` on a block: the same torch operations
-    on the same operands in the same order, each with ``out=`` into its target or one of the
-    two scratch buffers (``a`` holds the gradient as the rule steps against it, then the
+    """The Adam(W) rule, written into ``p`` and ``state`` on a block: torch.optim's
+    single-tensor Adam operation for operation, each with ``out=`` into its target or one of
+    the two scratch buffers (``a`` holds the gradient as the rule steps against it, then the
     step; ``b`` the denominator). ``v``: ``adam_values`` cut to the block's rows, tensors
     (rows, 1) in ``p``'s dtype, as ``per_member`` casts them."""
     a, b = scratch
@@ -170,8 +128,9 @@ class Adam(MemberOptimizer):
     """Adam over stacked parameters, with every hyperparameter and the step count per member.
 
     Member i follows the trajectory of ``torch.optim.Adam`` run on member i alone with member
-    i's hyperparameters: to float rounding by default, bit for bit with ``mode="torch"``. Each hyperparameter is a number shared by all members or a
-    tensor of shape (N,), one value per member. The step count is (N,): a member masked out
+    i's hyperparameters: to float rounding by default, bit for bit with ``mode="torch"``.
+    Each hyperparameter is a number shared by all members or a tensor of shape (N,), one
+    value per member. The step count is (N,): a member masked out
     of a step keeps its count, so its bias correction stays its own.
 
     Args:
@@ -187,16 +146,10 @@ class Adam(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
-        mode: which bits each member gets. "fast" (the default): the update on member i
-            alone to float rounding (no further from float64 than torch.optim in float32),
-            as torch's fused kernel called once on the whole stacked tensors where members
-            share their values and step counts (and, with per-member rates, scaled per
-            member), else the blocked arithmetic of "torch". "torch": torch.optim.Adam's
-            single-tensor arithmetic on member i alone, bit for bit, on cache-sized blocks of
-            the stacked tensors. "fused": torch.optim.Adam(fused=True) on member i alone, bit
-            for bit: torch's fused kernel on the members' views ``p[i]``, once per set of
-            members that share every value. All hold whatever N, masks and per-member
-            hyperparameters.
+        mode: which bits each member gets: "fast" (the default, to float rounding at
+            torch's fused speed), "torch" (torch.optim.Adam's single-tensor arithmetic, bit
+            for bit) or "fused" (torch.optim.Adam(fused=True), bit for bit); see
+            ``MemberOptimizer``, "Modes".
         fused: ``fused=True`` is ``mode="fused"`` (the older keyword).
 
     Example:
@@ -208,14 +161,15 @@ class Adam(MemberOptimizer):
         tensor([-0.1000, -0.0100, -0.0010], grad_fn=<SelectBackward0>)
     """
 
-    _HYPER = (
-        ("betas", "unit"),
-        ("eps", "nonneg"),
-        ("weight_decay", "nonneg"),
-        ("amsgrad", "bool"),
-        ("maximize", "bool"),
+    SETTINGS = (
+        Setting("lr", "rate"),
+        Setting("betas", "unit", parts=("beta1", "beta2"), momentum=True),
+        Setting("eps", "nonneg"),
+        Setting("weight_decay", "nonneg"),
+        Setting("amsgrad", "option"),
+        Setting("maximize", "flag"),
     )
-    _NAME = "phalanx.optim.Adam"
+    REALIZE = ("bias_correction2_sqrt", "step_size")  # per member, from pow
     _DECOUPLED = False
 
     def __init__(
@@ -234,11 +188,6 @@ class Adam(MemberOptimizer):
         fused: bool = False,
         mode: str | None = None,
     ) -> None:
-        chosen = resolve_mode(self._NAME, mode, bool(fused))
-        if isinstance(amsgrad, Tensor):
-            raise ValueError(
-                f"{self._NAME}(): amsgrad must be one bool for all members; got a tensor."
-            )
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -253,35 +202,21 @@ class Adam(MemberOptimizer):
             skip_nonfinite=skip_nonfinite,
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
-            mode=chosen,
+            mode=mode,
+            fused=fused,
         )
 
-    HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
-
-    def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        """``betas`` as "beta1" and "beta2"; the others by their group keys."""
-        return {
-            "lr": self._lr(group, device),
-            "beta1": self._values(group["betas"][0], device),
-            "beta2": self._values(group["betas"][1], device),
-            "eps": self._values(group["eps"], device),
-            "weight_decay": self._values(group["weight_decay"], device),
-            "maximize": self._values(group["maximize"], device),
-        }
-
     def options(self, group: dict[str, Any]) -> dict[str, Any]:
-        return {"amsgrad": bool(group["amsgrad"]), "decoupled": self._DECOUPLED}
+        return {**super().options(group), "decoupled": self._DECOUPLED}
 
-    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
-        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        return {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in keys}
+    @staticmethod
+    def state_names(**options: Any) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if options["amsgrad"] else ())
 
-    INPLACE = True
-
-    def prepare(
-        self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
+    @staticmethod
+    def values(
+        h: dict[str, Any], step: Tensor, started: frozenset[str], **options: Any
     ) -> dict[str, Any]:
-        """``adam_update``'s per-member numbers, computed as it computes them."""
         return adam_values(h, step, decoupled=options["decoupled"])
 
     @staticmethod
@@ -293,24 +228,7 @@ class Adam(MemberOptimizer):
         scratch: tuple[Tensor, Tensor],
         **options: Any,
     ) -> None:
-        """``adam_update`` in place, operation for operation."""
         adam_update_(p, g, state, v, scratch, amsgrad=options["amsgrad"])
-
-    @staticmethod
-    def update(
-        p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
-    ) -> dict[str, Tensor]:
-        """``adam_update`` on the protocol's arguments."""
-        return adam_update(
-            p,
-            g,
-            state["step"],
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            state["max_exp_avg_sq"] if options["amsgrad"] else None,
-            **h,
-            decoupled=options["decoupled"],
-        )
 
     FAST = True
 
@@ -416,7 +334,8 @@ class AdamW(Adam):
     """AdamW (decoupled weight decay) over stacked parameters, every hyperparameter per member.
 
     Member i follows the trajectory of ``torch.optim.AdamW`` run on member i alone with member
-    i's hyperparameters (to float rounding by default, bit for bit with ``mode="torch"``). Arguments as ``Adam``; ``weight_decay`` defaults to 1e-2 and
+    i's hyperparameters (to float rounding by default, bit for bit with ``mode="torch"``).
+    Arguments as ``Adam``; ``weight_decay`` defaults to 1e-2 and
     multiplies the weights by ``1 - lr * weight_decay`` before the Adam update.
 
     Example:
@@ -428,7 +347,6 @@ class AdamW(Adam):
         tensor([1.0000, 0.9000], grad_fn=<SelectBackward0>)
     """
 
-    _NAME = "phalanx.optim.AdamW"
     _DECOUPLED = True
 
     def __init__(

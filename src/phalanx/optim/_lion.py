@@ -1,9 +1,9 @@
 """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): one rule, one file.
 
-The recipe "add an optimizer (eager and captured)" of docs/ARCHITECTURE.md, followed: the
-class names its hyperparameters, its state and its pure update; ``MemberOptimizer`` runs the
-update eagerly on blocks of the stacked tensors and ``phalanx.compile_step`` traces the same
-function into its graph.
+The recipe "Add an optimizer" of docs/ARCHITECTURE.md, followed: the class declares its
+settings table, its state, its per-member values and its update (in place, once);
+``MemberOptimizer`` runs it eagerly on blocks of the stacked tensors and
+``phalanx.compile_step`` traces its pure form, derived from it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MemberOptimizer, PerMember, PerMemberFlag, maximized, per_member, resolve_mode
+from ._base import MemberOptimizer
+from ._settings import PerMember, PerMemberFlag, Setting
 
 __all__ = ["Lion"]
 
@@ -44,7 +45,8 @@ class Lion(MemberOptimizer):
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
         mode: "fast" (the default) or "torch": the same blocked arithmetic (torch has no
-            fused Lion kernel), bit for bit the update above on member i alone.
+            fused Lion kernel), bit for bit the update above on member i alone; see
+            ``MemberOptimizer``, "Modes".
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members
@@ -55,9 +57,12 @@ class Lion(MemberOptimizer):
         tensor([-0.1000, -0.0100, -0.0010], grad_fn=<SelectBackward0>)
     """
 
-    _HYPER = (("betas", "unit"), ("weight_decay", "nonneg"), ("maximize", "bool"))
-    _NAME = "phalanx.optim.Lion"
-    HYPERPARAMETERS = ("lr", "beta1", "beta2", "weight_decay", "maximize")
+    SETTINGS = (
+        Setting("lr", "rate"),
+        Setting("betas", "unit", parts=("beta1", "beta2"), momentum=True),
+        Setting("weight_decay", "nonneg"),
+        Setting("maximize", "flag"),
+    )
 
     def __init__(
         self,
@@ -84,27 +89,17 @@ class Lion(MemberOptimizer):
             skip_nonfinite=skip_nonfinite,
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
-            mode=resolve_mode(self._NAME, mode, False, kernel=False),
+            mode=mode,
         )
 
-    def update_hyperparameters(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        return {
-            "lr": self._lr(group, device),
-            "beta1": self._values(group["betas"][0], device),
-            "beta2": self._values(group["betas"][1], device),
-            "weight_decay": self._values(group["weight_decay"], device),
-            "maximize": self._values(group["maximize"], device),
-        }
+    @staticmethod
+    def state_names(**options: Any) -> tuple[str, ...]:
+        return ("exp_avg",)
 
-    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
-        return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
-
-    INPLACE = True
-
-    def prepare(
-        self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
+    @staticmethod
+    def values(
+        h: dict[str, Any], step: Tensor, started: frozenset[str], **options: Any
     ) -> dict[str, Any]:
-        """``update``'s per-member numbers (``lion_values``)."""
         return lion_values(h)
 
     @staticmethod
@@ -116,8 +111,8 @@ class Lion(MemberOptimizer):
         scratch: tuple[Tensor, Tensor],
         **options: Any,
     ) -> None:
-        """``update`` in place on a block, operation for operation (``a``: the gradient as
-        the rule steps against it; ``b``: the direction)."""
+        """Lion's step on a block, each line of the update above one torch operation (``a``:
+        the gradient as the rule steps against it; ``b``: the direction)."""
         a, b = scratch
         if isinstance(v["maximize"], Tensor):
             g = torch.mul(g, v["sign"], out=a)
@@ -133,28 +128,10 @@ class Lion(MemberOptimizer):
             p.add_(direction, alpha=-v["lr"])
         m.lerp_(g, v["keep2"])
 
-    @staticmethod
-    def update(
-        p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
-    ) -> dict[str, Tensor]:
-        """Lion's step of a stacked parameter, nothing written."""
-        v = lion_values(h)
-        g = maximized(g, v["maximize"])
-        if v["decay"] is not None:
-            p = p * per_member(v["decay"], p)
-        m = state["exp_avg"]
-        direction = torch.lerp(m, g, per_member(v["keep1"], g)).sign()
-        if isinstance(v["lr"], Tensor):
-            p = torch.addcmul(p, direction, per_member(v["neg_lr"], p))
-        else:
-            p = p.add(direction, alpha=-v["lr"])
-        return {"param": p, "exp_avg": torch.lerp(m, g, per_member(v["keep2"], g))}
-
 
 def lion_values(h: dict[str, Any]) -> dict[str, Any]:
     """The numbers Lion derives from its hyperparameters (numbers stay numbers; (N,) tensors
-    in the math dtype): written once, read by ``Lion.update`` and, cut to a block's rows, by
-    ``Lion.update_``."""
+    in the math dtype), read by ``Lion.update_``."""
     lr, wd = h["lr"], h["weight_decay"]
     v: dict[str, Any] = {"maximize": h["maximize"], "lr": lr}
     if isinstance(h["maximize"], Tensor):

@@ -46,7 +46,7 @@ class MemberLambdaLR:
         if not isinstance(optimizer, MemberOptimizer):
             raise TypeError(
                 "phalanx.optim.MemberLambdaLR(): expected a phalanx optimizer "
-                f"(phalanx.optim.SGD, Adam or AdamW); got {type(optimizer).__name__}."
+                f"(a phalanx.optim.MemberOptimizer); got {type(optimizer).__name__}."
             )
         self.optimizer = optimizer
         self.lr_lambda = lr_lambda
@@ -119,7 +119,9 @@ class MemberScheduler:
     torch for each member, bit for bit. Arguments torch takes per param group (OneCycleLR's
     or CyclicLR's ``max_lr``, ReduceLROnPlateau's ``min_lr``) may then be given per member, as a
     list of N values. After each ``step`` member i's rate is written to ``member_lr[i]``; a
-    scheduler that cycles momentum writes each member's momentum (SGD) or beta1 (Adam) too.
+    scheduler that cycles momentum writes each member's value of the rule's momentum-like
+    setting too (its ``SETTINGS`` entry with ``momentum=True``: SGD's momentum, the first of
+    Adam's betas), and is refused, as torch refuses it, for a rule without one (Adagrad).
     ``group["lr"]`` (1.0) is left to a torch scheduler of factors, which then scales every
     member's scheduled rate.
 
@@ -147,18 +149,30 @@ class MemberScheduler:
         where = "phalanx.optim.MemberScheduler()"
         if not isinstance(optimizer, MemberOptimizer):
             raise TypeError(
-                f"{where}: expected a phalanx optimizer (phalanx.optim.SGD, Adam or AdamW); got "
+                f"{where}: expected a phalanx optimizer (a phalanx.optim.MemberOptimizer); got "
                 f"{type(optimizer).__name__}. A torch optimizer takes the torch scheduler as it is."
             )
         self.optimizer = optimizer
         self.make = make
         rates = optimizer.hyperparameters  # (N,) per group: member_lr * lr
         n, groups = optimizer.num_members, len(optimizer.param_groups)
-        self._momentum = "betas" if "betas" in optimizer.defaults else "momentum"
+        # the rule's setting torch's cyclic schedulers cycle, from its table (None: it has none)
+        self._momentum = next((s for s in optimizer.SETTINGS if s.momentum), None)
         per_member = [[self._shadow_group(rates(g), i) for i in range(n)] for g in range(groups)]
         flat = [per_member[g][i] for g in range(groups) for i in range(n)]
         self.shadows = [_Shadow(flat, self._shadow_defaults())]
-        self.schedulers = [make(self.shadows[0])]
+        try:
+            self.schedulers = [make(self.shadows[0])]
+        except ValueError as e:
+            if self._momentum is not None or "cycle_momentum" not in str(e):
+                raise
+            settings = ", ".join(s.name for s in optimizer.SETTINGS)
+            raise ValueError(
+                f"{where}: the scheduler cycles momentum (cycle_momentum=True, its default), "
+                f"and {optimizer._NAME} has no momentum-like setting (its settings: "
+                f"{settings}); torch refuses it for torch.optim's {type(optimizer).__name__} "
+                f"too ({e}). Pass cycle_momentum=False to schedule the learning rate alone."
+            ) from None
         self._plateau = isinstance(self.schedulers[0], torch.optim.lr_scheduler.ReduceLROnPlateau)
         if self._plateau:
             # its state (best, bad epochs) follows one metric: one scheduler per member
@@ -188,16 +202,26 @@ class MemberScheduler:
         scheduler._last_lr = [float(g["lr"]) for g in shadow.param_groups]
         return scheduler
 
+    def _shadow_key(self) -> str | None:
+        """The key torch's cyclic schedulers cycle in the stand-ins: "betas" (its first value)
+        for a tuple setting, "momentum" for one value; None for a rule with neither."""
+        if self._momentum is None:
+            return None
+        return "betas" if self._momentum.parts else "momentum"
+
     def _shadow_defaults(self) -> dict[str, Any]:
         # OneCycleLR and CyclicLR look for momentum or betas here to cycle them
-        return {"lr": 1.0, self._momentum: (0.9, 0.999) if self._momentum == "betas" else 0.9}
+        key = self._shadow_key()
+        if key is None:
+            return {"lr": 1.0}
+        return {"lr": 1.0, key: (0.9, 0.999) if key == "betas" else 0.9}
 
     def _shadow_group(self, rates: dict[str, Any], i: int) -> dict[str, Any]:
         group: dict[str, Any] = {"lr": float(rates["lr"][i])}
-        if self._momentum == "betas":
-            group["betas"] = tuple(float(b[i]) for b in rates["betas"])
-        elif "momentum" in rates:
-            group["momentum"] = float(rates["momentum"][i])
+        key, setting = self._shadow_key(), self._momentum
+        if key is not None and setting is not None:
+            value = rates[setting.name]
+            group[key] = tuple(float(b[i]) for b in value) if setting.parts else float(value[i])
         return group
 
     @property
@@ -220,12 +244,15 @@ class MemberScheduler:
             device = group["params"][0].device
             rates = torch.tensor([float(s["lr"]) for s in shadow], dtype=torch.float64)
             group["member_lr"] = rates.to(device)
-            if cycled and self._momentum == "betas":
-                beta1 = torch.tensor([float(s["betas"][0]) for s in shadow], dtype=torch.float64)
-                group["betas"] = (beta1.to(device), group["betas"][1])
-            elif cycled:
-                momentum = torch.tensor([float(s["momentum"]) for s in shadow], dtype=torch.float64)
-                group["momentum"] = momentum.to(device)
+            setting, key = self._momentum, self._shadow_key()
+            if not cycled or setting is None or key is None:
+                continue
+            if setting.parts:  # torch cycles the first value of the pair
+                first = torch.tensor([float(s[key][0]) for s in shadow], dtype=torch.float64)
+                group[setting.name] = (first.to(device), *group[setting.name][1:])
+            else:
+                value = torch.tensor([float(s[key]) for s in shadow], dtype=torch.float64)
+                group[setting.name] = value.to(device)
 
     def step(self, metrics: Any = None) -> None:
         """Steps every member's schedule; ReduceLROnPlateau takes (N,) per-member metrics."""

@@ -9,15 +9,9 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-from ._base import (
-    MemberOptimizer,
-    PerMember,
-    PerMemberFlag,
-    math_dtype,
-    maximized,
-    per_member,
-    resolve_mode,
-)
+from ._arith import math_dtype
+from ._base import MemberOptimizer
+from ._settings import PerMember, PerMemberFlag, Setting
 
 __all__ = ["SGD"]
 
@@ -26,8 +20,9 @@ class SGD(MemberOptimizer):
     """SGD over stacked parameters, with every hyperparameter per member.
 
     Member i follows the trajectory of ``torch.optim.SGD`` run on member i alone with member
-    i's hyperparameters: to float rounding by default, bit for bit with ``mode="torch"``. Each hyperparameter is a number shared by all members or a
-    tensor of shape (N,), one value per member.
+    i's hyperparameters: to float rounding by default, bit for bit with ``mode="torch"``.
+    Each hyperparameter is a number shared by all members or a tensor of shape (N,), one
+    value per member.
 
     Args:
         params: stacked parameters, each of shape (N, *shape), or param group dicts.
@@ -41,16 +36,10 @@ class SGD(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
-        mode: which bits each member gets. "fast" (the default): the update on member i
-            alone to float rounding (no further from float64 than torch.optim in float32),
-            as torch's fused kernel called once on the whole stacked tensors where members
-            share their values and step counts (and, with per-member rates, scaled per
-            member), else the blocked arithmetic of "torch". "torch": torch.optim.SGD's
-            single-tensor arithmetic on member i alone, bit for bit, on cache-sized blocks of
-            the stacked tensors. "fused": torch.optim.SGD(fused=True) on member i alone, bit
-            for bit: torch's fused kernel on the members' views ``p[i]``, once per set of
-            members that share every value. All hold whatever N, masks and per-member
-            hyperparameters.
+        mode: which bits each member gets: "fast" (the default, to float rounding at
+            torch's fused speed), "torch" (torch.optim.SGD's single-tensor arithmetic, bit
+            for bit) or "fused" (torch.optim.SGD(fused=True), bit for bit); see
+            ``MemberOptimizer``, "Modes".
         fused: ``fused=True`` is ``mode="fused"`` (the older keyword).
 
     Example:
@@ -62,14 +51,14 @@ class SGD(MemberOptimizer):
         tensor([0.9000, 0.8000, 0.7000, 1.0000], grad_fn=<SelectBackward0>)
     """
 
-    _HYPER = (
-        ("momentum", "nonneg"),
-        ("dampening", "nonneg"),
-        ("weight_decay", "nonneg"),
-        ("nesterov", "bool"),
-        ("maximize", "bool"),
+    SETTINGS = (
+        Setting("lr", "rate"),
+        Setting("momentum", "nonneg", momentum=True),
+        Setting("dampening", "nonneg"),
+        Setting("weight_decay", "nonneg"),
+        Setting("nesterov", "flag"),
+        Setting("maximize", "flag"),
     )
-    _NAME = "phalanx.optim.SGD"
 
     def __init__(
         self,
@@ -87,7 +76,6 @@ class SGD(MemberOptimizer):
         fused: bool = False,
         mode: str | None = None,
     ) -> None:
-        chosen = resolve_mode(self._NAME, mode, bool(fused))
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -102,7 +90,8 @@ class SGD(MemberOptimizer):
             skip_nonfinite=skip_nonfinite,
             freeze_after=freeze_after,
             warn_skipped=warn_skipped,
-            mode=chosen,
+            mode=mode,
+            fused=fused,
         )
 
     def _check_group(self, group: dict[str, Any], where: str | None = None) -> None:
@@ -119,29 +108,20 @@ class SGD(MemberOptimizer):
                 "needs momentum > 0 and dampening = 0."
             )
 
-    HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
-
     def options(self, group: dict[str, Any]) -> dict[str, Any]:
         momentum = group["momentum"]
         return {"momentum": isinstance(momentum, Tensor) or momentum != 0}
 
-    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
-        if not self.options(group)["momentum"]:
-            return {}
-        return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    @staticmethod
+    def state_names(**options: Any) -> tuple[str, ...]:
+        return ("momentum_buffer",) if options["momentum"] else ()
 
-    INPLACE = True
-
-    def inplace_applies(self, state: dict[str, Any], options: dict[str, Any]) -> bool:
-        """In place once the momentum buffer exists (``update`` starts one a scheduler asked
-        for mid-training)."""
-        return not options["momentum"] or "momentum_buffer" in state
-
-    def prepare(
-        self, h: dict[str, Any], step: Tensor, dtype: torch.dtype, **options: Any
+    @staticmethod
+    def values(
+        h: dict[str, Any], step: Tensor, started: frozenset[str], **options: Any
     ) -> dict[str, Any]:
-        """``update``'s per-member numbers (``sgd_values``)."""
-        return sgd_values(h, step, momentum=options["momentum"])
+        fresh = "momentum_buffer" in started
+        return sgd_values(h, step, momentum=options["momentum"], fresh=fresh)
 
     @staticmethod
     def update_(
@@ -152,8 +132,8 @@ class SGD(MemberOptimizer):
         scratch: tuple[Tensor, Tensor],
         **options: Any,
     ) -> None:
-        """``update`` in place on a block, operation for operation (``a``: the gradient as
-        the rule steps against it; ``b``: Nesterov's look-ahead)."""
+        """torch.optim.SGD's single-tensor step on a block, operation for operation (``a``:
+        the gradient as the rule steps against it; ``b``: Nesterov's look-ahead)."""
         a, b = scratch
         maximize, weight_decay, lr = v["maximize"], v["weight_decay"], v["lr"]
         if isinstance(maximize, Tensor):
@@ -165,6 +145,9 @@ class SGD(MemberOptimizer):
         elif weight_decay != 0:  # rounded as torch's grad.add(param, alpha=weight_decay)
             g = torch.add(g, p, alpha=weight_decay, out=a)
         if options["momentum"]:
+            # torch starts a buffer as a copy of the gradient (and uses the bare gradient
+            # when momentum is 0): a zero buffer, decay 0 and gradient weight 1 give the
+            # same bits (``sgd_values``).
             buf = state["momentum_buffer"]
             buf.mul_(v["decay"])
             buf.addcmul_(g, v["weight"])
@@ -180,49 +163,6 @@ class SGD(MemberOptimizer):
             p.addcmul_(g, lr)
         else:
             p.add_(g, alpha=-lr)
-
-    @staticmethod
-    def update(
-        p: Tensor, g: Tensor, state: dict[str, Tensor], h: dict[str, Any], **options: Any
-    ) -> dict[str, Tensor]:
-        """torch.optim.SGD's single-tensor step, with (N, 1, ...) tensors for its numbers."""
-        maximize, weight_decay, lr = h["maximize"], h["weight_decay"], h["lr"]
-        g = maximized(g, maximize)
-        if isinstance(weight_decay, Tensor):
-            g = torch.addcmul(g, p, per_member(weight_decay, p))
-        elif weight_decay != 0:  # rounded as torch's grad.add(param, alpha=weight_decay)
-            g = g.add(p, alpha=weight_decay)
-        new: dict[str, Tensor] = {}
-        if options["momentum"]:
-            v = sgd_values(h, state["step"], momentum=True)
-            # torch starts a buffer as a copy of the gradient (and uses the bare gradient
-            # when momentum is 0): a zero buffer, decay 0 and gradient weight 1 give the same
-            # bits. A buffer absent so far (momentum was 0 until a scheduler changed it)
-            # starts now for every member.
-            buf = state.get("momentum_buffer")
-            decay, weight = v["decay"], v["weight"]
-            if buf is None:
-                buf, decay, weight = (
-                    torch.zeros_like(p),
-                    torch.zeros_like(decay),
-                    torch.ones_like(weight),
-                )
-            buf = buf * per_member(decay, buf)
-            buf = torch.addcmul(buf, g, per_member(weight, buf))
-            new["momentum_buffer"] = buf
-            nesterov = h["nesterov"]
-            if isinstance(nesterov, Tensor):
-                ahead = torch.addcmul(g, buf, per_member(v["momentum"], buf))
-                g = torch.where(per_member(nesterov, buf), ahead, buf)
-            elif nesterov:
-                g = torch.addcmul(g, buf, per_member(v["momentum"], buf))
-            else:
-                g = buf
-        if isinstance(lr, Tensor):
-            new["param"] = torch.addcmul(p, g, per_member(-lr, p))
-        else:
-            new["param"] = p.add(g, alpha=-lr)
-        return new
 
     FAST = True
 
@@ -303,10 +243,13 @@ def _fused_sgd_calls(
         )
 
 
-def sgd_values(h: dict[str, Any], step: Tensor, *, momentum: bool) -> dict[str, Any]:
-    """The numbers SGD derives from its hyperparameters and the (N,) counts (numbers stay
-    numbers; (N,) tensors in the counts' dtype): written once, read by ``SGD.update`` and,
-    cut to a block's rows, by ``SGD.update_`` (whose ``lr``, a tensor, is negated)."""
+def sgd_values(
+    h: dict[str, Any], step: Tensor, *, momentum: bool, fresh: bool = False
+) -> dict[str, Any]:
+    """The numbers SGD derives from its settings and the (N,) counts (numbers stay numbers;
+    (N,) tensors in the counts' dtype), read by ``SGD.update_`` (a tensor ``lr`` negated).
+    ``fresh``: the momentum buffer starts this step for every member (momentum was 0 until a
+    scheduler changed it), as torch starts it, a copy of the gradient."""
     v: dict[str, Any] = {k: h[k] for k in ("lr", "weight_decay", "maximize", "nesterov")}
     if isinstance(h["maximize"], Tensor):
         v["sign"] = torch.where(h["maximize"], -1.0, 1.0)
@@ -319,8 +262,8 @@ def sgd_values(h: dict[str, Any], step: Tensor, *, momentum: bool) -> dict[str, 
             factor = torch.full((), factor, dtype=step.dtype, device=step.device)
         keep = 1 - (keep.to(step.dtype) if isinstance(keep, Tensor) else keep)
         factor = factor.to(step.dtype)
-        fresh = (step == 1) | (factor == 0)
+        fresh_members = (step == 1) | (factor == 0) | fresh
         v["momentum"] = factor.expand_as(step)
-        v["decay"] = torch.where(fresh, 0.0, factor)
-        v["weight"] = torch.where(fresh, 1.0, keep)
+        v["decay"] = torch.where(fresh_members, 0.0, factor)
+        v["weight"] = torch.where(fresh_members, 1.0, keep)
     return v

@@ -18,24 +18,24 @@ from torch import Tensor
 
 from phalanx._members import member_index, pairs
 
+from ._settings import MemberSettings, Setting, lr_factor
+
 __all__ = ["MemberSurgery"]
 
 
-def lr_factor(group: dict[str, Any]) -> float:
-    """The factor a torch scheduler put on every member's rate in a per-member group:
-    ``group["lr"] / group["lr_reference"]``, exactly 1.0 until a scheduler moves ``lr``."""
-    return float(group["lr"]) / float(group.get("lr_reference") or 1.0)
-
-
-def _hyper_slots(group: dict[str, Any], names: Iterable[str]) -> list[tuple[str, int | None]]:
-    """(key, position) of every hyperparameter of a group; position indexes a tuple (betas)."""
+def _hyper_slots(
+    group: dict[str, Any], settings: Iterable[Setting]
+) -> list[tuple[str, int | None]]:
+    """(key, position) of every setting of a group besides the rate, read from the rule's
+    ``SETTINGS``; position indexes a tuple setting (betas)."""
     slots: list[tuple[str, int | None]] = [("member_lr", None)]
-    for name in names:
-        value = group[name]
-        if isinstance(value, tuple | list):
-            slots += [(name, k) for k in range(len(value))]
+    for s in settings:
+        if s.kind == "rate":
+            continue
+        if s.parts:
+            slots += [(s.name, k) for k in range(len(s.parts))]
         else:
-            slots.append((name, None))
+            slots.append((s.name, None))
     return slots
 
 
@@ -54,25 +54,13 @@ def _put(group: dict[str, Any], slot: tuple[str, int | None], value: Any) -> Non
         group[key] = tuple(items)
 
 
-class MemberSurgery:
-    """The member surgery methods of ``MemberOptimizer`` (a mixin; see that class)."""
+class MemberSurgery(MemberSettings):
+    """The member surgery methods of ``MemberOptimizer`` (a base of it; see that class)."""
 
     # Provided by MemberOptimizer.
-    num_members: int
-    param_groups: list[dict[str, Any]]
-    state: Any
     last_skipped: Tensor
     bad_steps: Tensor
     frozen: Tensor
-    _HYPER: tuple[tuple[str, str], ...]
-    _NAME: str
-
-    def _check_hyper(self, value: Any, name: str, kind: str) -> Any:
-        raise NotImplementedError
-
-    def _check_group(self, group: dict[str, Any], where: str | None = None) -> None:
-        """Checks constraints between a group's hyperparameters (SGD's Nesterov rule);
-        ``where`` names the caller in the error (default: the constructor)."""
 
     def member_tensors(self) -> list[Tensor]:
         """Every tensor of the optimizer's state whose dim 0 is the member axis.
@@ -116,9 +104,10 @@ class MemberSurgery:
 
         lr = full(g["lr"]) if g["member_lr"] is None else full(g["member_lr"]) * lr_factor(g)
         out: dict[str, Tensor | tuple[Tensor, ...]] = {"lr": lr}
-        for name, _ in self._HYPER:
-            value = g[name]
-            out[name] = tuple(map(full, value)) if isinstance(value, tuple | list) else full(value)
+        for s in self.SETTINGS:
+            if s.kind != "rate":
+                value = g[s.name]
+                out[s.name] = tuple(map(full, value)) if s.parts else full(value)
         return out
 
     @torch.no_grad()
@@ -168,13 +157,12 @@ class MemberSurgery:
         so the groups themselves change only when the caller commits the copies.
         """
         where = f"{self._NAME}.set_hyperparameters()"
-        kinds = dict(self._HYPER)
-        unknown = [k for k in values if k != "lr" and (k not in kinds or k == "amsgrad")]
+        names = [s.name for s in self.SETTINGS if s.per_member]
+        unknown = [k for k in values if k not in names]
         if unknown:
-            names = ", ".join(["lr", *(k for k in kinds if k != "amsgrad")])
             raise ValueError(
                 f"{where}: {', '.join(map(repr, unknown))} is not a per-member hyperparameter "
-                f"of {self._NAME}; choose from {names}."
+                f"of {self._NAME}; choose from {', '.join(names)}."
             )
         index = member_index(members, self.num_members, where)
         trial = [dict(group) for group in self.param_groups]
@@ -187,13 +175,14 @@ class MemberSurgery:
     def _set_in(
         self, groups: list[dict[str, Any]], index: Tensor, values: dict[str, Any], where: str
     ) -> None:
-        kinds = dict(self._HYPER)
+        settings = {s.name: s for s in self.SETTINGS}
         for g, group in enumerate(groups):
             for name, value in values.items():
-                if name == "lr":
+                kind = settings[name].kind
+                if kind == "rate":
                     self._lr_to_members(group, g, where)
-                    self._write(group, ("member_lr", None), index, value, "lr", "nonneg", where)
-                elif isinstance(group[name], tuple | list):
+                    self._write(group, ("member_lr", None), index, value, "lr", kind, where)
+                elif settings[name].parts:
                     if not isinstance(value, tuple | list) or len(value) != len(group[name]):
                         raise ValueError(
                             f"{where}: {name} takes a tuple of {len(group[name])} values, each "
@@ -201,9 +190,9 @@ class MemberSurgery:
                             f"{value!r}."
                         )
                     for k, v in enumerate(value):
-                        self._write(group, (name, k), index, v, f"{name}[{k}]", kinds[name], where)
+                        self._write(group, (name, k), index, v, f"{name}[{k}]", kind, where)
                 else:
-                    self._write(group, (name, None), index, value, name, kinds[name], where)
+                    self._write(group, (name, None), index, value, name, kind, where)
             self._check_group(group, where)
 
     def _lr_to_members(self, group: dict[str, Any], g: int, where: str) -> None:
@@ -234,7 +223,7 @@ class MemberSurgery:
         """Writes ``value`` into rows ``index`` of one hyperparameter, made (N,) if it was not."""
         n = self.num_members
         current = _get(group, slot)
-        boolean = kind == "bool"
+        boolean = kind == "flag"
         dtype = torch.bool if boolean else torch.float64
         if isinstance(current, Tensor):
             device = current.device
@@ -290,7 +279,7 @@ class MemberSurgery:
     ) -> None:
         """Each target's per-member hyperparameters become its source's (new tensors)."""
         for group in self.param_groups if groups is None else groups:
-            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+            for slot in _hyper_slots(group, self.SETTINGS):
                 value = _get(group, slot)
                 if isinstance(value, Tensor) and value.shape == (self.num_members,):
                     new = value.clone()
@@ -330,7 +319,7 @@ class MemberSurgery:
             return
         hyper_rows = iter(rows[len(tensors) :])
         for group in self.param_groups:
-            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+            for slot in _hyper_slots(group, self.SETTINGS):
                 value = _get(group, slot)
                 if isinstance(value, Tensor) and value.shape == (self.num_members,):
                     new = value.clone()  # never in place: it may be the caller's tensor
@@ -342,7 +331,7 @@ class MemberSurgery:
         return [
             value
             for group in self.param_groups
-            for slot in _hyper_slots(group, (name for name, _ in self._HYPER))
+            for slot in _hyper_slots(group, self.SETTINGS)
             if isinstance(value := _get(group, slot), Tensor) and value.shape == (self.num_members,)
         ]
 
@@ -399,7 +388,7 @@ class MemberSurgery:
                 state[swap[id(o)]] = {key: _rows(v, index, n) for key, v in self.state[o].items()}
         for group in self.param_groups:
             group["params"] = [swap[id(p)] for p in group["params"]]
-            for slot in _hyper_slots(group, (name for name, _ in self._HYPER)):
+            for slot in _hyper_slots(group, self.SETTINGS):
                 _put(group, slot, _rows(_get(group, slot), index, n))
         self.state = state
         self.num_members = k

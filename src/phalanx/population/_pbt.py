@@ -50,11 +50,13 @@ def check_mode(mode: Any, where: str) -> None:
 
 
 def flat_hyperparameters(optimizer: MemberOptimizer) -> dict[str, Tensor]:
-    """``optimizer.hyperparameters()`` with each pair split: Adam's betas as beta1, beta2."""
+    """``optimizer.hyperparameters()`` with each tuple setting split into its parts, as the
+    rule's ``SETTINGS`` names them: Adam's betas as beta1, beta2."""
+    parts = {s.name: s.parts for s in optimizer.SETTINGS if s.parts}
     out: dict[str, Tensor] = {}
     for name, value in optimizer.hyperparameters().items():
-        if isinstance(value, tuple) and name == "betas":
-            out["beta1"], out["beta2"] = value
+        if isinstance(value, tuple) and name in parts:
+            out.update(zip(parts[name], value, strict=True))
         elif isinstance(value, Tensor):
             out[name] = value
     return out
@@ -63,14 +65,14 @@ def flat_hyperparameters(optimizer: MemberOptimizer) -> dict[str, Tensor]:
 def _unflat(
     optimizer: MemberOptimizer, members: Any, values: Mapping[str, Tensor]
 ) -> dict[str, Any]:
-    """beta1 / beta2 back into betas, the other one as the members have it now."""
+    """Parts back into their tuple setting (beta1 / beta2 into betas), the other parts as the
+    members have them now."""
     out: dict[str, Any] = dict(values)
-    if "beta1" in out or "beta2" in out:
-        index = torch.as_tensor(range(optimizer.num_members) if members is None else members)
-        current = flat_hyperparameters(optimizer)
-        out["betas"] = tuple(
-            out.pop(k) if k in out else current[k][index] for k in ("beta1", "beta2")
-        )
+    for s in optimizer.SETTINGS:
+        if s.parts and any(k in out for k in s.parts):
+            index = torch.as_tensor(range(optimizer.num_members) if members is None else members)
+            current = flat_hyperparameters(optimizer)
+            out[s.name] = tuple(out.pop(k) if k in out else current[k][index] for k in s.parts)
     return out
 
 

@@ -40,7 +40,7 @@ def check_run(stack: Stack, optimizer: Any, loader: Any, where: str) -> None:
     n = len(stack)
     if optimizer is not None and not isinstance(optimizer, MemberOptimizer):
         raise TypeError(
-            f"{where}: optimizer must be a phalanx optimizer (phalanx.optim.SGD, Adam, AdamW), "
+            f"{where}: optimizer must be a phalanx optimizer (a phalanx.optim.MemberOptimizer), "
             f"whose state has a member axis; got {type(optimizer).__module__}."
             f"{type(optimizer).__name__}. Build it with phalanx.optim over stack.parameters()."
         )

@@ -10,9 +10,9 @@ evaluation, guards and pytree flattening, which cost as much as W2's whole compi
 Our own input signature is the guard. On CUDA with ``mode="reduce-overhead"`` (CUDA graphs)
 it goes through ``torch.compile``, which knows which inputs are static.
 
-The update is the optimizer's own rule (``MemberOptimizer.update``, the pure function its
-eager step runs), so any phalanx optimizer is captured: Adam, AdamW, SGD, Lion and every
-rule added later. An optimizer built with ``fused=True`` promises torch's fused kernel's
+The update is the optimizer's own rule (``MemberOptimizer.update``, the pure form of the
+``update_`` its eager step runs), so every phalanx optimizer with an update rule is
+captured, a rule added later included. An optimizer built with ``fused=True`` promises torch's fused kernel's
 bits, which a trace cannot hold (the kernel is one opaque call): there the graph ends at the
 clipped gradients and the optimizer's own step applies them, as in the eager step.
 
@@ -298,8 +298,8 @@ class CompiledStep:
             if mask is not None:
                 raise ValueError(
                     f"CompiledStep(): a mask needs a phalanx optimizer; "
-                    f"{type(opt).__name__} updates every member. Use phalanx.optim.Adam, "
-                    f"AdamW or SGD."
+                    f"{type(opt).__name__} updates every member. Use a phalanx optimizer "
+                    f"(a phalanx.optim.MemberOptimizer)."
                 )
             opt.step()
         return losses
@@ -649,12 +649,12 @@ def _set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
 def _unsupported_optimizer(optimizer: Any) -> str | None:
     """Why the captured step cannot express this optimizer's update, or None."""
     if not isinstance(optimizer, MemberOptimizer) or (
-        type(optimizer).update is MemberOptimizer.update
+        type(optimizer).update_ is MemberOptimizer.update_
     ):
         return (
-            f"the captured step takes a phalanx optimizer with an update rule "
-            f"(phalanx.optim.Adam and AdamW, SGD, Lion, or a MemberOptimizer defining update); "
-            f"got {type(optimizer).__module__}.{type(optimizer).__name__}"
+            f"the captured step takes a phalanx optimizer with an update rule (a "
+            f"phalanx.optim.MemberOptimizer defining update_, as every phalanx.optim rule but "
+            f"LBFGS does); got {type(optimizer).__module__}.{type(optimizer).__name__}"
         )
     return None
 

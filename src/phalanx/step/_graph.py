@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from phalanx._torch_compat import pytree
-from phalanx.optim._base import finite_members, isolate, per_member
+from phalanx.optim._arith import finite_members, isolate, per_member
 from phalanx.train._clip import clip_coefficients, member_norms
 from phalanx.train._losses import member_losses
 

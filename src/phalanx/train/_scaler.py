@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from phalanx.optim import MemberOptimizer
-from phalanx.optim._base import finite_members
+from phalanx.optim._arith import finite_members
 
 __all__ = ["MemberGradScaler"]
 
@@ -279,7 +279,7 @@ class MemberGradScaler:
 def _check_optimizer(optimizer: Any, method: str) -> None:
     if not isinstance(optimizer, MemberOptimizer):
         raise TypeError(
-            f"{_WHERE}.{method}(): expected a phalanx optimizer (phalanx.optim.SGD, Adam, "
-            f"AdamW), whose step takes a per-member mask; got {type(optimizer).__name__}. A "
+            f"{_WHERE}.{method}(): expected a phalanx optimizer (a phalanx.optim."
+            f"MemberOptimizer), whose step takes a per-member mask; got {type(optimizer).__name__}. A "
             f"torch optimizer can only skip every member's step at once."
         )
