@@ -4,10 +4,12 @@ segments."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
+from phalanx import _torch_compat as compat
 from phalanx.routing import Dispatch
 
 WHERE = "Stack.forward()"
@@ -31,6 +33,7 @@ class Routing:
         num_members: int,
     ) -> None:
         self.index, self.weights, self.keep = index, weights, keep
+        self.derived: dict[str, Any] = {}  # what the paths derive from the sort, kept with it
         self.rows = index.shape[0]
         self.k = 1 if index.dim() == 1 else index.shape[1]
         flat = index.reshape(-1)
@@ -71,6 +74,14 @@ class Routing:
         self.total = int(flat.numel())
         self._in_order = ordered and bool(read[2])
 
+    def with_weights(self, weights: torch.Tensor | None) -> Routing:
+        """This routing with this call's ``weights`` (the sort depends on the index alone)."""
+        if weights is self.weights:
+            return self
+        routing = copy.copy(self)
+        routing.weights = weights
+        return routing
+
     @property
     def in_order(self) -> bool:
         """One member per row, none dropped, and the rows already in member order: the
@@ -87,9 +98,17 @@ class Routing:
 
 
 def routing_from(
-    members: Any, weights: Any, rows: int | None, num_members: int, device: torch.device | None
+    members: Any,
+    weights: Any,
+    rows: int | None,
+    num_members: int,
+    device: torch.device | None,
+    cache: dict[str, Any] | None = None,
 ) -> Routing:
-    """Checks ``members=``/``weights=`` against the inputs and the stack, naming the fix."""
+    """Checks ``members=``/``weights=`` against the inputs and the stack, naming the fix.
+
+    With ``cache`` (the stack's routed cache), the sort of an index tensor is kept for the
+    next call with the same index (``_kept_routing``)."""
     keep = None
 
     if isinstance(members, Dispatch):
@@ -127,6 +146,7 @@ def routing_from(
             f"{WHERE}: members= is on {members.device}, the inputs on {device}; move it with "
             f"index.to({str(device)!r})."
         )
+    given = members
     members = members.long()  # its range is checked by Routing, in the call's one host read
     if weights is not None:
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
@@ -150,7 +170,40 @@ def routing_from(
                 f"{WHERE}: weights= is on {weights.device}, members= on {members.device}; "
                 f"put them on one device."
             )
-    return Routing(members, weights, keep, num_members)
+    if cache is None or keep is not None:
+        return Routing(members, weights, keep, num_members)
+    return _kept_routing(cache, given, members, weights, num_members)
+
+
+def _kept_routing(
+    cache: dict[str, Any],
+    given: torch.Tensor,
+    members: torch.Tensor,
+    weights: torch.Tensor | None,
+    num_members: int,
+) -> Routing:
+    """The routing of the index ``given`` (``members`` its long form), sorted once and kept
+    while the next call passes the same tensor object unchanged: same version counter (any
+    in-place write bumps it), same memory, shape and dtype, same stack size, the same
+    inference mode. The sort, the counts, the range check and the call's one host read are
+    then skipped (a PETS or TS-infinity rollout, a KiloNeRF grid: one index for many calls).
+    The kept tensor is held, so its identity cannot pass to a new tensor. Inference tensors
+    (no version counter) are sorted on every call."""
+    if given.is_inference():
+        return Routing(members, weights, None, num_members)
+    key = (
+        compat.version(given),
+        compat.memory_stamp(given),
+        num_members,
+        torch.is_inference_mode_enabled(),
+    )
+    kept = cache.get("routing")
+    if kept is not None and kept[0] is given and kept[1] == key:
+        routing: Routing = kept[2]
+        return routing.with_weights(weights)
+    routing = Routing(members, None, None, num_members)  # no call's weights (nor their graph)
+    cache["routing"] = (given, key, routing)
+    return routing.with_weights(weights)
 
 
 def routed_inputs(args: tuple[Any, ...]) -> tuple[int | None, torch.device | None]:

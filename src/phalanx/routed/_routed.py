@@ -64,9 +64,9 @@ def routed_forward(
 ) -> Any:
     """``stack(*args, members=..., weights=..., **kwargs)``; see the module docstring."""
     rows, device = routed_inputs(args)
-    routing = routing_from(members, weights, rows, view.num_members, device)
-    ran = None
     cache = view.cache_of("routed")
+    routing = routing_from(members, weights, rows, view.num_members, device, cache)
+    ran = None
     batched = requested in ("fused", "auto") and view.generators is None  # own generators: loop
     if batched and routing.total and not torch.compiler.is_compiling():
         ran = segment_path(view, requested, args, kwargs, routing)
