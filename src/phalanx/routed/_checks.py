@@ -41,11 +41,11 @@ class Routing:
             kept = keep.reshape(-1)
             position = torch.arange(flat.numel(), device=flat.device)[kept]
             flat = flat[kept]
-        order = torch.argsort(flat, stable=True)
+        # each sorted entry's member, and the sort's order, in one call
+        self.member_of, order = torch.sort(flat, stable=True)
         # flat positions in segment order (``position`` is ``0..B*k-1`` unless entries drop)
         self.entries = order if keep is None else position.index_select(0, order)
         self.source_rows = self.entries // self.k if self.k > 1 else self.entries
-        self.member_of = flat.index_select(0, order)  # each sorted entry's member
         # Everything the host needs in one read, the call's one host sync: the index's
         # range (checked here, before any use), each member's count (counted on the
         # clamped index, so an index out of range cannot fault a device kernel before the
