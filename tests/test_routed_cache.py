@@ -240,14 +240,20 @@ class _Sorts:
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_an_index_kept_between_calls_is_sorted_once(monkeypatch, grad):
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_index_kept_between_calls_is_sorted_once(monkeypatch, grad, batched):
     """The same index tensor, unchanged, is sorted once; written in place (values, a bad id,
-    ``.data``), replaced by an equal tensor, or with other weights, each call is still its
-    members' own forward, and a changed index is sorted again."""
+    members left without rows, ``.data``), replaced by an equal tensor, each call is still
+    its members' own forward, and a changed index is sorted again; on the per-segment path
+    and on the pass over all rows."""
+    if batched:  # every call once over all rows (the cost rule's other side)
+        monkeypatch.setattr(_segments, "PER_SEGMENT_FEW", 0)
+        monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 10**9)
     models, stack = members(Critic)
     args = critic_inputs(30, 0)
     idx = torch.tensor([3, 0, 1, 2, 4, 1] * 5)
-    warm(stack, *args, members=idx)
+    stack(*args, members=idx)
+    stack(*args, members=idx)
     sorts = _Sorts(monkeypatch)
     with torch.set_grad_enabled(grad):
         for _ in range(3):
@@ -266,6 +272,9 @@ def test_an_index_kept_between_calls_is_sorted_once(monkeypatch, grad):
             stack(*args, members=idx)
         idx[0] = 2
         assert torch.equal(stack(*args, members=idx), own_routed(models, idx, args))
+        idx.copy_(torch.tensor([4, 0, 4] * 10))  # members 1-3 without rows, repeated ids
+        for _ in range(2):
+            assert torch.equal(stack(*args, members=idx), own_routed(models, idx, args))
         narrow = idx.int()  # another dtype, another tensor
         assert torch.equal(stack(*args, members=narrow), own_routed(models, idx, args))
 
