@@ -46,33 +46,30 @@ class Routing:
         # flat positions in segment order (``position`` is ``0..B*k-1`` unless entries drop)
         self.entries = order if keep is None else position.index_select(0, order)
         self.source_rows = self.entries // self.k if self.k > 1 else self.entries
-        # Everything the host needs in one read, the call's one host sync: the index's
-        # range (checked here, before any use), each member's count (counted on the
-        # clamped index, so an index out of range cannot fault a device kernel before the
-        # check raises; bincount would sync on its own), and whether the rows are in order.
-        last = num_members - 1
-        counts = torch.zeros(num_members, dtype=torch.long, device=flat.device)
-        counts.index_add_(0, flat.clamp(0, last), torch.ones_like(flat))
-        if flat.numel():  # the sorted entries' first and last
-            low, high = self.member_of[0], self.member_of[-1]
-        else:
-            low = high = torch.zeros((), dtype=torch.long, device=flat.device)
-        # a stable sort of a sorted index keeps every row in place
+        # Everything the host needs in one read, the call's one host sync: where each
+        # member's entries start and end in the sorted entries (``searchsorted`` on the
+        # sorted members: the counts, and the index's range, checked here before any use:
+        # entries below 0 sort before member 0's first, entries of N or more after member
+        # N-1's last), and whether the rows are in order (a stable sort of a sorted index
+        # keeps every row in place). No kernel reads memory at an entry's value before the
+        # check raises; bincount would sync on its own.
+        total = int(flat.numel())
+        bounds = torch.searchsorted(
+            self.member_of, torch.arange(num_members + 1, device=flat.device)
+        )
         ordered = index.dim() == 1 and keep is None
-        same = (self.member_of == index).all() if ordered else low.new_zeros((), dtype=torch.bool)
-        read: list[int] = torch.cat(
-            [low.view(1), high.view(1), same.long().view(1), counts]
-        ).tolist()
-        if flat.numel() and (read[0] < 0 or read[1] > last):
-            bad = read[0] if read[0] < 0 else read[1]
+        moved = (self.member_of != index).sum().view(1) if ordered else bounds[:1]
+        read: list[int] = torch.cat([moved, bounds]).tolist()
+        if read[1] != 0 or read[-1] != total:
+            bad = int(flat.min()) if read[1] != 0 else int(flat.max())
+            last = num_members - 1
             raise IndexError(
                 f"{WHERE}: members= holds member index {bad}, but the stack has {num_members} "
                 f"members (indices 0 to {last}); every entry must be a member index."
             )
-        self.counts = counts
-        self.count_list: list[int] = read[3:]
-        self.total = int(flat.numel())
-        self._in_order = ordered and bool(read[2])
+        self.count_list: list[int] = [b - a for a, b in zip(read[1:-1], read[2:])]
+        self.total = total
+        self._in_order = ordered and read[0] == 0
 
     def with_weights(self, weights: torch.Tensor | None) -> Routing:
         """This routing with this call's ``weights`` (the sort depends on the index alone)."""
