@@ -5,6 +5,7 @@ segments."""
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ class Routing:
                 f"{WHERE}: members= holds member index {bad}, but the stack has {num_members} "
                 f"members (indices 0 to {last}); every entry must be a member index."
             )
-        self.count_list: list[int] = [b - a for a, b in zip(read[1:-1], read[2:])]
+        self.count_list: list[int] = [b - a for a, b in itertools.pairwise(read[1:])]
         self.total = total
         self._in_order = ordered and read[0] == 0
 
