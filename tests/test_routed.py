@@ -996,6 +996,49 @@ def test_subset_stacked_gradients_match_the_loop(monkeypatch, chosen):
         assert torch.count_nonzero(p.grad[left_out]) == 0, name
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_training_a_subset_steps_only_its_members_with_mask(masked):
+    """A subset's backward leaves zero gradient rows for the members left out. The loop over
+    the chosen modules gives those no gradient and torch.optim no step; ``opt.step(mask=...)``
+    does the same: the members left out keep their weights and Adam state bit for bit, the
+    chosen equal the loop's to float rounding. Without the mask Adam steps them on zeros, and
+    a member with moments moves (what the guide warns of)."""
+    torch.manual_seed(0)
+    models = [TwoInputs() for _ in range(6)]
+    stack = phalanx.stack(copy.deepcopy(models), backend="auto")
+    opt = phalanx.optim.Adam(stack.parameters(), lr=1e-2)
+    loop_opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+    gen = torch.Generator().manual_seed(1)
+    for step, chosen in enumerate([list(range(6)), [1, 4], [4, 0], [2, 3], [1, 4]]):
+        obs, act = torch.randn(5, 8, generator=gen), torch.randn(5, 2, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        stack(obs, act, subset=chosen).square().sum().backward()
+        before = {n: p.detach().clone() for n, p in stack.module.named_parameters()}
+        mask = torch.zeros(6, dtype=torch.bool)
+        mask[chosen] = True
+        opt.step(mask=mask if masked else None)
+        for i in chosen:
+            loop_opts[i].zero_grad(set_to_none=True)
+            models[i](obs, act).square().sum().backward()
+            loop_opts[i].step()
+        left_out = [i for i in range(6) if i not in chosen]
+        for name, p in stack.module.named_parameters():
+            own = torch.stack([m.get_parameter(name).detach() for m in models])
+            if masked:
+                torch.testing.assert_close(p.detach(), own, rtol=1e-5, atol=1e-6)
+                assert torch.equal(p.detach()[left_out], before[name][left_out]), (step, name)
+            elif step > 0 and left_out:
+                assert not torch.equal(p.detach()[left_out], before[name][left_out]), name
+        if masked:
+            for p, (name, _) in zip(stack.parameters(), stack.module.named_parameters()):
+                state = opt.state[p]
+                for i in range(6):
+                    own = loop_opts[i].state.get(models[i].get_parameter(name), {})
+                    if own:
+                        torch.testing.assert_close(state["exp_avg"][i], own["exp_avg"])
+                        assert int(state["step"][i]) == int(own["step"]), (name, i)
+
+
 def _grad_or_zero(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from phalanx.routed import _direct, _rowwise, _segments
+from phalanx.routed import _checks, _direct, _rowwise, _segments
 
 
 class Critic(nn.Module):
@@ -223,6 +223,137 @@ def test_ids_changed_between_calls():
     with torch.no_grad():
         for index in (idx, idx.flip(0), torch.full((30,), 2), idx.sort().values):
             assert torch.equal(stack(*args, members=index), own_routed(models, index, args))
+
+
+class _Sorts:
+    """Counts the routings sorted (``Routing`` built) while active."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        init = _checks.Routing.__init__
+
+        def counted(routing, *a, **k):  # type: ignore[no-untyped-def]
+            self.count += 1
+            init(routing, *a, **k)
+
+        monkeypatch.setattr(_checks.Routing, "__init__", counted)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_index_kept_between_calls_is_sorted_once(monkeypatch, grad, batched):
+    """The same index tensor, unchanged, is sorted once; written in place (values, a bad id,
+    members left without rows, ``.data``), replaced by an equal tensor, each call is still
+    its members' own forward, and a changed index is sorted again; on the per-segment path
+    and on the pass over all rows."""
+    if batched:  # every call once over all rows (the cost rule's other side)
+        monkeypatch.setattr(_segments, "PER_SEGMENT_FEW", 0)
+        monkeypatch.setattr(_segments, "PER_SEGMENT_ROWS", 10**9)
+    models, stack = members(Critic)
+    args = critic_inputs(30, 0)
+    idx = torch.tensor([3, 0, 1, 2, 4, 1] * 5)
+    stack(*args, members=idx)
+    stack(*args, members=idx)
+    sorts = _Sorts(monkeypatch)
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            assert torch.equal(stack(*args, members=idx), own_routed(models, idx, args))
+        assert sorts.count == 0  # kept from the warm-up
+        idx[:4] = torch.tensor([4, 4, 0, 0])  # in place: the version counter moves
+        assert torch.equal(stack(*args, members=idx), own_routed(models, idx, args))
+        assert sorts.count == 1
+        idx.data = idx.flip(0)  # new memory under the same object
+        assert torch.equal(stack(*args, members=idx), own_routed(models, idx, args))
+        same = idx.clone()  # equal values, another tensor
+        assert torch.equal(stack(*args, members=same), own_routed(models, same, args))
+        assert sorts.count == 3
+        idx[0] = 5  # out of range: checked again, not served from the kept sort
+        with pytest.raises(IndexError, match="member index 5"):
+            stack(*args, members=idx)
+        idx[0] = 2
+        assert torch.equal(stack(*args, members=idx), own_routed(models, idx, args))
+        idx.copy_(torch.tensor([4, 0, 4] * 10))  # members 1-3 without rows, repeated ids
+        for _ in range(2):
+            assert torch.equal(stack(*args, members=idx), own_routed(models, idx, args))
+        narrow = idx.int()  # another dtype, another tensor
+        assert torch.equal(stack(*args, members=narrow), own_routed(models, idx, args))
+
+
+def test_a_kept_index_with_other_weights_and_gradients(monkeypatch):
+    """Weights (and their gradients) are this call's, never the kept call's; input and
+    parameter gradients through a kept routing equal the members' own."""
+    moe_models, moe = members(SwiGLU, n=4, seed=1)
+    x = torch.randn(24, 8)
+    index = torch.randint(0, 4, (24, 2), generator=torch.Generator().manual_seed(3))
+    warm(moe, x, members=index, weights=torch.rand(24, 2))
+    sorts = _Sorts(monkeypatch)
+    for seed in range(3):
+        w = torch.rand(24, 2, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        xs = x.clone().requires_grad_(True)
+        moe.zero_grad(set_to_none=True)
+        out = moe(xs, members=index, weights=w)
+        out.square().sum().backward()
+        ref_w = w.detach().clone().requires_grad_(True)
+        ref_x = x.clone().requires_grad_(True)
+        ref = sum(
+            own_routed(moe_models, index[:, j], (ref_x,)) * ref_w[:, j : j + 1] for j in range(2)
+        )
+        for m in moe_models:
+            m.zero_grad(set_to_none=True)
+        ref.square().sum().backward()
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(w.grad, ref_w.grad)
+        torch.testing.assert_close(xs.grad, ref_x.grad)
+        for name, p in moe.module.named_parameters():
+            own = torch.stack([m.get_parameter(name).grad for m in moe_models])
+            torch.testing.assert_close(p.grad, own)
+    assert sorts.count == 0
+
+
+def test_an_inference_index_is_sorted_every_call(monkeypatch):
+    models, stack = members(Critic)
+    args = critic_inputs(30, 0)
+    with torch.inference_mode():
+        idx = torch.tensor([3, 0, 1, 2, 4, 1] * 5)
+    warm(stack, *args, members=idx.clone())
+    sorts = _Sorts(monkeypatch)
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with mode():
+            assert torch.equal(stack(*args, members=idx), own_routed(models, idx, args))
+    assert sorts.count == 3
+    kept = idx.clone()  # sorted in inference mode, then used where a graph is recorded
+    with torch.inference_mode():
+        stack(*args, members=kept)
+    out = stack(*(a.requires_grad_(True) for a in args), members=kept)
+    out.sum().backward()
+    torch.testing.assert_close(out, own_routed(models, kept, args))
+
+
+def test_two_threads_route_one_stack():
+    """Two threads on one stack, each with its own index tensor reused and rewritten in
+    place: every result is its members' own forward."""
+    models, stack = members(Critic)
+    args = critic_inputs(30, 0)
+    warm(stack, *args, members=torch.arange(30) % 5)
+    errors: list[str] = []
+
+    def work(seed):
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, 5, (30,), generator=gen)
+        for step in range(40):
+            if step % 4 == 0:
+                idx.copy_(torch.randint(0, 5, (30,), generator=gen))
+            with torch.no_grad() if step % 2 else torch.enable_grad():
+                out = stack(*args, members=idx)
+            if not torch.equal(out, own_routed(models, idx, args)):
+                errors.append(f"thread {seed} step {step}")
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
 
 
 def test_weights_changed_in_place_between_calls():

@@ -110,14 +110,17 @@ def captured(kind="mlp", *, clip=False, mask=False, member_lr=False, **kw) -> Co
 def routed(kind="mlp", how="members", warm=2) -> Counts:
     """One routed forward and backward."""
     stack, x, _ = _setup(kind, 16)
-    if how == "members":
-        kw = {"members": torch.randint(0, N, (16,), generator=torch.Generator().manual_seed(1))}
+    index = torch.randint(0, N, (16,), generator=torch.Generator().manual_seed(1))
+    if how in ("members", "kept"):
+        kw = {"members": index}
     else:
         kw = {"subset": [0, 2] if how == "scattered" else [1, 2]}
     counts = Counts()
     for k in range(warm + 1):
         with counting() if k == warm else _nothing() as c:
             stack.zero_grad(set_to_none=True)
+            if how == "members":  # a new index tensor each call: sorted, its one host read
+                kw = {"members": index.clone()}
             stack(x, **kw).square().mean().backward()
         counts = c if c is not None else counts
     return counts
@@ -187,6 +190,8 @@ BUDGET: dict[str, tuple[Callable[[], Counts], int, int, str]] = {
     ),
     "routed members=": (lambda: routed("mlp", "members"), 1, 0, ""),
     "routed members= (cnn)": (lambda: routed("cnn", "members"), 1, 0, ""),
+    # the same index tensor again: its sort is kept, nothing read
+    "routed members=, the index kept": (lambda: routed("mlp", "kept"), 0, 0, ""),
     "routed subset= consecutive": (lambda: routed("cnn", "consecutive"), 0, 0, ""),
     "routed subset= scattered (BatchNorm buffers)": (lambda: routed("cnn", "scattered"), 1, 0, ""),
 }

@@ -4,10 +4,13 @@ segments."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 from typing import Any
 
 import torch
 
+from phalanx import _torch_compat as compat
 from phalanx.routing import Dispatch
 
 WHERE = "Stack.forward()"
@@ -31,6 +34,7 @@ class Routing:
         num_members: int,
     ) -> None:
         self.index, self.weights, self.keep = index, weights, keep
+        self.derived: dict[str, Any] = {}  # what the paths derive from the sort, kept with it
         self.rows = index.shape[0]
         self.k = 1 if index.dim() == 1 else index.shape[1]
         flat = index.reshape(-1)
@@ -38,38 +42,43 @@ class Routing:
             kept = keep.reshape(-1)
             position = torch.arange(flat.numel(), device=flat.device)[kept]
             flat = flat[kept]
-        order = torch.argsort(flat, stable=True)
+        # each sorted entry's member, and the sort's order, in one call
+        self.member_of, order = torch.sort(flat, stable=True)
         # flat positions in segment order (``position`` is ``0..B*k-1`` unless entries drop)
         self.entries = order if keep is None else position.index_select(0, order)
         self.source_rows = self.entries // self.k if self.k > 1 else self.entries
-        self.member_of = flat.index_select(0, order)  # each sorted entry's member
-        # Everything the host needs in one read, the call's one host sync: the index's
-        # range (checked here, before any use), each member's count (counted on the
-        # clamped index, so an index out of range cannot fault a device kernel before the
-        # check raises; bincount would sync on its own), and whether the rows are in order.
-        last = num_members - 1
-        counts = torch.zeros(num_members, dtype=torch.long, device=flat.device)
-        counts.index_add_(0, flat.clamp(0, last), torch.ones_like(flat))
-        if flat.numel():  # the sorted entries' first and last
-            low, high = self.member_of[0], self.member_of[-1]
-        else:
-            low = high = torch.zeros((), dtype=torch.long, device=flat.device)
-        # a stable sort of a sorted index keeps every row in place
+        # Everything the host needs in one read, the call's one host sync: where each
+        # member's entries start and end in the sorted entries (``searchsorted`` on the
+        # sorted members: the counts, and the index's range, checked here before any use:
+        # entries below 0 sort before member 0's first, entries of N or more after member
+        # N-1's last), and whether the rows are in order (a stable sort of a sorted index
+        # keeps every row in place). No kernel reads memory at an entry's value before the
+        # check raises; bincount would sync on its own.
+        total = int(flat.numel())
+        bounds = torch.searchsorted(
+            self.member_of, torch.arange(num_members + 1, device=flat.device)
+        )
         ordered = index.dim() == 1 and keep is None
-        same = (self.member_of == index).all() if ordered else low.new_zeros((), dtype=torch.bool)
-        read: list[int] = torch.cat(
-            [low.view(1), high.view(1), same.long().view(1), counts]
-        ).tolist()
-        if flat.numel() and (read[0] < 0 or read[1] > last):
-            bad = read[0] if read[0] < 0 else read[1]
+        moved = (self.member_of != index).sum().view(1) if ordered else bounds[:1]
+        read: list[int] = torch.cat([moved, bounds]).tolist()
+        if read[1] != 0 or read[-1] != total:
+            bad = int(flat.min()) if read[1] != 0 else int(flat.max())
+            last = num_members - 1
             raise IndexError(
                 f"{WHERE}: members= holds member index {bad}, but the stack has {num_members} "
                 f"members (indices 0 to {last}); every entry must be a member index."
             )
-        self.counts = counts
-        self.count_list: list[int] = read[3:]
-        self.total = int(flat.numel())
-        self._in_order = ordered and bool(read[2])
+        self.count_list: list[int] = [b - a for a, b in itertools.pairwise(read[1:])]
+        self.total = total
+        self._in_order = ordered and read[0] == 0
+
+    def with_weights(self, weights: torch.Tensor | None) -> Routing:
+        """This routing with this call's ``weights`` (the sort depends on the index alone)."""
+        if weights is self.weights:
+            return self
+        routing = copy.copy(self)
+        routing.weights = weights
+        return routing
 
     @property
     def in_order(self) -> bool:
@@ -87,9 +96,17 @@ class Routing:
 
 
 def routing_from(
-    members: Any, weights: Any, rows: int | None, num_members: int, device: torch.device | None
+    members: Any,
+    weights: Any,
+    rows: int | None,
+    num_members: int,
+    device: torch.device | None,
+    cache: dict[str, Any] | None = None,
 ) -> Routing:
-    """Checks ``members=``/``weights=`` against the inputs and the stack, naming the fix."""
+    """Checks ``members=``/``weights=`` against the inputs and the stack, naming the fix.
+
+    With ``cache`` (the stack's routed cache), the sort of an index tensor is kept for the
+    next call with the same index (``_kept_routing``)."""
     keep = None
 
     if isinstance(members, Dispatch):
@@ -127,6 +144,7 @@ def routing_from(
             f"{WHERE}: members= is on {members.device}, the inputs on {device}; move it with "
             f"index.to({str(device)!r})."
         )
+    given = members
     members = members.long()  # its range is checked by Routing, in the call's one host read
     if weights is not None:
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
@@ -150,7 +168,40 @@ def routing_from(
                 f"{WHERE}: weights= is on {weights.device}, members= on {members.device}; "
                 f"put them on one device."
             )
-    return Routing(members, weights, keep, num_members)
+    if cache is None or keep is not None:
+        return Routing(members, weights, keep, num_members)
+    return _kept_routing(cache, given, members, weights, num_members)
+
+
+def _kept_routing(
+    cache: dict[str, Any],
+    given: torch.Tensor,
+    members: torch.Tensor,
+    weights: torch.Tensor | None,
+    num_members: int,
+) -> Routing:
+    """The routing of the index ``given`` (``members`` its long form), sorted once and kept
+    while the next call passes the same tensor object unchanged: same version counter (any
+    in-place write bumps it), same memory, shape and dtype, same stack size, the same
+    inference mode. The sort, the counts, the range check and the call's one host read are
+    then skipped (a PETS or TS-infinity rollout, a KiloNeRF grid: one index for many calls).
+    The kept tensor is held, so its identity cannot pass to a new tensor. Inference tensors
+    (no version counter) are sorted on every call."""
+    if given.is_inference():
+        return Routing(members, weights, None, num_members)
+    key = (
+        compat.version(given),
+        compat.memory_stamp(given),
+        num_members,
+        torch.is_inference_mode_enabled(),
+    )
+    kept = cache.get("routing")
+    if kept is not None and kept[0] is given and kept[1] == key:
+        routing: Routing = kept[2]
+        return routing.with_weights(weights)
+    routing = Routing(members, None, None, num_members)  # no call's weights (nor their graph)
+    cache["routing"] = (given, key, routing)
+    return routing.with_weights(weights)
 
 
 def routed_inputs(args: tuple[Any, ...]) -> tuple[int | None, torch.device | None]:

@@ -64,11 +64,14 @@ def routed_forward(
 ) -> Any:
     """``stack(*args, members=..., weights=..., **kwargs)``; see the module docstring."""
     rows, device = routed_inputs(args)
-    routing = routing_from(members, weights, rows, view.num_members, device)
-    ran = None
     cache = view.cache_of("routed")
+    compiling = torch.compiler.is_compiling()  # a trace keeps no routing between calls
+    routing = routing_from(
+        members, weights, rows, view.num_members, device, None if compiling else cache
+    )
+    ran = None
     batched = requested in ("fused", "auto") and view.generators is None  # own generators: loop
-    if batched and routing.total and not torch.compiler.is_compiling():
+    if batched and routing.total and not compiling:
         ran = segment_path(view, requested, args, kwargs, routing)
     cache["last_path"] = "segment" if ran is not None else "general"  # for tests and benches
     if ran is None:

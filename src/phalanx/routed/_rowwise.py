@@ -372,7 +372,9 @@ def segment_path(
         reason = plan.refused[None] if None in plan.refused else plan.refused.get(signature)
     if reason is None:
         assert isinstance(plan, Plan)
-        seg = Segments.of(routing, view.num_members)
+        seg = routing.derived.get("segments")
+        if seg is None:
+            seg = routing.derived["segments"] = Segments.of(routing, view.num_members)
         if len(seg.members) == 1 or per_segment(len(seg.members), seg.rows):
             direct = direct_of(plan, view, signature)
             if direct is not None:
