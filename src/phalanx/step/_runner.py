@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from phalanx._errors import summary
-from phalanx._torch_compat import pytree
 from phalanx._warnings import FallbackWarning, warn
 from phalanx.optim._base import MemberOptimizer
 from phalanx.step._capture import Capture, Entry, unsupported_optimizer
@@ -36,7 +35,7 @@ from phalanx.step._choice import (
     synchronizer,
 )
 from phalanx.step._graph import flatten, split_keywords
-from phalanx.step._signature import NoSignature
+from phalanx.step._signature import NoSignature, data_key, graph_constants
 from phalanx.train._clip import clip_grad_norm_
 from phalanx.train._losses import member_losses
 
@@ -308,24 +307,12 @@ class CompiledStep(Capture):
     # ------------------------------------------------------------------------------ capture
 
     def _signature(self, args: tuple, target: Any, mask: Tensor | None) -> tuple | None:
-        """What a graph is specialised on; None where a value cannot be a graph constant.
-
-        Tensors enter as shape, strides, dtype and device, never as objects (a key holding
-        them would keep every call's data alive); a target may be a tuple, list or dict of
-        tensors. The optimizer's parameters are compared by identity with the ones the
+        """What a graph is specialised on (``_signature``); None where a value cannot be a
+        graph constant. The optimizer's parameters are compared by identity with the ones the
         entries were traced for, held here, and a change (``keep_members``) drops them all.
         """
-
-        def sig(a: Any) -> Any:
-            if isinstance(a, Tensor):
-                return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
-            if a is None or isinstance(a, bool | int | float | str | torch.dtype):
-                return (type(a), a)
-            raise NoSignature(type(a).__name__)
-
         try:
-            leaves, spec = pytree.tree_flatten(target)
-            key = (*map(sig, args), spec, *map(sig, leaves))
+            key = data_key(args, target)
         except NoSignature as e:
             self._warn_eager_once(
                 f"an input or the target holds a {e}, which the captured step cannot take as "
@@ -341,19 +328,8 @@ class CompiledStep(Capture):
             self._entries.clear()
             self._params = params
             self._groups = {id(p): g for g in opt.param_groups for p in g["params"]}
-        # What the rule's update branches on, and the state it reads (SGD's buffer starts
-        # when its momentum does): each is part of the graph.
-        rule = (
-            *(tuple(sorted(opt.options(g).items())) for g in opt.param_groups),
-            *(tuple(opt.ensure_state(self._groups[id(p)], p)) for p in params if p.requires_grad),
-        )
-        # The members' dropout rates are constants of the graph (a rate set by stack[i] =
-        # module or a checkpoint load is a new graph); empty where the members share them.
-        rates = getattr(self.stack, "dropout_rates", {})
-        rates = tuple((k, tuple(v.tolist())) for k, v in rates.items()) if rates else ()
-        # The stack's backend is not part of it: every backend is exact, and the graph keeps
-        # the one the stack ran when it was traced.
-        return (*key, mask is None, modes, self._keywords, rule, rates)
+        constants = graph_constants(self.stack, opt, params, self._groups)
+        return (*key, mask is None, modes, self._keywords, *constants)
 
     def _warn_eager_once(self, reason: str) -> None:
         if reason not in self._eager_reasons:
