@@ -454,7 +454,7 @@ def test_a_later_run_takes_the_recorded_choice_without_timing(tmp_path):
     for _ in range(1 + 1 + 2 * ROUNDS):
         first(x, y)
     assert first.choice == "eager"
-    (record,) = tmp_path.iterdir()
+    assert len(list(tmp_path.iterdir())) == 1  # one record, for the one graph
     second = _recording_step(tmp_path, [1.0])  # one warm-up timing, and no more
     second(x, y)
     assert second.choice is None
@@ -960,3 +960,17 @@ def test_a_fused_optimizer_captured_step_equals_the_fused_loop():
                 o.step()
         loops[dtype] = models
     _assert_rounding_close(stack, loops[torch.float32], loops[torch.float64])
+
+
+def test_an_unreadable_record_is_no_record(tmp_path):
+    """A damaged record file (a crash, another tool) is ignored: the step times itself."""
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    first = _recording_step(tmp_path, [1.0] + [2e-3, 1e-3] * ROUNDS)
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        first(x, y)
+    (record,) = tmp_path.iterdir()
+    record.write_text('{"choice": "eager", "eager_s": "fast"}')
+    second = _recording_step(tmp_path, [1.0] + [1e-3, 2e-3] * ROUNDS)
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        second(x, y)
+    assert second.choice == "captured" and "recorded" not in second.report

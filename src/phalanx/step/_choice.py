@@ -123,9 +123,12 @@ class Records:
                 record = json.load(f)
         except (OSError, ValueError):
             return None
-        if record.get("choice") not in ("eager", "captured"):
+        fields = ("eager_s", "captured_s")
+        if not isinstance(record, dict) or record.get("choice") not in ("eager", "captured"):
             return None
-        return dict(record)
+        if not all(isinstance(record.get(k), float | int) for k in fields):
+            return None
+        return record
 
     def write(self, key: str, choice: Choice, eager_s: float, captured_s: float) -> None:
         record = {"choice": choice, "eager_s": eager_s, "captured_s": captured_s}

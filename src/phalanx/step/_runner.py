@@ -201,11 +201,12 @@ class CompiledStep(Capture):
             self._fall_back(failure or f"another rank's {failed[0]}")
             return self._eager(args, target, mask) if failure else loss
         entry.compile_s = self.compile_seconds = self._trace_s + time.perf_counter() - start
-        records = self._records_here()
-        record = None if records is None or entry.key is None else records.read(entry.key)
         if self.prefer == "captured":
             self._decide(entry, "captured")
-        elif record is not None:  # an earlier run timed this graph on this machine
+            return loss
+        records = self._records_here()
+        record = None if records is None or entry.key is None else records.read(entry.key)
+        if record is not None:  # an earlier run timed this graph on this machine
             entry.eager_s, entry.captured_s = [record["eager_s"]], [record["captured_s"]]
             entry.recorded = True
             self._decide(entry, record["choice"])
