@@ -974,3 +974,24 @@ def test_an_unreadable_record_is_no_record(tmp_path):
     for _ in range(1 + 1 + 2 * ROUNDS):
         second(x, y)
     assert second.choice == "captured" and "recorded" not in second.report
+
+
+def test_a_noisy_timing_is_kept_for_the_run_and_not_recorded(tmp_path):
+    """Samples of one side spread over more than NOISE (another process took the cores):
+    the run keeps its choice, the report says so, and no later run inherits it."""
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    pairs = [(1e-3, 2e-3), (1e-3, 2e-3), (5e-3, 10e-3), (1e-3, 2e-3), (1e-3, 2e-3)]
+    first = _recording_step(tmp_path, [1.0, *(t for pair in pairs for t in pair)])
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        first(x, y)
+    assert first.choice == "captured" and "noisy, not recorded" in first.report
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_alternate_samples_are_compared_pair_by_pair():
+    """The load rose during the timing: each pair (a captured step, then an eager one) ran
+    under one load, and the pairs' ratios say the captured step is 10% slower."""
+    eager = [1.0, 1.0, 4.0, 4.0, 4.0]
+    captured = [1.1, 1.1, 4.4, 4.4, 4.4]
+    assert decide(eager, captured) == "eager"
+    assert decide([1.0] * 5, [1.04] * 5) == "captured"  # within the margin

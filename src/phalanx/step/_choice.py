@@ -30,7 +30,7 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-__all__ = ["MARGIN", "ROUNDS", "Records", "agree", "decide", "exchange"]
+__all__ = ["MARGIN", "NOISE", "ROUNDS", "Records", "agree", "decide", "exchange", "noisy", "ratio"]
 
 Prefer = Literal["fastest", "captured"]
 Choice = Literal["eager", "captured"]
@@ -39,22 +39,44 @@ Choice = Literal["eager", "captured"]
 ROUNDS = 5
 #: The captured step is kept unless its median is slower than the eager one's by more.
 MARGIN = 0.05
+#: Samples of one side spread wider than this (slowest over fastest) are not recorded.
+NOISE = 1.5
 
 
 def decide(eager_s: list[float], captured_s: list[float], margin: float = MARGIN) -> Choice:
-    """The captured step unless its median is slower than the eager step's by more than
-    ``margin`` (its compilation is paid, and a near tie is noise).
+    """The captured step unless it is slower than the eager step by more than ``margin`` (its
+    compilation is paid, and a near tie is noise).
+
+    Samples taken alternately (as many of each, ``captured_s[i]`` just before
+    ``eager_s[i]``) are compared pair by pair: the median of ``captured_s[i] / eager_s[i]``.
+    Each pair ran under nearly the same load, so a load that changes during the timing
+    (another process starting) moves both sides of a pair, and the median of the ratios
+    nowhere. Otherwise (one median per rank: see ``agree``) the medians are compared.
 
     Args:
-        eager_s: seconds of eager steps (samples, or one median per rank: see ``agree``).
+        eager_s: seconds of eager steps (samples, or one median per rank).
         captured_s: seconds of captured steps, likewise.
         margin: how much slower than the eager step the captured one may be and be kept.
 
     Returns:
         "captured" or "eager".
     """
-    eager, captured = statistics.median(eager_s), statistics.median(captured_s)
-    return "captured" if captured <= eager * (1 + margin) else "eager"
+    return "captured" if ratio(eager_s, captured_s) <= 1 + margin else "eager"
+
+
+def ratio(eager_s: list[float], captured_s: list[float]) -> float:
+    """The captured step's time over the eager step's: the median of the pairs' ratios where
+    the samples pair up, else the ratio of the medians (see ``decide``)."""
+    if len(eager_s) == len(captured_s) > 1:
+        return statistics.median(c / e for c, e in zip(captured_s, eager_s, strict=True))
+    return statistics.median(captured_s) / statistics.median(eager_s)
+
+
+def noisy(samples: list[float], spread: float = NOISE) -> bool:
+    """Whether one side's samples spread over more than ``spread`` (the slowest over the
+    fastest): another process took the cores during the timing. Such a choice is kept for
+    this run and not recorded for later ones."""
+    return len(samples) > 1 and max(samples) > spread * min(samples)
 
 
 def agree(table: list[tuple[float, float]], margin: float = MARGIN) -> Choice:

@@ -32,6 +32,8 @@ from phalanx.step._choice import (
     exchange,
     median,
     ms,
+    noisy,
+    ratio,
     synchronizer,
 )
 from phalanx.step._graph import flatten, split_keywords
@@ -174,9 +176,10 @@ class CompiledStep(Capture):
             loss = self._timed(entry.eager_s, self._eager, args, target, mask)
         if len(entry.eager_s) >= ROUNDS:
             choice = self._agreed(entry)
+            entry.noisy = noisy(entry.eager_s) or noisy(entry.captured_s)
             self._decide(entry, choice)
             records = self._records_here()
-            if records is not None and entry.key is not None:
+            if records is not None and entry.key is not None and not entry.noisy:
                 records.write(entry.key, choice, *self._medians(entry))
         return loss
 
@@ -223,7 +226,10 @@ class CompiledStep(Capture):
 
     @staticmethod
     def _medians(entry: Entry) -> tuple[float, float]:
-        return statistics.median(entry.eager_s), statistics.median(entry.captured_s)
+        """The eager step's median, and the captured step's as the eager median times the
+        pairs' ratio (``_choice.ratio``): what this rank's choice was made on."""
+        eager = statistics.median(entry.eager_s)
+        return eager, eager * ratio(entry.eager_s, entry.captured_s)
 
     @property
     def eager_seconds(self) -> float | None:
@@ -235,7 +241,7 @@ class CompiledStep(Capture):
     def captured_seconds(self) -> float | None:
         """The captured step's median time the latest signature's choice was made on."""
         e = self._entry
-        return None if e is None or e.choice is None else median(e.captured_s)
+        return None if e is None or e.choice is None or not e.captured_s else self._medians(e)[1]
 
     @property
     def report(self) -> str:
@@ -244,9 +250,12 @@ class CompiledStep(Capture):
             return f"eager step: {self._why_not}"
         lines = []
         for entry in self._entries.values():
-            eager, captured = median(entry.eager_s), median(entry.captured_s)
+            eager = median(entry.eager_s)
+            captured = self._medians(entry)[1] if entry.eager_s and entry.captured_s else None
             compile_s = "-" if entry.compile_s is None else f"{entry.compile_s:.1f} s"
             how = "medians recorded by an earlier run" if entry.recorded else "medians"
+            if entry.noisy:
+                how += "; noisy, not recorded"
             lines.append(
                 f"{entry.choice or 'deciding'}: eager step {ms(eager)}, captured step "
                 f"{ms(captured)} ({how}), compile {compile_s}"
