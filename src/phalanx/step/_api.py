@@ -129,7 +129,7 @@ def compile_step(
         >>> losses.shape
         torch.Size([5])
         >>> step.report  # the step it kept ("captured" or "eager"), and why
-        '...: eager step ... ms, captured step ... ms (medians), compile ... s'
+        '...: eager step ... ms, captured step ... ms (medians...), compile ... s'
     """
     if not isinstance(stack, Stack):
         raise TypeError(

@@ -176,11 +176,12 @@ class CompiledStep(Capture):
             loss = self._timed(entry.eager_s, self._eager, args, target, mask)
         if len(entry.eager_s) >= ROUNDS:
             choice = self._agreed(entry)
-            entry.noisy = noisy(entry.eager_s) or noisy(entry.captured_s)
-            self._decide(entry, choice)
             records = self._records_here()
-            if records is not None and entry.key is not None and not entry.noisy:
-                records.write(entry.key, choice, *self._medians(entry))
+            if records is not None and entry.key is not None:
+                entry.noisy = noisy(entry.eager_s) or noisy(entry.captured_s)
+                if not entry.noisy:
+                    records.write(entry.key, choice, *self._medians(entry))
+            self._decide(entry, choice)
         return loss
 
     def _first_captured(
