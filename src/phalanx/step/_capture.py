@@ -58,7 +58,7 @@ class Entry:
     key: str | None = None
     choice: Literal["eager", "captured"] | None = None
     recorded: bool = False
-    noisy: bool = False  # the timings spread too wide to be recorded
+    noisy: bool = False  # the timings did not decide clearly: not recorded
     compile_s: float | None = None
     calls: int = 0
 

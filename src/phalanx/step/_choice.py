@@ -30,7 +30,7 @@ from torch import Tensor
 
 from phalanx import _torch_compat as compat
 
-__all__ = ["MARGIN", "NOISE", "ROUNDS", "Records", "agree", "decide", "exchange", "noisy", "ratio"]
+__all__ = ["MARGIN", "ROUNDS", "Records", "agree", "clear", "decide", "exchange", "ratio"]
 
 Prefer = Literal["fastest", "captured"]
 Choice = Literal["eager", "captured"]
@@ -39,8 +39,6 @@ Choice = Literal["eager", "captured"]
 ROUNDS = 5
 #: The captured step is kept unless its median is slower than the eager one's by more.
 MARGIN = 0.05
-#: Samples of one side spread wider than this (slowest over fastest) are not recorded.
-NOISE = 1.5
 
 
 def decide(eager_s: list[float], captured_s: list[float], margin: float = MARGIN) -> Choice:
@@ -72,11 +70,14 @@ def ratio(eager_s: list[float], captured_s: list[float]) -> float:
     return statistics.median(captured_s) / statistics.median(eager_s)
 
 
-def noisy(samples: list[float], spread: float = NOISE) -> bool:
-    """Whether one side's samples spread over more than ``spread`` (the slowest over the
-    fastest): another process took the cores during the timing. Such a choice is kept for
-    this run and not recorded for later ones."""
-    return len(samples) > 1 and max(samples) > spread * min(samples)
+def clear(eager_s: list[float], captured_s: list[float], margin: float = MARGIN) -> bool:
+    """Whether alternate samples decide clearly: the pairs' ratios (see ``decide``), the
+    fastest and the slowest left out, all on one side of ``1 + margin``. A choice that is
+    not clear (a near tie, or another process taking the cores during the timing) is kept
+    for this run and not recorded for later ones."""
+    ratios = sorted(c / e for c, e in zip(captured_s, eager_s, strict=True))
+    middle = ratios[1:-1] if len(ratios) > 2 else ratios
+    return all(r <= 1 + margin for r in middle) or all(r > 1 + margin for r in middle)
 
 
 def agree(table: list[tuple[float, float]], margin: float = MARGIN) -> Choice:

@@ -29,10 +29,10 @@ from phalanx.step._choice import (
     Prefer,
     Records,
     agree,
+    clear,
     exchange,
     median,
     ms,
-    noisy,
     ratio,
     synchronizer,
 )
@@ -178,7 +178,7 @@ class CompiledStep(Capture):
             choice = self._agreed(entry)
             records = self._records_here()
             if records is not None and entry.key is not None:
-                entry.noisy = noisy(entry.eager_s) or noisy(entry.captured_s)
+                entry.noisy = not clear(entry.eager_s, entry.captured_s)
                 if not entry.noisy:
                     records.write(entry.key, choice, *self._medians(entry))
             self._decide(entry, choice)
@@ -256,7 +256,7 @@ class CompiledStep(Capture):
             compile_s = "-" if entry.compile_s is None else f"{entry.compile_s:.1f} s"
             how = "medians recorded by an earlier run" if entry.recorded else "medians"
             if entry.noisy:
-                how += "; noisy, not recorded"
+                how += "; not clear, not recorded"
             lines.append(
                 f"{entry.choice or 'deciding'}: eager step {ms(eager)}, captured step "
                 f"{ms(captured)} ({how}), compile {compile_s}"
