@@ -388,11 +388,91 @@ def _timed_step(eager_s, captured_s, exchange=None):
     [(1e-3, 5e-4, "captured"), (1e-3, 1.2e-3, "eager"), (1e-3, 1.03e-3, "captured")],
 )
 def test_the_decision_is_made_on_alternating_timed_steps(eager_s, captured_s, expected):
-    """The timer injected: the choice follows the timings and nothing else."""
+    """The timer injected: the choice follows the timings and nothing else, and the medians
+    it was made on are the step's attributes."""
     step = _timed_step(eager_s, captured_s)
     assert step.choice == expected, step.report
     (entry,) = step._entries.values()
-    assert len(entry.captured_s) == ROUNDS and len(entry.eager_s) == 2 + ROUNDS
+    assert len(entry.captured_s) == ROUNDS and len(entry.eager_s) == ROUNDS
+    assert step.eager_seconds == pytest.approx(eager_s)
+    assert step.captured_seconds == pytest.approx(captured_s)
+    assert f"eager step {eager_s * 1e3:.3g} ms, captured step {captured_s * 1e3:.3g} ms" in (
+        step.report
+    )
+
+
+def test_the_warm_up_steps_do_not_count():
+    """The eager steps before the capture run with cold caches (the first one also settles
+    the stack's backend): a slow warm-up does not make the captured step look faster."""
+    members = make_members(ARCH["question2"], N)
+    stack = phalanx.stack(members)
+    opt = phalanx.optim.Adam(stack.parameters())
+    step = compile_step(stack, F.cross_entropy, opt, backend="aot_eager", warmup_steps=3)
+    costs = iter([1.0, 1.0, 1.0] + [1.2e-3, 1e-3] * ROUNDS)  # warm-up, then captured/eager
+    now = [0.0]
+
+    def clock():
+        now[0] += next(costs) if clock.started else 0.0
+        clock.started = not clock.started
+        return now[0]
+
+    clock.started = False
+    step._clock = clock
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    for _ in range(3 + 1 + 2 * ROUNDS):
+        step(x, y)
+    assert step.choice == "eager", step.report
+    assert step.eager_seconds == pytest.approx(1e-3)
+
+
+def _recording_step(tmp_path, clock_costs):
+    from phalanx.step._choice import Records
+
+    members = make_members(ARCH["question2"], N)
+    stack = phalanx.stack(members)
+    opt = phalanx.optim.Adam(stack.parameters())
+    step = compile_step(stack, F.cross_entropy, opt, backend="aot_eager")
+    step._records = Records(str(tmp_path))
+    costs = iter(clock_costs)
+    now = [0.0]
+
+    def clock():
+        now[0] += next(costs) if clock.started else 0.0
+        clock.started = not clock.started
+        return now[0]
+
+    clock.started = False
+    step._clock = clock
+    return step
+
+
+def test_a_later_run_takes_the_recorded_choice_without_timing(tmp_path):
+    """The choice is written beside the compile caches, keyed by the graph; a second step of
+    the same graph (a later run) reads it at its capture and times nothing."""
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    first = _recording_step(tmp_path, [1.0] + [2e-3, 1e-3] * ROUNDS)  # captured is slower
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        first(x, y)
+    assert first.choice == "eager"
+    assert len(list(tmp_path.iterdir())) == 1  # one record, for the one graph
+    second = _recording_step(tmp_path, [1.0])  # one warm-up timing, and no more
+    second(x, y)
+    assert second.choice is None
+    second(x, y)  # the capture: the record is read
+    assert second.choice == "eager", second.report
+    assert "recorded by an earlier run" in second.report
+    assert second.eager_seconds == pytest.approx(1e-3)
+    assert second.captured_seconds == pytest.approx(2e-3)
+    (entry,) = second._entries.values()
+    assert entry.run is None  # the compiled graph is dropped with the eager choice
+    # another graph (another width) is another record
+    third = _recording_step(tmp_path, [1.0] + [1e-3, 2e-3] * ROUNDS)
+    x3 = torch.randn(9, 10)
+    y3 = torch.randint(0, 2, (9,))
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        third(x3, y3)
+    assert third.choice == "captured" and "recorded" not in third.report
+    assert len(list(tmp_path.iterdir())) == 2
 
 
 def test_every_rank_makes_the_same_choice_from_the_exchanged_medians():
@@ -883,3 +963,45 @@ def test_a_fused_optimizer_captured_step_equals_the_fused_loop():
                 o.step()
         loops[dtype] = models
     _assert_rounding_close(stack, loops[torch.float32], loops[torch.float64])
+
+
+def test_an_unreadable_record_is_no_record(tmp_path):
+    """A damaged record file (a crash, another tool) is ignored: the step times itself."""
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    first = _recording_step(tmp_path, [1.0] + [2e-3, 1e-3] * ROUNDS)
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        first(x, y)
+    (record,) = tmp_path.iterdir()
+    record.write_text('{"choice": "eager", "eager_s": "fast"}')
+    second = _recording_step(tmp_path, [1.0] + [1e-3, 2e-3] * ROUNDS)
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        second(x, y)
+    assert second.choice == "captured" and "recorded" not in second.report
+
+
+def test_a_timing_that_does_not_decide_clearly_is_not_recorded(tmp_path):
+    """The pairs' ratios straddle the margin (another process took the cores during the
+    timing, or a near tie): the run keeps its choice, the report says so, and no later run
+    inherits it."""
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    ratios = [0.5, 0.9, 1.2, 0.9, 1.3]  # captured over eager, pair by pair: median 0.9
+    first = _recording_step(tmp_path, [1.0, *(t for r in ratios for t in (r * 1e-3, 1e-3))])
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        first(x, y)
+    assert first.choice == "captured" and "not clear, not recorded" in first.report
+    assert list(tmp_path.iterdir()) == []
+    # one outlier pair out of five is no reason not to record
+    second = _recording_step(tmp_path, [1.0, *[5e-3, 1e-3] + [0.5e-3, 1e-3] * (ROUNDS - 1)])
+    for _ in range(1 + 1 + 2 * ROUNDS):
+        second(x, y)
+    assert second.choice == "captured" and "recorded" not in second.report
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_alternate_samples_are_compared_pair_by_pair():
+    """The load rose during the timing: each pair (a captured step, then an eager one) ran
+    under one load, and the pairs' ratios say the captured step is 10% slower."""
+    eager = [1.0, 1.0, 4.0, 4.0, 4.0]
+    captured = [1.1, 1.1, 4.4, 4.4, 4.4]
+    assert decide(eager, captured) == "eager"
+    assert decide([1.0] * 5, [1.04] * 5) == "captured"  # within the margin

@@ -236,6 +236,16 @@ def _vec_isa_probed() -> bool:
         return False
 
 
+def inductor_cache_dir() -> str | None:
+    """``torch._inductor.runtime.cache_dir_utils.cache_dir``: inductor's on-disk cache folder
+    (``TORCHINDUCTOR_CACHE_DIR``), or None in a torch without it."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return None
+    return str(cache_dir())
+
+
 def dynamo_backend(name: Any) -> Any:
     """``torch._dynamo.lookup_backend``: the compiler torch.compile(backend=name) would use."""
     from torch._dynamo import lookup_backend
