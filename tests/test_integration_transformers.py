@@ -102,8 +102,8 @@ def test_the_trainer_with_one_member_exploding_steps_the_others_exactly_as_alone
 
 @pytest.mark.parametrize("step", ["eager", "captured"])
 def test_checkpoints_hold_one_save_pretrained_folder_per_member_and_resume_exactly(tmp_path, step):
-    # captured: the run's steps 4 and 5 are captured (after 3 eager ones), the resumed run's
-    # step 3 to 5 eager then captured: equal to float rounding, not bit for bit
+    # captured: the run's steps after compile_step's warm-up are captured, the resumed run's
+    # steps 3 to 5 eager then captured: equal to float rounding, not bit for bit
     def run(out, steps, resume=None):
         stack = phalanx.stack(gpt2s(), backend="loop")
         args = _args(out, max_steps=steps, save_strategy="steps", save_steps=2, max_grad_norm=0.5)
@@ -350,7 +350,7 @@ def test_member_data_needs_the_stack_itself_and_a_known_order(tmp_path):
 def test_the_captured_step_trains_each_member_as_alone_with_one_member_diverging(tmp_path, backend):
     # the stack itself as model, member 1's weights non-finite from the start: its loss and
     # gradients are NaN, and members 0 and 2 go on as a plain Trainer trains them alone,
-    # captured from the 4th step on (3 eager steps first)
+    # captured after compile_step's eager warm-up steps
     members = gpt2s()
     with torch.no_grad():
         members[1].transformer.wte.weight[0, 0] = float("nan")
@@ -371,7 +371,8 @@ def test_the_captured_step_trains_each_member_as_alone_with_one_member_diverging
     trainer.train()
     assert trainer.step_choice == "captured"
     logs = [h for h in trainer.state.log_history if "loss/member_0" in h]
-    assert [h.get("captured_step") for h in logs] == [None, None, None, 1.0, None, None]
+    flags = [h.get("captured_step") for h in logs]  # said once, at the capture
+    assert flags.count(1.0) == 1 and flags.count(None) == len(flags) - 1
     assert all(h["loss/member_1"] != h["loss/member_1"] for h in logs)  # NaN all along
     out = stack.unstack()
     for i in (0, 2):
@@ -387,11 +388,11 @@ def test_the_captured_step_trains_each_member_as_alone_with_one_member_diverging
 def test_the_step_choice_is_said_and_the_trainers_own_step_runs_where_capture_cannot(tmp_path):
     stack = phalanx.stack(gpt2s(), backend="loop")
     trainer = PhalanxTrainer(
-        model=stack, args=_args(tmp_path, max_steps=10), train_dataset=Ids(),
+        model=stack, args=_args(tmp_path, max_steps=16), train_dataset=Ids(),
         step_backend="aot_eager",
     )  # fmt: skip
     assert trainer.step_mode == "auto" and trainer.step_choice is None
-    trainer.train()  # 3 eager steps, the capture, 3 captured and 3 eager: decided at step 10
+    trainer.train()  # the warm-up, the capture, then captured and eager alternating: decided
     assert trainer.step_choice in ("captured", "eager")
     logged = [h["captured_step"] for h in trainer.state.log_history if "captured_step" in h]
     assert logged == [float(trainer.step_choice == "captured")]
