@@ -19,6 +19,7 @@ from torch import Tensor
 from phalanx import _torch_compat as compat
 from phalanx._warnings import FallbackWarning, NonFiniteWarning, warn
 
+from ._blocked import member_views
 from ._surgery import MemberSurgery, lr_factor
 
 __all__ = ["MemberOptimizer", "NonFiniteWarning", "PerMember", "PerMemberFlag"]
@@ -745,6 +746,8 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                 and self._fast_applies(group, params)
             ):
                 self.fast_update(group, params, grads, counts)
+            elif self.mode == "fast" and member_views(self, group, params):
+                self._fused_step(group, params, grads, active)  # large members: their views
             elif self.INPLACE:
                 self._inplace_step(group, params, grads, active)
             else:

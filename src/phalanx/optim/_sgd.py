@@ -18,6 +18,7 @@ from ._base import (
     per_member,
     resolve_mode,
 )
+from ._blocked import scaled_step
 
 __all__ = ["SGD"]
 
@@ -230,7 +231,9 @@ class SGD(MemberOptimizer):
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], counts: list[int]
     ) -> None:
         """torch's fused SGD kernel once (twice if some parameters take their first step) on
-        the whole stacked tensors: every member shares the numbers and each parameter's count."""
+        the whole stacked tensors: every member shares the numbers and each parameter's count.
+        With per-member rates, the kernel with rate 1 into scratch, scaled per member
+        (``_blocked.scaled_step``)."""
         momentum = float(group["momentum"])
         calls: dict[bool, tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
         for p, g, count in zip(params, grads, counts, strict=True):
@@ -246,8 +249,25 @@ class SGD(MemberOptimizer):
             gs.append(g)
             if momentum != 0:
                 bufs.append(state["momentum_buffer"])
-        _fused_sgd_calls(calls, momentum, group)
+        if group["member_lr"] is None:
+            _fused_sgd_calls(calls, momentum, group)
+        else:  # the kernel with rate 1 and no decay (added on the block first) into scratch
+            wd, flip = float(group["weight_decay"]), bool(group["maximize"])
+            values = {**group, "lr": 1.0, "weight_decay": 0.0, "maximize": False}
+            keys = ["momentum_buffer"] if momentum != 0 else []
+            for first, (ps, gs, _) in calls.items():
+
+                def run(ts: dict[str, list[Tensor]], count: Tensor, first: bool = first) -> None:
+                    step = {first: (ts["param"], ts["grad"], ts["momentum_buffer"])}
+                    _fused_sgd_calls(step, momentum, values)
+
+                kernel = run if momentum != 0 else None  # without momentum: the gradient
+                scaled_step(self, group, ps, gs, keys, kernel, coupled=wd, maximize=flip)
         compat.foreach_add_([self.state[p]["step"] for p in params], 1)
+
+    def fast_takes(self, group: dict[str, Any]) -> bool:
+        """Per-member rates too (``_blocked.scaled_step``)."""
+        return True
 
     def fused_update(
         self,
