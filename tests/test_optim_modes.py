@@ -178,6 +178,15 @@ def test_default_mode_is_float_rounding_of_the_float64_update(cls, kwargs, membe
 
 
 @pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
+def test_default_mode_is_float_rounding_in_blocks_of_a_few_rows(
+    cls, kwargs, member_lr, monkeypatch
+):
+    """Blocks of 16 elements: rows of members cut across blocks, as large tensors are."""
+    monkeypatch.setattr(phalanx.optim.MemberOptimizer, "BLOCK", 16)
+    _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, "all")
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
 def test_default_mode_follows_a_scheduler_through_a_checkpoint(cls, kwargs, member_lr):
     _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, "all", schedule=True)
 

@@ -357,8 +357,8 @@ class Adam(MemberOptimizer):
         coupled = 0.0 if self._DECOUPLED else wd
         flip = bool(group["maximize"]) and coupled != 0  # the prepass negates the gradient
 
-        def block(ts: dict[str, list[Tensor]], count: Tensor) -> None:
-            run(ts, [count], 1.0, 0.0, flip)
+        def block(ts: dict[str, list[Tensor]], count: list[Tensor]) -> None:
+            run(ts, count, 1.0, 0.0, flip)
 
         decoupled = wd if self._DECOUPLED else 0.0
         scaled_step(

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from phalanx import _torch_compat as compat
+
 if TYPE_CHECKING:
     from ._base import MemberOptimizer
 
@@ -59,10 +61,10 @@ def member_views(opt: MemberOptimizer, group: dict[str, Any], params: list[Tenso
     return True
 
 
-#: ``run(ts, count)``: torch's fused kernel with rate 1 and no weight decay on one block:
-#: ``ts`` maps "param" (the zeroed scratch block), "grad" and the state's names to one-tensor
-#: lists, ``count`` is the parameter's shared step count (a one-tensor list, for Adam).
-Kernel = Callable[[dict[str, list[Tensor]], Tensor], None]
+#: ``run(ts, counts)``: torch's fused kernel with rate 1 and no weight decay on blocks:
+#: ``ts`` maps "param" (zeroed scratch blocks), "grad" and the state's names to lists of
+#: tensors, ``counts`` their parameters' shared step counts (0-d, for Adam), one per tensor.
+Kernel = Callable[[dict[str, list[Tensor]], list[Tensor]], None]
 
 
 def scaled_step(
@@ -100,6 +102,12 @@ def scaled_step(
     rates = opt.member_rates(group, params[0].device)
     block = opt.block_size(params[0].device)
     prepass = coupled != 0 or maximize
+    total = sum(p.numel() for p in params)
+    together = run is not None and not prepass and (block is None or total <= block)
+    if together and len({p.dtype for p in params}) == 1:  # one call: Python per call
+        assert run is not None
+        _scaled_together(opt, params, grads, keys, run, rates, decoupled, total)
+        return
     for p, g in zip(params, grads, strict=True):
         state = opt.state[p]
         n = p.shape[0]
@@ -131,5 +139,34 @@ def scaled_step(
                 continue
             direction = scratch[0][:numel].view(shape).zero_()
             views = {k: [flat[k][r0:r1, c0:c1]] for k in keys}
-            run({"param": [direction], "grad": [grad], **views}, count)
+            run({"param": [direction], "grad": [grad], **views}, [count])
             target.addcmul_(direction, rate[r0:r1])
+
+
+def _scaled_together(
+    opt: MemberOptimizer,
+    params: list[Tensor],
+    grads: list[Tensor],
+    keys: list[str],
+    run: Kernel,
+    rates: dict[torch.dtype, Tensor],
+    decoupled: float,
+    total: int,
+) -> None:
+    """``scaled_step`` for a group that fits one block: one scratch buffer holds every
+    parameter's direction, zeroed once, the kernel runs once on all of them and one
+    ``_foreach_addcmul_`` scales them in (small members: a step of a few calls)."""
+    (buffer,) = opt._scratch(params[0], 1, total)
+    buffer = buffer[:total].zero_()
+    directions, offset = [], 0
+    for p in params:
+        directions.append(buffer[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    rate = rates[params[0].dtype]
+    scales = [rate.view(-1, *([1] * (p.dim() - 1))) for p in params]
+    if decoupled != 0:
+        compat.foreach_mul_(params, [1 - s * decoupled for s in scales])
+    states = [opt.state[p] for p in params]
+    ts = {"param": directions, "grad": grads, **{k: [s[k] for s in states] for k in keys}}
+    run(ts, [s["step"][0] for s in states])
+    compat.foreach_addcmul_(params, directions, scales)

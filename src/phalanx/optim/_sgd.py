@@ -257,7 +257,9 @@ class SGD(MemberOptimizer):
             keys = ["momentum_buffer"] if momentum != 0 else []
             for first, (ps, gs, _) in calls.items():
 
-                def run(ts: dict[str, list[Tensor]], count: Tensor, first: bool = first) -> None:
+                def run(
+                    ts: dict[str, list[Tensor]], count: list[Tensor], first: bool = first
+                ) -> None:
                     step = {first: (ts["param"], ts["grad"], ts["momentum_buffer"])}
                     _fused_sgd_calls(step, momentum, values)
 
