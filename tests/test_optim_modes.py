@@ -204,6 +204,34 @@ def test_per_member_values_are_float_rounding_on_views_and_blocks(
     _check_float_rounding(cls, kwargs, RATES.tolist(), how, schedule=how == "all")
 
 
+@pytest.mark.filterwarnings("ignore::phalanx.CompileWarning")
+@pytest.mark.parametrize(("cls", "kwargs"), PER_MEMBER, ids=lambda v: str(v))
+@pytest.mark.parametrize("how", ["all", "mask", "nonfinite"])
+def test_large_stacks_compile_the_rule_to_float_rounding(cls, kwargs, how, monkeypatch):
+    """The generated kernel (the rule's update compiled, ``_generated``), taken here at any
+    size: float rounding, member by member, with masks, skipped members, a scheduler and a
+    state_dict round trip."""
+    monkeypatch.setattr(phalanx.optim._generated, "GENERATED_ELEMENTS", 1)
+    calls = []
+    real = phalanx.optim._generated.generated_step
+    monkeypatch.setattr(
+        phalanx.optim._base, "generated_step", lambda *a: calls.append(1) or real(*a)
+    )
+    _check_float_rounding(cls, kwargs, RATES.tolist(), how, schedule=how == "all")
+    assert calls and "failed" not in phalanx.optim._generated._compiled
+
+
+def test_the_generated_kernel_is_announced_once(monkeypatch) -> None:
+    monkeypatch.setattr(phalanx.optim._generated, "GENERATED_ELEMENTS", 1)
+    monkeypatch.setattr(phalanx.optim._generated, "_announced", set())
+    p = nn.Parameter(torch.randn(N, 4, 3))
+    opt = phalanx.optim.Lion([p], lr=RATES.clone())
+    p.grad = torch.randn_like(p)
+    with pytest.warns(phalanx.CompileWarning, match=r"Lion.step\(\): compiling this rule"):
+        opt.step()
+    opt.step()  # once: a second step says nothing (warnings are errors in this suite)
+
+
 @pytest.mark.parametrize("views", [True, False], ids=["large", "small"])
 def test_large_members_with_per_member_values_take_the_kernel_on_their_views(
     views, monkeypatch

@@ -20,6 +20,7 @@ from phalanx import _torch_compat as compat
 from phalanx._warnings import FallbackWarning, NonFiniteWarning, warn
 
 from ._blocked import member_views
+from ._generated import generated_applies, generated_step
 from ._surgery import MemberSurgery, lr_factor
 
 __all__ = ["MemberOptimizer", "NonFiniteWarning", "PerMember", "PerMemberFlag"]
@@ -748,6 +749,12 @@ class MemberOptimizer(MemberSurgery, torch.optim.Optimizer):
                 self.fast_update(group, params, grads, counts)
             elif self.mode == "fast" and member_views(self, group, params):
                 self._fused_step(group, params, grads, active)  # large members: their views
+            elif (
+                self.mode == "fast"
+                and generated_applies(self, group, params)
+                and generated_step(self, group, params, grads, active)
+            ):
+                pass  # large stacks: the rule's update compiled (_generated)
             elif self.INPLACE:
                 self._inplace_step(group, params, grads, active)
             else:
