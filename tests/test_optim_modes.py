@@ -221,6 +221,13 @@ def test_large_stacks_compile_the_rule_to_float_rounding(cls, kwargs, how, monke
     assert calls and "failed" not in phalanx.optim._generated._compiled
 
 
+@pytest.mark.filterwarnings("ignore::phalanx.CompileWarning")
+@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
+def test_large_stacks_with_per_member_rates_compile_the_rule(cls, kwargs, member_lr, monkeypatch):
+    monkeypatch.setattr(phalanx.optim._generated, "GENERATED_ELEMENTS", 1)
+    _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, "mask")
+
+
 def test_the_generated_kernel_is_announced_once(monkeypatch) -> None:
     monkeypatch.setattr(phalanx.optim._generated, "GENERATED_ELEMENTS", 1)
     monkeypatch.setattr(phalanx.optim._generated, "_announced", set())

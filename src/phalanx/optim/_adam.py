@@ -20,6 +20,7 @@ from ._base import (
     resolve_mode,
 )
 from ._blocked import scaled_step
+from ._generated import prefers_generated
 
 __all__ = ["Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
 
@@ -374,8 +375,9 @@ class Adam(MemberOptimizer):
         )
 
     def fast_takes(self, group: dict[str, Any]) -> bool:
-        """Per-member rates too (``_blocked.scaled_step``)."""
-        return True
+        """Per-member rates too (``_blocked.scaled_step``), but on a large stack, where the
+        compiled update is faster (``_generated.prefers_generated``)."""
+        return group["member_lr"] is None or not prefers_generated(group)
 
     def fused_update(
         self,

@@ -19,6 +19,7 @@ from ._base import (
     resolve_mode,
 )
 from ._blocked import scaled_step
+from ._generated import prefers_generated
 
 __all__ = ["SGD"]
 
@@ -268,8 +269,9 @@ class SGD(MemberOptimizer):
         compat.foreach_add_([self.state[p]["step"] for p in params], 1)
 
     def fast_takes(self, group: dict[str, Any]) -> bool:
-        """Per-member rates too (``_blocked.scaled_step``)."""
-        return True
+        """Per-member rates too (``_blocked.scaled_step``), but on a large stack, where the
+        compiled update is faster (``_generated.prefers_generated``)."""
+        return group["member_lr"] is None or not prefers_generated(group)
 
     def fused_update(
         self,
