@@ -239,6 +239,14 @@ def test_the_generated_kernel_is_announced_once(monkeypatch) -> None:
     opt.step()  # once: a second step says nothing (warnings are errors in this suite)
 
 
+@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
+def test_large_members_with_per_member_rates_step_on_their_views(
+    cls, kwargs, member_lr, monkeypatch
+):
+    monkeypatch.setattr(phalanx.optim._blocked, "VIEW_ELEMENTS", 1)
+    _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, "all")
+
+
 @pytest.mark.parametrize("views", [True, False], ids=["large", "small"])
 def test_large_members_with_per_member_values_take_the_kernel_on_their_views(
     views, monkeypatch

@@ -18,7 +18,7 @@ from ._base import (
     per_member,
     resolve_mode,
 )
-from ._blocked import scaled_step
+from ._blocked import member_views, scaled_step
 from ._generated import prefers_generated
 
 __all__ = ["SGD"]
@@ -269,9 +269,12 @@ class SGD(MemberOptimizer):
         compat.foreach_add_([self.state[p]["step"] for p in params], 1)
 
     def fast_takes(self, group: dict[str, Any]) -> bool:
-        """Per-member rates too (``_blocked.scaled_step``), but on a large stack, where the
-        compiled update is faster (``_generated.prefers_generated``)."""
-        return group["member_lr"] is None or not prefers_generated(group)
+        """Per-member rates too (``_blocked.scaled_step``), but not for large members (their
+        views, ``_blocked.member_views``) or a large stack (``_generated``): both faster."""
+        if group["member_lr"] is None:
+            return True
+        stepped = [p for p in group["params"] if p.grad is not None]
+        return not (member_views(self, group, stepped) or prefers_generated(group))
 
     def fused_update(
         self,
