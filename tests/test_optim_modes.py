@@ -42,10 +42,25 @@ class KernelSpy(TorchDispatchMode):
 
 CASES = [
     ("Adam", {"lr": 1e-2, "weight_decay": 0.1}, False),
+    ("Adam", {"lr": 1e-2, "weight_decay": 0.1, "maximize": True}, True),
     ("Adam", {"lr": 1e-2, "amsgrad": True}, True),
     ("AdamW", {"lr": 1e-2, "weight_decay": 0.1}, True),
     ("SGD", {"lr": 1e-2, "momentum": 0.9, "dampening": 0.1}, False),
     ("SGD", {"lr": 1e-2, "momentum": 0.9, "nesterov": True}, True),
+    ("SGD", {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1, "maximize": True}, True),
+    ("SGD", {"lr": 1e-2, "weight_decay": 0.1}, True),
+]
+
+# Per-member values besides lr: torch's kernel cannot take them in one call on the stacked
+# tensors. Large members step on their views (``_blocked.member_views``), small ones on the
+# blocked arithmetic.
+PER_MEMBER = [
+    ("Adam", {"lr": 1e-2, "betas": ([0.9, 0.8, 0.95, 0.9, 0.85], 0.999), "eps": 1e-6}),
+    ("AdamW", {"lr": 1e-2, "weight_decay": [0.0, 0.1, 0.2, 0.1, 0.05], "amsgrad": True}),
+    ("Adam", {"lr": 1e-2, "eps": [1e-8, 1e-6, 1e-4, 1e-8, 1e-3], "maximize": [True] + [False] * 4}),
+    ("SGD", {"lr": 1e-2, "momentum": [0.9, 0.5, 0.0, 0.9, 0.8], "weight_decay": 0.1}),
+    ("SGD", {"lr": 1e-2, "momentum": 0.9, "nesterov": [True, False, True, True, False]}),
+    ("Lion", {"lr": 1e-3, "betas": ([0.9, 0.8, 0.95, 0.9, 0.85], 0.99), "weight_decay": 0.1}),
 ]
 
 
@@ -54,41 +69,197 @@ def _grads(t: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(N, *s, generator=g, dtype=torch.float64).to(dtype) for s in SHAPES]
 
 
-@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
-@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
-def test_default_mode_is_float_rounding_of_the_float64_update(cls, kwargs, member_lr, masked):
+def _member(kwargs: dict, i: int) -> dict:
+    """Member i's values of per-member kwargs (lists), as torch.optim takes them."""
+
+    def one(v):  # type: ignore[no-untyped-def]
+        if isinstance(v, tuple):
+            return tuple(one(x) for x in v)
+        return v[i] if isinstance(v, list) else v
+
+    return {k: one(v) for k, v in kwargs.items()}
+
+
+class _Lion(torch.optim.Optimizer):
+    """Lion as phalanx documents it, one member alone (torch has none)."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):  # type: ignore[no-untyped-def]
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):  # type: ignore[no-untyped-def]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(torch.lerp(m, p.grad, 1 - b1).sign(), alpha=-group["lr"])
+                m.lerp_(p.grad, 1 - b2)
+
+
+def _torch_optimizer(cls: str, params: list, kwargs: dict):  # type: ignore[no-untyped-def]
+    return _Lion(params, **kwargs) if cls == "Lion" else getattr(torch.optim, cls)(params, **kwargs)
+
+
+def _check_float_rounding(
+    cls: str, kwargs: dict, rates: list[float] | None, how: str, *, schedule: bool = False
+) -> None:
+    """Runs phalanx's default mode and the per-member loop of torch.optim in float32 and
+    float64 for STEPS steps (some members left out of some steps by ``how``: "mask" or
+    "nonfinite"; a state_dict round trip half way; with ``schedule``, a StepLR on both), and
+    asserts every member is no further from float64 than the float32 loop, by a small factor.
+    """
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(N, *s, generator=g, dtype=torch.float64) for s in SHAPES]
     params = [nn.Parameter(b.float()) for b in base]
-    ours = {**kwargs, "lr": RATES.clone()} if member_lr else kwargs
-    opt = getattr(phalanx.optim, cls)(params, **ours)
-    rates = RATES.tolist() if member_lr else [kwargs["lr"]] * N
+    ours = {**kwargs, "lr": torch.tensor(rates, dtype=torch.float64)} if rates else kwargs
+    extra = {"skip_nonfinite": True} if how == "nonfinite" else {}
+    cls_ = getattr(phalanx.optim, cls)
+    opt = cls_(params, **ours, **extra)
+    lrs = rates or [kwargs["lr"]] * N
+
+    def left_out(t: int, i: int) -> bool:
+        return how != "all" and t % 4 == 1 and i == t % N
+
+    def scheduled(o):  # type: ignore[no-untyped-def]
+        return torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) if schedule else None
 
     def loop(dtype: torch.dtype) -> list[list[nn.Parameter]]:
-        refs = [[nn.Parameter(b[i].to(dtype)) for b in base] for i in range(N)]
+        refs = [[nn.Parameter(b[i].to(dtype, copy=True)) for b in base] for i in range(N)]
         opts = [
-            getattr(torch.optim, cls)(r, **{**kwargs, "lr": rates[i]}) for i, r in enumerate(refs)
+            _torch_optimizer(cls, r, {**_member(kwargs, i), "lr": lrs[i]})
+            for i, r in enumerate(refs)
         ]
+        scheds = [scheduled(o) for o in opts]
         for t in range(STEPS):
             for i in range(N):
-                if masked and t % 4 == 1 and i == t % N:
-                    continue
-                for r, z in zip(refs[i], _grads(t, dtype), strict=True):
-                    r.grad = z[i] + 0.5 * r.detach()
-                opts[i].step()
+                if not left_out(t, i):
+                    for r, z in zip(refs[i], _grads(t, dtype), strict=True):
+                        r.grad = z[i] + 0.5 * r.detach()
+                    opts[i].step()
+                if schedule:
+                    scheds[i].step()
         return refs
 
+    sched = scheduled(opt)
     for t in range(STEPS):
         for p, z in zip(params, _grads(t, torch.float32), strict=True):
             p.grad = z + 0.5 * p.detach()
-        mask = torch.arange(N) != t % N if masked and t % 4 == 1 else None
-        opt.step(mask=mask)
+            if how == "nonfinite" and t % 4 == 1:
+                p.grad[t % N].view(-1)[0] = float("nan")
+        mask = torch.arange(N) != t % N if how == "mask" and t % 4 == 1 else None
+        if how == "nonfinite" and t % 4 == 1:
+            with pytest.warns(phalanx.NonFiniteWarning, match=f"skipped members \\[{t % N}\\]"):
+                opt.step()
+        else:
+            opt.step(mask=mask)
+        if schedule:
+            sched.step()
+        if t == STEPS // 2:  # a state_dict round trip into a fresh optimizer
+            saved = copy.deepcopy(opt.state_dict())
+            opt = cls_(params, **ours, **extra)
+            opt.load_state_dict(saved)
+            if schedule:
+                fresh = scheduled(opt)
+                fresh.load_state_dict(sched.state_dict())
+                sched = fresh
     exact, float32 = loop(torch.float64), loop(torch.float32)
     for i in range(N):
         for j, p in enumerate(params):
             ours_err = (p[i].double() - exact[i][j]).abs().max().item()
             loop_err = (float32[i][j].double() - exact[i][j]).abs().max().item()
             assert ours_err <= 4 * loop_err + 1e-7, f"member {i} param {j}: {ours_err} {loop_err}"
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("how", ["all", "mask", "nonfinite"])
+def test_default_mode_is_float_rounding_of_the_float64_update(cls, kwargs, member_lr, how):
+    _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, how)
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
+def test_default_mode_is_float_rounding_in_blocks_of_a_few_rows(
+    cls, kwargs, member_lr, monkeypatch
+):
+    """Blocks of 16 elements: rows of members cut across blocks, as large tensors are."""
+    monkeypatch.setattr(phalanx.optim.MemberOptimizer, "BLOCK", 16)
+    _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, "all")
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
+def test_default_mode_follows_a_scheduler_through_a_checkpoint(cls, kwargs, member_lr):
+    _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, "all", schedule=True)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), PER_MEMBER, ids=lambda v: str(v))
+@pytest.mark.parametrize("how", ["all", "mask", "nonfinite"])
+@pytest.mark.parametrize("views", [True, False], ids=["views", "blocked"])
+def test_per_member_values_are_float_rounding_on_views_and_blocks(
+    cls, kwargs, how, views, monkeypatch
+):
+    """Large members (here: any, the threshold lowered) step on their views with torch's
+    kernel; small ones on the blocked arithmetic. Both: float rounding, member by member."""
+    if views:
+        monkeypatch.setattr(phalanx.optim._blocked, "VIEW_ELEMENTS", 1)
+    _check_float_rounding(cls, kwargs, RATES.tolist(), how, schedule=how == "all")
+
+
+@pytest.mark.filterwarnings("ignore::phalanx.CompileWarning")
+@pytest.mark.parametrize(("cls", "kwargs"), PER_MEMBER, ids=lambda v: str(v))
+@pytest.mark.parametrize("how", ["all", "mask", "nonfinite"])
+def test_large_stacks_compile_the_rule_to_float_rounding(cls, kwargs, how, monkeypatch):
+    """The generated kernel (the rule's update compiled, ``_generated``), taken here at any
+    size: float rounding, member by member, with masks, skipped members, a scheduler and a
+    state_dict round trip."""
+    monkeypatch.setattr(phalanx.optim._generated, "GENERATED_ELEMENTS", 1)
+    calls = []
+    real = phalanx.optim._generated.generated_step
+    monkeypatch.setattr(
+        phalanx.optim._base, "generated_step", lambda *a: calls.append(1) or real(*a)
+    )
+    _check_float_rounding(cls, kwargs, RATES.tolist(), how, schedule=how == "all")
+    assert calls and "failed" not in phalanx.optim._generated._compiled
+
+
+@pytest.mark.filterwarnings("ignore::phalanx.CompileWarning")
+@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
+def test_large_stacks_with_per_member_rates_compile_the_rule(cls, kwargs, member_lr, monkeypatch):
+    monkeypatch.setattr(phalanx.optim._generated, "GENERATED_ELEMENTS", 1)
+    _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, "mask")
+
+
+def test_the_generated_kernel_is_announced_once(monkeypatch) -> None:
+    monkeypatch.setattr(phalanx.optim._generated, "GENERATED_ELEMENTS", 1)
+    monkeypatch.setattr(phalanx.optim._generated, "_announced", set())
+    p = nn.Parameter(torch.randn(N, 4, 3))
+    opt = phalanx.optim.Lion([p], lr=RATES.clone())
+    p.grad = torch.randn_like(p)
+    with pytest.warns(phalanx.CompileWarning, match=r"Lion.step\(\): compiling this rule"):
+        opt.step()
+    opt.step()  # once: a second step says nothing (warnings are errors in this suite)
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "member_lr"), CASES, ids=lambda v: str(v))
+def test_large_members_with_per_member_rates_step_on_their_views(
+    cls, kwargs, member_lr, monkeypatch
+):
+    monkeypatch.setattr(phalanx.optim._blocked, "VIEW_ELEMENTS", 1)
+    _check_float_rounding(cls, kwargs, RATES.tolist() if member_lr else None, "all")
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["large", "small"])
+def test_large_members_with_per_member_values_take_the_kernel_on_their_views(
+    views, monkeypatch
+) -> None:
+    if views:
+        monkeypatch.setattr(phalanx.optim._blocked, "VIEW_ELEMENTS", 1)
+    p = nn.Parameter(torch.randn(N, 4, 3))
+    opt = phalanx.optim.Adam([p], lr=1e-2, betas=(torch.linspace(0.8, 0.9, N), 0.999))
+    for t in range(3):
+        p.grad = torch.randn_like(p)
+        with KernelSpy() as spy:
+            opt.step(mask=torch.arange(N) != t)
+        assert spy.calls == (N - 1 if views else 0)  # a call per set of members sharing values
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), [(c, k) for c, k, _ in CASES], ids=lambda v: str(v))
@@ -201,8 +372,8 @@ def test_a_checkpoint_keeps_the_factor_so_ranks_with_other_members_save_alike() 
     [
         ("Adam", {}, True),
         ("AdamW", {"weight_decay": 0.1}, True),
-        ("Adam", {"weight_decay": 0.1}, False),  # coupled decay reads the parameter: blocked
-        ("SGD", {"momentum": 0.9}, False),
+        ("Adam", {"weight_decay": 0.1}, True),  # the decay added on the block first
+        ("SGD", {"momentum": 0.9}, True),
     ],
 )
 def test_per_member_rates_take_the_fused_kernel_where_the_step_is_linear_in_lr(

@@ -18,6 +18,7 @@ _WHERE = {
     "BackendRefusal": "phalanx.backends",
     "CheckpointError": "phalanx.checkpoint._single",
     "CompiledStep": "phalanx.step._api",
+    "CompileWarning": "phalanx._warnings",
     "FallbackWarning": "phalanx._warnings",
     "HintWarning": "phalanx._warnings",
     "MemberGradScaler": "phalanx.train._scaler",
@@ -55,6 +56,7 @@ __all__ = [
     "BACKENDS",
     "BackendRefusal",
     "CheckpointError",
+    "CompileWarning",
     "CompiledStep",
     "FallbackWarning",
     "HintWarning",
@@ -92,6 +94,7 @@ __all__ = [
 if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ imports these
     from phalanx import data, distributed, metrics, optim, population, routing, testing
     from phalanx._warnings import (
+        CompileWarning,
         FallbackWarning,
         HintWarning,
         NonFiniteWarning,

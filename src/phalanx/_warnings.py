@@ -63,6 +63,12 @@ class StackSplitWarning(HintWarning):
     """
 
 
+class CompileWarning(PhalanxWarning):
+    """phalanx compiles a kernel once (seconds; inductor's disk cache makes a later process's
+    compile shorter), because the computation asked for runs much faster compiled (the
+    message names what and the setting that avoids the compile)."""
+
+
 class NonFiniteWarning(PhalanxWarning):
     """Members were skipped (or frozen) because their loss or gradients were not finite."""
 

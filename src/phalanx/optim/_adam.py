@@ -11,7 +11,8 @@ from phalanx import _torch_compat as compat
 
 from ._arith import math_dtype, powers
 from ._base import KEEP_ELEMENTS, MemberOptimizer
-from ._executors import _inplace_blocks
+from ._blocked import member_views, scaled_step
+from ._generated import prefers_generated
 from ._settings import PerMember, PerMemberFlag, Setting
 
 __all__ = ["KEEP_ELEMENTS", "Adam", "AdamW", "adam_update", "adam_update_", "adam_values"]
@@ -243,7 +244,9 @@ class Adam(MemberOptimizer):
         compat.foreach_add_(steps, 1)
         betas = group["betas"]
 
-        def run(ts: dict[str, list[Tensor]], count: list[Tensor], lr: float, wd: float) -> None:
+        def run(
+            ts: dict[str, list[Tensor]], count: list[Tensor], lr: float, wd: float, flip: bool
+        ) -> None:  # flip: the gradient was negated already
             kernel(
                 ts["param"],
                 ts["grad"],
@@ -257,47 +260,45 @@ class Adam(MemberOptimizer):
                 beta2=float(betas[1]),
                 weight_decay=wd,
                 eps=float(group["eps"]),
-                maximize=bool(group["maximize"]),
+                maximize=bool(group["maximize"]) and not flip,
             )
 
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
         shared = [s[0] for s in steps]  # member 0's count is every member's (float32, as torch's)
         if group["member_lr"] is None:
             whole = {"param": params, "grad": grads, **{k: [s[k] for s in states] for k in keys}}
-            run(whole, shared, float(group["lr"]), float(group["weight_decay"]))
+            run(whole, shared, float(group["lr"]), float(group["weight_decay"]), False)
             return
-        # Per-member rates: the step is linear in lr once the moments are updated, so the
-        # kernel runs with lr 1 on a zeroed scratch block (it writes -update there and the
-        # moments in place) and each member's rate scales it into the parameter: one more
-        # pass, float rounding of torch's arithmetic. AdamW's decay (1 - lr * wd) is applied
-        # first, per member, as torch applies it. Blocks as the blocked arithmetic's.
-        rates = self.member_rates(group, params[0].device)
+        # Per-member rates: torch's kernel with rate 1 into scratch, scaled per member
+        # (_blocked.scaled_step). Adam's decay, added to the gradient from the parameter, is
+        # added on the block first: the kernel sees the scratch block, not the parameter.
         wd = float(group["weight_decay"])
-        block = self.block_size(params[0].device)
-        for p, g, state, count in zip(params, grads, states, shared, strict=True):
-            n = p.shape[0]
-            m = p.numel() // max(n, 1)
-            rate = rates[p.dtype].view(-1, 1)
-            flat = {"param": p.view(n, m), "grad": g.reshape(n, m)}
-            flat.update({k: state[k].view(n, m) for k in keys})
-            size = max(1, n * m) if block is None else block
-            (scratch,) = self._scratch(p, 1, min(size, max(1, n * m)))
-            if self._DECOUPLED and wd != 0:
-                flat["param"].mul_(1 - rate * wd)
-            for r0, r1, c0, c1 in _inplace_blocks(n, m, size):
-                views = {k: [t[r0:r1, c0:c1]] for k, t in flat.items()}
-                direction = scratch[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0).zero_()
-                target, views["param"] = views["param"][0], [direction]
-                run(views, [count], 1.0, 0.0)
-                target.addcmul_(direction, rate[r0:r1])
+        coupled = 0.0 if self._DECOUPLED else wd
+        flip = bool(group["maximize"]) and coupled != 0  # the prepass negates the gradient
+
+        def block(ts: dict[str, list[Tensor]], count: list[Tensor]) -> None:
+            run(ts, count, 1.0, 0.0, flip)
+
+        decoupled = wd if self._DECOUPLED else 0.0
+        scaled_step(
+            self,
+            group,
+            params,
+            grads,
+            keys,
+            block,
+            coupled=coupled,
+            decoupled=decoupled,
+            maximize=flip,
+        )
 
     def fast_takes(self, group: dict[str, Any]) -> bool:
-        """Per-member rates too, except with Adam's weight decay (added to the gradient from
-        the parameter, which the kernel does not see when it writes into scratch)."""
-        decay = group["weight_decay"]  # a per-member tensor is never taken: no value read
-        if group["member_lr"] is None or self._DECOUPLED:
+        """Per-member rates too (``_blocked.scaled_step``), but not for large members (their
+        views, ``_blocked.member_views``) or a large stack (``_generated``): both faster."""
+        if group["member_lr"] is None:
             return True
-        return not isinstance(decay, Tensor) and decay == 0
+        stepped = [p for p in group["params"] if p.grad is not None]
+        return not (member_views(self, group, stepped) or prefers_generated(group))
 
     def fused_update(
         self,

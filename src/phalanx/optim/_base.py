@@ -20,7 +20,9 @@ from phalanx._warnings import NonFiniteWarning, warn
 from . import _executors as run
 from . import _state
 from ._arith import finite_members, fused_step_dtype, isolate, math_dtype, per_member
+from ._blocked import member_views
 from ._executors import Buffers
+from ._generated import generated_applies, generated_step
 from ._settings import Setting, resolve_mode
 from ._surgery import MemberSurgery
 
@@ -385,6 +387,14 @@ class MemberOptimizer(Buffers, MemberSurgery):
                 self.fast_update(group, params, grads, counts)
             elif self._BLOCKED:
                 run.blocked_step(self, group, params, grads, active)
+            elif self.mode == "fast" and member_views(self, group, params):
+                run.fused_step(self, group, params, grads, active)  # large members: their views
+            elif (
+                self.mode == "fast"
+                and generated_applies(self, group, params)
+                and generated_step(self, group, params, grads, active)
+            ):
+                pass  # large stacks: the rule's update compiled (_generated)
             else:
                 run.inplace_step(self, group, params, grads, active)
             run.count(self, params, active)

@@ -44,9 +44,11 @@ class Lion(MemberOptimizer):
             warn which (see ``MemberOptimizer``).
         freeze_after: with ``skip_nonfinite``, freeze a member after this many skipped steps.
         warn_skipped: warn (one host sync per step) when members are skipped.
-        mode: "fast" (the default) or "torch": the same blocked arithmetic (torch has no
-            fused Lion kernel), bit for bit the update above on member i alone; see
-            ``MemberOptimizer``, "Modes".
+        mode: "torch": the blocked arithmetic (torch has no fused Lion kernel), bit for bit
+            the update above on member i alone. "fast" (the default): the same, but for a
+            stack of 2**24 elements or more on a CPU, the update compiled once (seconds, a
+            ``phalanx.CompileWarning``), equal to float rounding; see ``MemberOptimizer``,
+            "Modes".
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(3, 2))  # 3 members

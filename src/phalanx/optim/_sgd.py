@@ -11,6 +11,8 @@ from phalanx import _torch_compat as compat
 
 from ._arith import math_dtype
 from ._base import MemberOptimizer
+from ._blocked import member_views, scaled_step
+from ._generated import prefers_generated
 from ._settings import PerMember, PerMemberFlag, Setting
 
 __all__ = ["SGD"]
@@ -170,7 +172,9 @@ class SGD(MemberOptimizer):
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], counts: list[int]
     ) -> None:
         """torch's fused SGD kernel once (twice if some parameters take their first step) on
-        the whole stacked tensors: every member shares the numbers and each parameter's count."""
+        the whole stacked tensors: every member shares the numbers and each parameter's count.
+        With per-member rates, the kernel with rate 1 into scratch, scaled per member
+        (``_blocked.scaled_step``)."""
         momentum = float(group["momentum"])
         calls: dict[bool, tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
         for p, g, count in zip(params, grads, counts, strict=True):
@@ -186,8 +190,31 @@ class SGD(MemberOptimizer):
             gs.append(g)
             if momentum != 0:
                 bufs.append(state["momentum_buffer"])
-        _fused_sgd_calls(calls, momentum, group)
+        if group["member_lr"] is None:
+            _fused_sgd_calls(calls, momentum, group)
+        else:  # the kernel with rate 1 and no decay (added on the block first) into scratch
+            wd, flip = float(group["weight_decay"]), bool(group["maximize"])
+            values = {**group, "lr": 1.0, "weight_decay": 0.0, "maximize": False}
+            keys = ["momentum_buffer"] if momentum != 0 else []
+            for first, (ps, gs, _) in calls.items():
+
+                def run(
+                    ts: dict[str, list[Tensor]], count: list[Tensor], first: bool = first
+                ) -> None:
+                    step = {first: (ts["param"], ts["grad"], ts["momentum_buffer"])}
+                    _fused_sgd_calls(step, momentum, values)
+
+                kernel = run if momentum != 0 else None  # without momentum: the gradient
+                scaled_step(self, group, ps, gs, keys, kernel, coupled=wd, maximize=flip)
         compat.foreach_add_([self.state[p]["step"] for p in params], 1)
+
+    def fast_takes(self, group: dict[str, Any]) -> bool:
+        """Per-member rates too (``_blocked.scaled_step``), but not for large members (their
+        views, ``_blocked.member_views``) or a large stack (``_generated``): both faster."""
+        if group["member_lr"] is None:
+            return True
+        stepped = [p for p in group["params"] if p.grad is not None]
+        return not (member_views(self, group, stepped) or prefers_generated(group))
 
     def fused_update(
         self,

@@ -7,14 +7,20 @@ the same values and the same gradients:
   per stacked tensor).
 - ``W4``: W4's MLP (784-256-256-10), 32 members.
 - ``W2``: W2's MLP (10-20-2), 8 members (a step of launches; ``--workloads W2``).
+- ``tiny-N``: N tiny members (8-64-64-1 MLPs, 4,801 elements each), N = 16, 256, 4096, and
+  16384 without ``--quick``: where a step over the loop's tensors pays per tensor.
 
 For Adam and SGD (momentum 0.9), side by side in one process, contenders interleaved round
 by round (``timing.interleaved``): torch's fused kernel over the loop's tensors (one
 ``torch.optim`` optimizer holding every member's tensors, ``fused=True``), torch's default
-single-tensor arithmetic over them (``foreach=False``), ``phalanx.optim`` on the stacked
-tensors, and ``phalanx.optim`` with ``fused=True``. Before the timing, one step of each
-phalanx mode is compared with its torch reference member by member (``bits``: "equal" when
-every member is bit for bit torch's).
+single-tensor arithmetic over them (``foreach=False``; not for tiny members, where it is
+Python per tensor), torch's fused kernel on the stacked tensors (the torch.func recipe's
+step), ``phalanx.optim`` on the stacked tensors, and ``phalanx.optim`` with ``fused=True``;
+below a stack of 2**26 elements also the default mode with per-member learning rates and with
+per-member betas (Adam) or momentum (SGD), against the same torch steps with shared values.
+Each time is given over torch's fused kernel on the loop's tensors and on the stacked tensors.
+Before the timing, one step of each phalanx mode is compared with its torch reference member
+by member (``bits``: "equal" when every member is bit for bit torch's).
 """
 
 from __future__ import annotations
@@ -36,6 +42,16 @@ WORKLOADS: dict[str, tuple[int, list[tuple[int, ...]]]] = {
     "W4": (32, [(256, 784), (256,), (256, 256), (256,), (10, 256), (10,)]),
     "W2": (8, [(20, 10), (20,), (2, 20), (2,)]),  # tiny: Python per tensor, not arithmetic
 }
+TINY = [(64, 8), (64,), (64, 64), (64,), (1, 64), (1,)]  # an 8-64-64-1 MLP
+for _n in (16, 256, 4096, 16384):
+    WORKLOADS[f"tiny-{_n}"] = (_n, TINY)
+QUICK_TINY = "tiny-16,tiny-256,tiny-4096"
+#: the per-member variants' values: (N,) tensors spread around the shared ones
+PER_MEMBER: dict[str, dict[str, str]] = {
+    "Adam": {"lr per member": "lr", "betas per member": "betas"},
+    "SGD": {"lr per member": "lr", "momentum per member": "momentum"},
+}
+LABELS = ("torch fused", "torch default", "torch fused stacked", "phalanx", "phalanx fused=True")
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "Adam": {"lr": 1e-3},
     "SGD": {"lr": 1e-2, "momentum": 0.9},
@@ -53,7 +69,10 @@ def _contenders(
         p.grad = gr
     fns: dict[str, Callable[[], object]] = {}
     loops = {}
-    for label, extra in (("torch fused", {"fused": True}), ("torch default", {"foreach": False})):
+    references: tuple[tuple[str, dict[str, bool]], ...] = (("torch fused", {"fused": True}),)
+    if shapes != TINY:  # Python per tensor over 6 N tensors: minutes a step at 16384
+        references += (("torch default", {"foreach": False}),)
+    for label, extra in references:
         tensors = [torch.nn.Parameter(p[i].detach().clone()) for p in stacked for i in range(n)]
         grads = [gr[i] for gr in stacked_grads for i in range(n)]
         for t, gr in zip(tensors, grads, strict=True):
@@ -74,6 +93,9 @@ def _contenders(
         except TypeError as e:  # an older phalanx without fused= for this optimizer
             bits[label] = f"n/a ({e})"
             continue
+        if ref not in fns:  # tiny members: no single-tensor loop to compare with
+            bits[label], fns[label] = "-", opt.step
+            continue
         # One step of each, from the same values: every member's bits against the reference.
         opt.step()
         fns[ref]()
@@ -81,6 +103,24 @@ def _contenders(
         same = all(torch.equal(p[i], next(loop)) for p in params for i in range(n))
         bits[label] = "equal" if same else "differ"
         fns[label] = opt.step
+    whole = [torch.nn.Parameter(p.detach().clone()) for p in stacked]
+    for p, gr in zip(whole, stacked_grads, strict=True):
+        p.grad = gr.clone()
+    fns["torch fused stacked"] = getattr(torch.optim, name)(whole, **kwargs, fused=True).step
+    if sum(p.numel() for p in stacked) < 1 << 26:
+        params = [torch.nn.Parameter(p.detach().clone()) for p in stacked]
+        for p, gr in zip(params, stacked_grads, strict=True):
+            p.grad = gr.clone()
+        for label, key in PER_MEMBER.get(name, {}).items():
+            spread = 1 + torch.linspace(0, 1, n, dtype=torch.float64)
+            ours = dict(kwargs)
+            if key == "lr":
+                ours["lr"] = kwargs["lr"] * spread
+            elif key == "betas":
+                ours["betas"] = (0.9 - 0.05 * (spread - 1), 0.999 - 0.0005 * (spread - 1))
+            else:
+                ours[key] = kwargs[key] * (1 - 0.05 * (spread - 1))
+            fns[f"phalanx {label}"] = getattr(phalanx.optim, name)(params, **ours).step
     return fns, bits
 
 
@@ -101,8 +141,12 @@ def run(names: list[str], optimizers: list[str], quick: bool) -> list[dict[str, 
                 budget_s=10.0 if quick else 60.0,
             )
             base = timings["torch fused"].median
-            for label in ("torch fused", "torch default", "phalanx", "phalanx fused=True"):
+            stacked = timings["torch fused stacked"].median
+            labels = [*LABELS, *(f"phalanx {k}" for k in PER_MEMBER.get(name, {}))]
+            for label in labels:
                 t = timings.get(label)
+                if t is None and label == "torch default" and workload.startswith("tiny"):
+                    continue
                 rows.append(
                     {
                         "workload": f"{workload} ({n} x {' + '.join(map(str, shapes))})"
@@ -112,6 +156,7 @@ def run(names: list[str], optimizers: list[str], quick: bool) -> list[dict[str, 
                         "contender": label,
                         "median_s": None if t is None else t.median,
                         "vs_torch_fused": None if t is None else t.median / base,
+                        "vs_torch_fused_stacked": None if t is None else t.median / stacked,
                         "bits": bits.get(label, ""),
                     }
                 )
@@ -120,7 +165,15 @@ def run(names: list[str], optimizers: list[str], quick: bool) -> list[dict[str, 
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    headers = ["workload", "optimizer", "contender", "time", "x torch fused", "bits"]
+    headers = [
+        "workload",
+        "optimizer",
+        "contender",
+        "time",
+        "x torch fused (loop's tensors)",
+        "x torch fused (stacked)",
+        "bits",
+    ]
     cells = [
         [
             r["workload"],
@@ -128,6 +181,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             r["contender"],
             fmt_time(r["median_s"]),
             "-" if r["vs_torch_fused"] is None else f"{r['vs_torch_fused']:.2f}x",
+            "-" if r["vs_torch_fused_stacked"] is None else f"{r['vs_torch_fused_stacked']:.2f}x",
             r["bits"],
         ]
         for r in rows
@@ -137,7 +191,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="phalanx bench --optimizer")
-    parser.add_argument("--workloads", default="embedding,W4")
+    parser.add_argument("--workloads", help="default: embedding, W4 and the tiny-N rows")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--threads", type=int)
     parser.add_argument("--quick", action="store_true")
@@ -145,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = [w for w in args.workloads.split(",") if w]
+    tiny = QUICK_TINY if args.quick else QUICK_TINY + ",tiny-16384"
+    names = [w for w in (args.workloads or f"embedding,W4,{tiny}").split(",") if w]
     optimizers = [o for o in args.optimizers.split(",") if o]
     unknown = [w for w in names if w not in WORKLOADS] + [
         o for o in optimizers if o not in OPTIMIZERS
