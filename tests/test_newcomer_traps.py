@@ -71,7 +71,7 @@ def test_a_member_rank_is_learned_from_the_first_call_at_its_position():
     stack = _stack()
     xs = torch.randn(N, B, 4)
     stack(xs, in_dims=0)  # a member is given (B, 4): rank 2
-    stack(torch.randn(B, 7, 4))  # a shared sequence batch, rank 3, not N rows
+    stack(torch.randn(B, 7, 4), in_dims=(None,))  # shared, rank 3, not N rows
     assert len(_hints(lambda: stack(xs))) == 1
 
 
