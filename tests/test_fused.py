@@ -151,6 +151,19 @@ def test_convolutions_run_per_member_exactly(mode):
     check_forward_and_gradients("vmap", arch, mode, 3, True)
 
 
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_small_filters_of_a_shared_input_run_per_member_exactly(mode):
+    # one input channel, 3x3: 9 products per output, below SIDE_BY_SIDE_MIN_TAPS, so a shared
+    # input runs one convolution per member (the side-by-side one above it); both exact
+    arch = Arch("conv1", lambda: _seq(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                                      nn.Conv2d(4, 2, 2)), lambda b: (torch.randn(b, 1, 8, 8),))  # fmt: skip
+    check_forward_and_gradients("fused", arch, mode, 3, True)
+    check_forward_and_gradients("fused", arch, mode, 3, False)
+    arch1d = Arch("conv1d", lambda: _seq(nn.Conv1d(2, 3, 3), nn.ReLU(), nn.Conv1d(3, 2, 5)),
+                  lambda b: (torch.randn(b, 2, 12),))  # fmt: skip
+    check_forward_and_gradients("fused", arch1d, mode, 3, True)
+
+
 # ------------------------------------------------- what a forward does across its batch
 
 

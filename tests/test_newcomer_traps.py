@@ -65,6 +65,16 @@ def test_after_per_member_calls_the_same_input_without_in_dims_is_warned():
     assert len(_hints(lambda: stack2(ys))) == 1
 
 
+def test_a_member_rank_is_learned_from_the_first_call_at_its_position():
+    # the rank is written once per position (no write per input per call): a later call
+    # of another rank does not overwrite what a member was first given
+    stack = _stack()
+    xs = torch.randn(N, B, 4)
+    stack(xs, in_dims=0)  # a member is given (B, 4): rank 2
+    stack(torch.randn(B, 7, 4), in_dims=(None,))  # shared, rank 3, not N rows
+    assert len(_hints(lambda: stack(xs))) == 1
+
+
 def test_a_shared_batch_whose_size_is_n_is_not_warned():
     stack = _stack()
     assert _hints(lambda: stack(torch.randn(N, 4))) == []  # 2-D, no history: a batch of N

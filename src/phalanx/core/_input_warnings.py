@@ -47,7 +47,8 @@ _KEY = "habits"
 
 def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | None, ...]) -> None:
     """Warns (once per stack) about a fed-back output, a per-member batch passed as shared or
-    a shared input requiring grad; learns the rank of what a member is given."""
+    a shared input requiring grad; learns the rank of what a member is given at each position
+    from the first call that shows it (later calls read it, never write it)."""
     n = view.num_members
     ranks: dict[int, int] | None = None
     for k, (a, d) in enumerate(zip(args, in_dims)):
@@ -56,7 +57,8 @@ def check_inputs(view: StackView, args: tuple[Any, ...], in_dims: tuple[int | No
         if d is not None or a.dim() == 0 or a.shape[0] != n:
             if ranks is None:
                 ranks = view.cache_of(_KEY).setdefault("ranks", {})
-            ranks[k] = a.dim() - (d is not None)  # what one member sees
+            if k not in ranks:  # learned once per position, as record_ranks does
+                ranks[k] = a.dim() - (d is not None)  # what one member sees
         if d is not None:
             continue
         if not a.requires_grad and (a.dim() == 0 or a.shape[0] != n):
