@@ -90,6 +90,7 @@ def test_changing_one_members_problem_leaves_the_others_bit_identical():
 def test_the_closure_must_return_per_member_losses_and_its_errors_reach_the_caller():
     w = nn.Parameter(_start())
     opt = phalanx.optim.LBFGS([w])
+    threads = threading.active_count()  # others' (inductor's compile workers) included
 
     def summed():
         opt.zero_grad()
@@ -105,7 +106,7 @@ def test_the_closure_must_return_per_member_losses_and_its_errors_reach_the_call
 
     with pytest.raises(RuntimeError, match="out of memory, say"):
         opt.step(failing)
-    assert threading.active_count() < 4  # no member thread left waiting
+    assert threading.active_count() <= threads  # no member thread left waiting
     with pytest.raises(ValueError, match=r"lr must be a number or one per member \(4\)"):
         phalanx.optim.LBFGS([w], lr=[1.0, 2.0])
 
