@@ -64,17 +64,19 @@ def main() -> None:
         h = args.hidden
         return nn.Sequential(nn.Linear(64, h), nn.LeakyReLU(), nn.Linear(h, 10))
 
-    def train(group: po.TrialGroup) -> torch.Tensor:
+    def optimizer(group: po.TrialGroup) -> torch.optim.Optimizer:
         p = group.params
         if args.optimizer == "sgd":
-            opt = phalanx.optim.SGD(
+            return phalanx.optim.SGD(
                 group.stack.parameters(), lr=p["lr"], momentum=p["momentum"],
                 weight_decay=p["weight_decay"],
             )  # fmt: skip
-        else:
-            opt = phalanx.optim.AdamW(
-                group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"]
-            )
+        return phalanx.optim.AdamW(
+            group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"]
+        )
+
+    def train(group: po.TrialGroup) -> torch.Tensor:
+        opt = optimizer(group)
         loader = group.loader(
             data.x_train, data.y_train, batch_size=args.batch_size, drop_last=True
         )
@@ -92,16 +94,7 @@ def main() -> None:
 
     def train_stepped(group: po.TrialGroup) -> torch.Tensor:
         """``train`` through ``group.train_step`` (the step ``optimize(step=)`` chooses)."""
-        p = group.params
-        if args.optimizer == "sgd":
-            opt = phalanx.optim.SGD(
-                group.stack.parameters(), lr=p["lr"], momentum=p["momentum"],
-                weight_decay=p["weight_decay"],
-            )  # fmt: skip
-        else:
-            opt = phalanx.optim.AdamW(
-                group.stack.parameters(), lr=p["lr"], weight_decay=p["weight_decay"]
-            )
+        opt = optimizer(group)
         loader = group.loader(
             data.x_train, data.y_train, batch_size=args.batch_size, drop_last=True
         )
