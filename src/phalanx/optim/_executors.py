@@ -158,13 +158,19 @@ def fast_applies(opt: MemberOptimizer, group: dict[str, Any], params: list[Tenso
     for p in params:
         if p.device.type not in ("cpu", "cuda") or not p.is_floating_point():
             return False
-        state = [v for k, v in opt.state[p].items() if k != "step"]
-        for t in [p.grad, *state]:
-            if t is None or t.shape != p.shape or t.dtype != p.dtype:
-                return False
-        if not all(t.is_contiguous() for t in [p, p.grad, *state]):
+        if not dense_like(opt, p):
             return False
     return True
+
+
+def dense_like(opt: MemberOptimizer, p: Tensor) -> bool:
+    """Whether ``p``, its gradient and its state (but "step") are contiguous tensors of
+    ``p``'s shape and dtype: what a kernel over whole stacked tensors reads."""
+    state = [v for k, v in opt.state[p].items() if k != "step"]
+    for t in [p.grad, *state]:
+        if t is None or t.shape != p.shape or t.dtype != p.dtype:
+            return False
+    return all(t.is_contiguous() for t in [p, p.grad, *state])
 
 
 def inplace_step(

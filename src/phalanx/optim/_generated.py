@@ -27,6 +27,8 @@ from torch import Tensor
 
 from phalanx._warnings import CompileWarning, FallbackWarning, warn
 
+from ._executors import dense_like
+
 if TYPE_CHECKING:
     from ._base import MemberOptimizer
 
@@ -105,17 +107,12 @@ def generated_applies(opt: MemberOptimizer, group: dict[str, Any], params: list[
         return False
     options = opt.options(group)
     for p in params:
-        if p.device.type != "cpu" or not p.is_floating_point() or not p.is_contiguous():
+        if p.device.type != "cpu" or not p.is_floating_point():
             return False
         state = opt.state[p]
         if any(name not in state for name in opt.state_names(**options)):
             return False  # a state the update starts (SGD's momentum set mid-training)
-        for key, t in state.items():
-            if key == "step":
-                continue
-            if t.shape != p.shape or t.dtype != p.dtype or not t.is_contiguous():
-                return False
-        if p.grad is None or p.grad.shape != p.shape or not p.grad.is_contiguous():
+        if not dense_like(opt, p):
             return False
     return True
 
